@@ -1,0 +1,100 @@
+"""``tiercache``: run the main job and benchmarks, inspect and clean file tiers.
+
+Exit codes: 0 success, 1 a finding (bytes that did not verify), 2 a usage or configuration
+error (reported in one line, no traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tiercache.config import load_config
+from tiercache.errors import TierCacheError
+from tiercache.mainjob import format_report, run_main_job
+
+app = typer.Typer(
+    name="tiercache",
+    help="Tiered block cache (VRAM -> pinned DRAM -> NVMe files): benchmarks and tools.",
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+
+
+class OutputFormat(str, Enum):
+    normal = "normal"
+    json = "json"
+
+
+class IOMode(str, Enum):
+    auto = "auto"
+    gds = "gds"
+    compat = "compat"
+    posix = "posix"
+
+
+def _default_config() -> Path:
+    """configs/default.toml from the source tree, or the copy shipped in the package."""
+    if DEFAULT_CONFIG.is_file():
+        return DEFAULT_CONFIG
+    from importlib.resources import files
+
+    return Path(str(files("tiercache").joinpath("configs/default.toml")))
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"tiercache: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@app.callback()
+def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log tiercache's decisions.")] = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s", stream=sys.stderr)
+
+
+@app.command()
+def bench(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config (default: configs/default.toml).")] = None,
+    output_format: Annotated[OutputFormat, typer.Option("--output-format", help="normal or json.")] = OutputFormat.normal,
+    batch: Annotated[int, typer.Option(help="Blocks per request.", min=1, max=4096)] = 32,
+    blocks: Annotated[Optional[int], typer.Option(help="Blocks to move (default: fill the top tier).", min=1)] = None,
+    root: Annotated[Optional[Path], typer.Option(help="File-tier root (overrides the config).")] = None,
+    io: Annotated[Optional[IOMode], typer.Option("--io", help="I/O path (overrides the config's io_mode).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: fresh, reported).")] = None,
+    keep: Annotated[bool, typer.Option(help="Keep the job's block files.")] = False,
+) -> None:
+    """Run the main job: fill the top tier with random blocks, offload them through every
+    tier to files, reopen, onboard them back, and verify every byte.
+
+    Prints a fio-like summary per stage (GB/s, blocks/s, request latency p50/p99, I/O path).
+    Exit code 0 only if every byte verified.
+    """
+    try:
+        cfg = load_config(config or _default_config(), root=root, io_mode=io.value if io else None)
+        progress = None if output_format is OutputFormat.json else (lambda s: typer.echo(f"  ... {s}", err=True))
+        rep = run_main_job(cfg, batch=batch, blocks=blocks, seed=seed, keep=keep, progress=progress)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    if output_format is OutputFormat.json:
+        typer.echo(json.dumps(rep, indent=2))
+    else:
+        typer.echo(format_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

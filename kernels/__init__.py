@@ -1,0 +1,1 @@
+"""CUDA kernels of tiercache (``kernels/*.cu``) and their loader (CuPy ``RawModule``)."""

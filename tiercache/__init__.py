@@ -1,0 +1,61 @@
+"""tiercache: a tiered block cache for GPU programs (VRAM -> pinned DRAM -> NVMe files).
+
+Quick start::
+
+    import numpy as np
+    from tiercache import TierCache, CacheConfig, PoolSpec
+
+    pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8,
+                       tokens_per_block=16, head_dim=128, dtype="float16")
+    cfg = CacheConfig(pools=(pool,), device_slots=64, host_slots=128, file_slots=1024,
+                      root="/mnt/nvme/tiercache")
+    with TierCache(cfg) as cache:
+        cache.put([1, 2], np.random.rand(2, *pool.block_shape).astype("float16"))
+        cache.offload([1, 2], to="file")
+        slots = cache.onboard([1, 2])          # device slots (host slots without a GPU)
+"""
+
+from .cache import TierCache
+from .config import CacheConfig, load_config
+from .errors import (
+    ArrayMismatchError,
+    ClosedError,
+    ConfigError,
+    CorruptBlockError,
+    InvalidKeyError,
+    IOPathError,
+    KeyNotFoundError,
+    PinnedBlockError,
+    RootError,
+    SlotRangeError,
+    TierCacheError,
+    TierFullError,
+    TierUnavailableError,
+    TransferError,
+    UnknownPoolError,
+)
+from .geometry import PoolSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TierCache",
+    "CacheConfig",
+    "PoolSpec",
+    "load_config",
+    "TierCacheError",
+    "ArrayMismatchError",
+    "ClosedError",
+    "ConfigError",
+    "CorruptBlockError",
+    "InvalidKeyError",
+    "IOPathError",
+    "KeyNotFoundError",
+    "PinnedBlockError",
+    "RootError",
+    "SlotRangeError",
+    "TierFullError",
+    "TierUnavailableError",
+    "TransferError",
+    "UnknownPoolError",
+]

@@ -1,0 +1,93 @@
+"""Caller arrays: checking them against a pool and viewing them as raw bytes.
+
+A caller passes, per pool, an array of ``n`` blocks: shape ``(n, *block_shape)`` with the
+pool's dtype, or ``(n, block_nbytes)`` of ``uint8`` (raw bytes). NumPy, CuPy and PyTorch
+arrays are accepted, as is anything with ``__cuda_array_interface__`` (device) or
+``__array_interface__`` (host). Arrays must be C-contiguous. Device arrays must be on the
+cache's device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import canonical_dtype
+from .errors import ArrayMismatchError, ConfigError
+from .geometry import PoolSpec
+
+
+def _is_torch(arr) -> bool:
+    return type(arr).__module__.split(".")[0] == "torch"
+
+
+def raw_view(arr, pool: PoolSpec, n: int, device_id: int | None, what: str = "array"):
+    """A ``uint8`` view ``(n, block_nbytes)`` of caller array ``arr`` for ``pool`` (no copy).
+
+    Returns a NumPy array for host memory or a CuPy array for device memory.
+
+    Raises:
+        ArrayMismatchError: wrong shape, dtype, memory layout, or device.
+    """
+    where = f"{what} for pool {pool.name!r}"
+    if _is_torch(arr):
+        return _torch_raw(arr, pool, n, device_id, where)
+    if isinstance(arr, np.ndarray) or (hasattr(arr, "__array_interface__") and not hasattr(arr, "__cuda_array_interface__")):
+        a = np.asarray(arr)
+    elif hasattr(arr, "__cuda_array_interface__"):
+        import cupy
+
+        a = cupy.asarray(arr)
+        if device_id is not None and a.device.id != device_id:
+            raise ArrayMismatchError(f"{where} is on CUDA device {a.device.id}; the cache uses device {device_id}")
+    else:
+        raise ArrayMismatchError(
+            f"{where} of type {type(arr).__name__} is not an array (NumPy, CuPy, PyTorch, or an object "
+            "with __array_interface__ / __cuda_array_interface__)"
+        )
+    _check(tuple(a.shape), a.dtype, bool(a.flags.c_contiguous), pool, n, where)
+    return a.view(np.uint8).reshape(n, pool.block_nbytes)
+
+
+def _torch_raw(t, pool: PoolSpec, n: int, device_id: int | None, where: str):
+    import torch
+
+    _check(tuple(t.shape), t.dtype, t.is_contiguous(), pool, n, where)
+    raw = t.view(torch.uint8).reshape(n, pool.block_nbytes)
+    if t.is_cuda:
+        if device_id is not None and t.device.index != device_id:
+            raise ArrayMismatchError(f"{where} is on cuda:{t.device.index}; the cache uses device {device_id}")
+        import cupy
+
+        return cupy.asarray(raw)
+    return raw.numpy()
+
+
+def _check(shape: tuple, dtype, contiguous: bool, pool: PoolSpec, n: int, where: str) -> None:
+    try:
+        name = canonical_dtype(dtype)
+    except ConfigError:
+        name = str(dtype)
+    typed = (n, *pool.block_shape)
+    raw = (n, pool.block_nbytes)
+    if name == "uint8" and shape == raw and pool.dtype != "uint8":
+        pass
+    elif name != pool.dtype:
+        raise ArrayMismatchError(
+            f"{where} has dtype {name}; expected {pool.dtype} (shape {typed}) or uint8 raw bytes (shape {raw})"
+        )
+    elif shape != typed:
+        raise ArrayMismatchError(f"{where} has shape {shape}; expected {typed} for {n} block(s)")
+    if not contiguous:
+        raise ArrayMismatchError(f"{where} is not C-contiguous; pass a contiguous array (e.g. .copy())")
+
+
+def host_output(pool: PoolSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A new host array for ``n`` blocks of ``pool``: ``(typed_or_raw, raw_view)``; typed where
+    NumPy has the dtype (bfloat16/fp8 need ``ml_dtypes``), else raw ``uint8``."""
+    from .dtypes import numpy_dtype
+
+    raw = np.empty((n, pool.block_nbytes), dtype=np.uint8)
+    dt = numpy_dtype(pool.dtype)
+    if dt is None:
+        return raw, raw
+    return raw.view(dt).reshape(n, *pool.block_shape), raw

@@ -1,0 +1,652 @@
+"""``TierCache``: the public facade an engine uses.
+
+Keys map to slots in up to three tiers (``device`` VRAM, ``host`` pinned DRAM, ``file``
+block files). The cache places, spills, onboards and evicts blocks; the engine reads and
+writes the bytes of device slots in place through :meth:`TierCache.device_array` or hands
+whole arrays to :meth:`TierCache.put` / :meth:`TierCache.get`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .arrays import host_output, raw_view
+from .config import CacheConfig, load_config
+from .cuda import cuda_status
+from .errors import (
+    ArrayMismatchError,
+    ClosedError,
+    CorruptBlockError,
+    KeyNotFoundError,
+    PinnedBlockError,
+    TierUnavailableError,
+    TransferError,
+)
+from .file_tier import FileTier
+from .iopath import IOPath, select_io_path
+from .keys import Key, key_text, normalize_keys
+from .memory_tier import MemoryTier, make_device_tier, make_host_tier
+from .placement import TIER_ORDER, Placement
+from .transfer import Mover, rows_of
+
+log = logging.getLogger("tiercache")
+_logged_no_cuda = False
+
+
+def _fmt_keys(keys: list[Key], limit: int = 5) -> str:
+    text = ", ".join(key_text(k) for k in keys[:limit])
+    return text + (f", ... ({len(keys)} keys)" if len(keys) > limit else "")
+
+
+class TierCache:
+    """A tiered block cache over VRAM, pinned DRAM and files.
+
+    Create it from a :class:`~tiercache.config.CacheConfig` or a TOML path
+    (:meth:`open`); use it as a context manager or call :meth:`close`. All methods are
+    thread-safe (one lock); every method returns when its bytes are in place.
+
+    Keys are ints in ``[0, 2**63)`` (block ids) or 1..64 bytes (content hashes). A block has one
+    slot per pool in each tier that holds it; a key may be in several tiers at once (a clean
+    copy below). When a tier is full, its least recently used unpinned blocks spill to the tier
+    below (dropped outright when a copy below exists; evicted when the bottom tier is full);
+    a block leaves a tier only after its copy below is complete.
+
+    Without a usable GPU the device tier is off (one log line) and the same API runs over the
+    host and file tiers.
+
+    Raises (constructor):
+        ConfigError: invalid configuration.
+        RootError: unusable file-tier root.
+        IOPathError: ``io_mode`` ``gds``/``compat`` that cannot run here.
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self._lock = threading.RLock()
+        self._closed = False
+        self.counters: Counter[str] = Counter()
+        cuda = cuda_status()
+        self.io_path: IOPath = select_io_path(config.io_mode, cuda) if config.file_slots else IOPath("posix", "no file tier")
+        self._log_no_cuda(cuda)
+        self.tiers: dict[str, MemoryTier | FileTier] = {}
+        if config.device_slots and cuda.available:
+            self.tiers["device"] = make_device_tier(config.device_slots, config.pools, config.device_id)
+        if config.host_slots:
+            self.tiers["host"] = make_host_tier(config.host_slots, config.pools)
+        if config.file_slots:
+            self.tiers["file"] = FileTier(
+                config.root, config.pools, config.file_slots, self.io_path, fsync=config.fsync,
+                verify=config.verify_checksums, io_threads=config.io_threads, device_id=config.device_id,
+            )
+        if not self.tiers:
+            raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
+        self.placement = Placement({name: self._capacity(name) for name in self.tiers})
+        self.mover = Mover(config.device_id)
+        self.scan = None
+        if "file" in self.tiers:
+            self._rebuild_file_index()
+
+    # -- construction helpers -------------------------------------------------------------
+    @classmethod
+    def open(cls, config: CacheConfig | str | Path, **overrides) -> TierCache:
+        """A cache from a config object or a TOML file path, with keyword ``overrides``
+        (names of :class:`CacheConfig` fields)."""
+        if not isinstance(config, CacheConfig):
+            config = load_config(config, **overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        return cls(config)
+
+    def _capacity(self, name: str) -> int:
+        return {"device": self.config.device_slots, "host": self.config.host_slots,
+                "file": self.config.file_slots}[name]
+
+    def _log_no_cuda(self, cuda) -> None:
+        global _logged_no_cuda
+        if cuda.available or _logged_no_cuda:
+            return
+        _logged_no_cuda = True
+        level = logging.WARNING if cuda.cupy_installed else logging.INFO
+        log.log(level, "tiercache: CUDA unavailable (%s): device tier off, file I/O through POSIX", cuda.reason)
+
+    def _rebuild_file_index(self) -> None:
+        ft: FileTier = self.tiers["file"]
+        self.scan = ft.scan()
+        blocks = self.scan.blocks
+        extra = len(blocks) - ft.num_slots
+        if extra > 0:  # more files than slots: keep the most recent
+            ft.delete([k for k, _ in blocks[:extra]])
+            self.counters["evicted_blocks"] += extra
+            blocks = blocks[extra:]
+        self.placement.tiers["file"].add([k for k, _ in blocks])
+        self.counters["quarantined_files"] += len(self.scan.quarantined)
+        if self.scan.quarantined or self.scan.removed_tmp:
+            log.warning("tiercache: reopened %s: %d block(s), %d temporary file(s) removed, %d file(s) quarantined",
+                        ft.root, len(blocks), self.scan.removed_tmp, len(self.scan.quarantined))
+
+    # -- small accessors ------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this TierCache is closed")
+
+    @property
+    def top_tier(self) -> str:
+        """The highest tier present (``device`` with a GPU, else ``host`` or ``file``)."""
+        return self.placement.order[0]
+
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers present, top to bottom."""
+        return self.placement.order
+
+    def _tier_name(self, tier: str | None, default: str) -> str:
+        name = default if tier is None else tier
+        if name not in TIER_ORDER:
+            raise TierUnavailableError(f"unknown tier {name!r}; tiers: {', '.join(TIER_ORDER)}")
+        if name not in self.tiers:
+            why = {"device": f"no usable CUDA device ({cuda_status().reason})" if not cuda_status().available
+                   else "device_slots = 0"}.get(name, f"{name}_slots = 0")
+            raise TierUnavailableError(f"this cache has no {name} tier ({why}); tiers: {', '.join(self.tier_names)}")
+        return name
+
+    def _memory_tier(self, tier: str) -> MemoryTier:
+        t = self.tiers[self._tier_name(tier, tier)]
+        if not isinstance(t, MemoryTier):
+            raise TierUnavailableError(f"the {tier} tier has no memory slots")
+        return t
+
+    def device_array(self, pool: str | None = None, typed: bool = True):
+        """The device tier's CuPy array of ``pool``: ``[device_slots, *block_shape]`` with the
+        pool's dtype (``typed`` and where CuPy has it), else ``uint8`` ``[device_slots,
+        block_nbytes]``. Engines read and write slots in place.
+
+        Raises:
+            TierUnavailableError: no device tier. UnknownPoolError: no such pool.
+        """
+        t = self._memory_tier("device")
+        name = self._pool_name(pool)
+        return t.typed(name) if typed else t.array(name)
+
+    def host_array(self, pool: str | None = None, typed: bool = True):
+        """The host tier's NumPy array of ``pool`` (see :meth:`device_array`)."""
+        t = self._memory_tier("host")
+        name = self._pool_name(pool)
+        return t.typed(name) if typed else t.array(name)
+
+    def _pool_name(self, pool: str | None) -> str:
+        if pool is None:
+            if len(self.config.pools) != 1:
+                raise ArrayMismatchError(
+                    f"this cache has {len(self.config.pools)} pools "
+                    f"({', '.join(p.name for p in self.config.pools)}); name one"
+                )
+            return self.config.pools[0].name
+        return self.config.pool(pool).name
+
+    # -- lookups ---------------------------------------------------------------------------
+    def lookup(self, key) -> dict[str, int]:
+        """Where ``key`` lives: ``{tier: slot}`` for each tier holding it (empty if none).
+        For the file tier the slot is an index into its capacity, not a file offset."""
+        with self._lock:
+            self._check_open()
+            (k,) = normalize_keys([key])
+            return self.placement.where(k)
+
+    def __contains__(self, key) -> bool:
+        return bool(self.lookup(key))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.placement.keys())
+
+    def keys(self, tier: str | None = None) -> list[Key]:
+        """Stored keys (of one tier, least recently used first, when ``tier`` is given)."""
+        with self._lock:
+            self._check_open()
+            if tier is None:
+                return list(self.placement.keys())
+            return list(self.placement.tiers[self._tier_name(tier, tier)].lru)
+
+    def slots(self, keys, tier: str | None = None) -> np.ndarray:
+        """Slots (``int64``, one per key, in order) of ``keys`` in ``tier`` (default: top tier).
+
+        Raises:
+            KeyNotFoundError: a key not in that tier.
+        """
+        with self._lock:
+            self._check_open()
+            ks = normalize_keys(keys)
+            name = self._tier_name(tier, self.top_tier)
+            ts = self.placement.tiers[name]
+            missing = [k for k in ks if k not in ts]
+            if missing:
+                raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not in the {name} tier")
+            return np.array([ts.slot_of[k] for k in ks], dtype=np.int64)
+
+    # -- pins ------------------------------------------------------------------------------
+    def pin(self, keys) -> None:
+        """Pin blocks (reference-counted): pinned blocks never move or leave any tier.
+
+        Raises:
+            KeyNotFoundError: a key that is not stored.
+        """
+        with self._lock:
+            self._check_open()
+            ks = normalize_keys(keys)
+            self._require_present(ks)
+            self.placement.pin(ks)
+
+    def unpin(self, keys) -> None:
+        """Undo one :meth:`pin` per key (unpinning an unpinned key does nothing)."""
+        with self._lock:
+            self.placement.unpin(normalize_keys(keys))
+
+    @contextlib.contextmanager
+    def pinned(self, keys) -> Iterator[None]:
+        """Context manager: pin ``keys`` for the duration of the ``with`` block."""
+        self.pin(keys)
+        try:
+            yield
+        finally:
+            self.unpin(keys)
+
+    def _require_present(self, ks: list[Key]) -> None:
+        missing = [k for k in ks if not self.placement.contains(k)]
+        if missing:
+            raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not stored in any tier")
+
+    def _require_unpinned(self, ks: list[Key], action: str) -> None:
+        pinned = [k for k in ks if self.placement.is_pinned(k)]
+        if pinned:
+            raise PinnedBlockError(f"cannot {action} pinned block(s) {_fmt_keys(pinned)}; unpin them first")
+
+    # -- the moving parts -----------------------------------------------------------------
+    def _endpoint(self, tier: str) -> dict:
+        return self.tiers[tier].arrays
+
+    def _transfer(self, keys: list[Key], src: str, dst: str, src_rows, dst_rows,
+                  src_arrays: dict | None = None, dst_arrays: dict | None = None) -> dict[Key, BaseException]:
+        """Copy ``keys`` from ``src`` rows to ``dst`` rows; ``*_arrays`` override a tier's
+        arrays (caller arrays). Returns the keys that failed, with their errors."""
+        nbytes = len(keys) * self.config.block_nbytes
+        if src != "file" and dst != "file":
+            self.mover.copy(src_arrays or self._endpoint(src), src_rows,
+                            dst_arrays or self._endpoint(dst), dst_rows)
+            failed: dict = {}
+        elif dst == "file":
+            items = list(zip(keys, rows_of(src_arrays or self._endpoint(src), src_rows)))
+            failed = {k: e for k, e in self.tiers["file"].write(items).items() if e is not None}
+        else:
+            items = list(zip(keys, rows_of(dst_arrays or self._endpoint(dst), dst_rows)))
+            failed = {k: e for k, e in self.tiers["file"].read(items).items() if e is not None}
+            self._handle_bad_reads(failed)
+        self.counters[f"bytes_{src}_to_{dst}"] += nbytes - len(failed) * self.config.block_nbytes
+        self.counters["failed_transfers"] += len(failed)
+        return failed
+
+    def _handle_bad_reads(self, failed: dict[Key, BaseException]) -> None:
+        ft: FileTier = self.tiers["file"]
+        for k, exc in failed.items():
+            if isinstance(exc, (CorruptBlockError, FileNotFoundError)):
+                ft.quarantine_block(k, str(exc))
+                self.placement.tiers["file"].remove([k])
+                self.counters["corrupt_blocks"] += 1
+
+    def _raise_failed(self, failed: dict[Key, BaseException], src: str, dst: str) -> None:
+        if failed:
+            first = next(iter(failed.values()))
+            raise TransferError(
+                f"{len(failed)} block(s) failed {src} -> {dst}: {_fmt_keys(list(failed))}: "
+                f"{type(first).__name__}: {first}", list(failed)
+            ) from first
+
+    def _make_room(self, tier: str, count: int, protect: set[Key]) -> None:
+        """Free ``count`` slots in ``tier`` by spilling or dropping its LRU unpinned blocks."""
+        ts = self.placement.tiers[tier]
+        need = count - ts.free_count
+        if need <= 0:
+            return
+        victims = self.placement.victims(tier, need, protect)
+        spill = [k for k in victims if not self.placement.has_copy_below(k, tier)]
+        below = self.placement.below(tier)
+        if spill and below:
+            self._copy_into(spill, below[0], protect | set(victims))
+            self.counters["spilled_blocks"] += len(spill)
+        elif spill:  # bottom tier: the block leaves the cache
+            self.counters["evicted_blocks"] += len(spill)
+            if tier == "file":
+                self.tiers["file"].delete(spill)
+        ts.remove(victims)
+
+    def _copy_into(self, keys: list[Key], dst: str, protect: set[Key]) -> np.ndarray:
+        """Copy ``keys`` into tier ``dst`` from the nearest tier holding each (keys already
+        in ``dst`` are left as they are). Returns their ``dst`` slots. A key whose copy fails
+        is not registered in ``dst``; the error is raised after the others complete."""
+        ts = self.placement.tiers[dst]
+        new = [k for k in keys if k not in ts]
+        self._make_room(dst, len(new), protect | set(keys))
+        dst_slots = dict(zip(new, ts.add(new)))
+        groups: dict[str, list[Key]] = {}
+        order = self.placement.order
+        for k in new:
+            held = [t for t in order if t != dst and k in self.placement.tiers[t]]
+            # nearest source: the closest tier above or below dst
+            src = min(held, key=lambda t: abs(order.index(t) - order.index(dst)))
+            groups.setdefault(src, []).append(k)
+        failures: dict[Key, BaseException] = {}
+        for src, ks in groups.items():
+            src_ts = self.placement.tiers[src]
+            try:
+                failed = self._transfer(ks, src, dst, [src_ts.slot_of[k] for k in ks], [dst_slots[k] for k in ks])
+            except Exception as exc:  # the whole batch failed (e.g. a CUDA error)
+                failed = {k: exc for k in ks}
+            failures.update(failed)
+            src_ts.touch(ks)
+        if failures:
+            ts.remove(list(failures))
+            self._raise_failed(failures, "/".join(groups), dst)
+        ts.touch(keys)
+        return np.array([ts.slot_of[k] for k in keys], dtype=np.int64)
+
+    # -- public operations ---------------------------------------------------------------
+    def _as_pool_arrays(self, data, n: int, what: str, device_ok: bool = True) -> dict:
+        if not isinstance(data, dict):
+            data = {self._pool_name(None): data}
+        names = {p.name for p in self.config.pools}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            self.config.pool(unknown[0])  # raises UnknownPoolError with the list
+        missing = sorted(names - set(data))
+        if missing and what == "data":
+            raise ArrayMismatchError(f"data for pool(s) {', '.join(missing)} missing; a put needs every pool")
+        device_id = self.config.device_id
+        out = {p: raw_view(a, self.config.pool(p), n, device_id, what) for p, a in data.items()}
+        if not device_ok and any(not isinstance(a, np.ndarray) for a in out.values()):
+            raise ArrayMismatchError(f"{what} is in device memory but this cache has no CUDA device")
+        return out
+
+    def put(self, keys, data, tier: str | None = None) -> np.ndarray:
+        """Store blocks from caller arrays into ``tier`` (default: the top tier).
+
+        Args:
+            keys: ``n`` keys (one key is a batch of one).
+            data: one array ``(n, *block_shape)`` of the pool's dtype (or ``(n, block_nbytes)``
+                ``uint8``) for a one-pool cache, or ``{pool: array}`` with every pool. Host
+                (NumPy, PyTorch CPU) or device (CuPy, PyTorch CUDA) memory.
+            tier: ``"device"``, ``"host"`` or ``"file"``.
+
+        Returns:
+            The slots the blocks took in ``tier`` (``int64``, in key order).
+
+        A key already stored is replaced: its new bytes go in, then its other copies are
+        dropped. Room is made by spilling least recently used blocks.
+
+        Raises:
+            InvalidKeyError, ArrayMismatchError, UnknownPoolError, TierUnavailableError,
+            PinnedBlockError (replacing a pinned key), TierFullError, TransferError.
+        """
+        with self._lock:
+            self._check_open()
+            ks = normalize_keys(keys)
+            name = self._tier_name(tier, self.top_tier)
+            arrays = self._as_pool_arrays(data, len(ks), "data", device_ok=cuda_status().available)
+            existing = [k for k in ks if self.placement.contains(k)]
+            self._require_unpinned(existing, "replace")
+            ts = self.placement.tiers[name]
+            # old copies in other tiers go after the new bytes are in; in this tier, reuse slots
+            new = [k for k in ks if k not in ts]
+            self._make_room(name, len(new), set(ks))
+            ts.add(new)
+            rows = [ts.slot_of[k] for k in ks]
+            failed = self._transfer(ks, "caller", name, np.arange(len(ks)), rows, src_arrays=arrays)
+            if failed:
+                ts.remove([k for k in failed if k in new])
+            ok = [k for k in ks if k not in failed]
+            for t in self.placement.order:
+                if t != name:
+                    drop = [k for k in ok if k in self.placement.tiers[t]]
+                    self.placement.tiers[t].remove(drop)
+                    if t == "file" and drop and name != "file":
+                        self.tiers["file"].delete(drop)
+            ts.touch(ok)
+            self.counters["put_blocks"] += len(ok)
+            self._raise_failed(failed, "caller", name)
+            return np.array(rows, dtype=np.int64)
+
+    def allocate(self, keys, tier: str | None = None) -> np.ndarray:
+        """Reserve slots in ``tier`` (default: the top memory tier) for new ``keys`` whose bytes
+        the engine writes in place (through :meth:`device_array`). Returns the slots.
+
+        Raises:
+            InvalidKeyError: a key already stored. TierFullError, TierUnavailableError.
+        """
+        with self._lock:
+            self._check_open()
+            ks = normalize_keys(keys)
+            name = self._tier_name(tier, self.top_tier)
+            self._memory_tier(name)
+            existing = [k for k in ks if self.placement.contains(k)]
+            if existing:
+                from .errors import InvalidKeyError
+
+                raise InvalidKeyError(f"key(s) {_fmt_keys(existing)} already stored; evict them or use put()")
+            self._make_room(name, len(ks), set(ks))
+            self.counters["allocated_blocks"] += len(ks)
+            return np.array(self.placement.tiers[name].add(ks), dtype=np.int64)
+
+    def get(self, keys, pool: str | None = None, out=None):
+        """Read blocks' bytes from the highest tier holding each, without moving them.
+
+        Args:
+            keys: ``n`` keys.
+            pool: one pool name (required for several pools unless ``out`` is a dict).
+            out: optional array ``(n, *block_shape)`` (or raw ``(n, block_nbytes)`` ``uint8``),
+                host or device, filled in place; or ``{pool: array}``.
+
+        Returns:
+            ``out`` if given, else a new NumPy array ``(n, *block_shape)`` of the pool's dtype
+            (raw ``uint8`` ``(n, block_nbytes)`` where NumPy lacks the dtype).
+
+        Raises:
+            KeyNotFoundError, UnknownPoolError, ArrayMismatchError, TransferError.
+        """
+        with self._lock:
+            self._check_open()
+            ks = normalize_keys(keys)
+            self._require_present(ks)
+            if isinstance(out, dict):
+                outs = self._as_pool_arrays(out, len(ks), "out")
+                result = out
+            else:
+                name = self._pool_name(pool)
+                if out is None:
+                    result, raw = host_output(self.config.pool(name), len(ks))
+                    outs = {name: raw}
+                else:
+                    result = out
+                    outs = self._as_pool_arrays({name: out}, len(ks), "out")
+            for tier in self.placement.order:
+                ts = self.placement.tiers[tier]
+                idx = [i for i, k in enumerate(ks) if k in ts and not any(
+                    k in self.placement.tiers[t] for t in self.placement.above(tier))]
+                if not idx:
+                    continue
+                sub = [ks[i] for i in idx]
+                src_arrays = None if tier == "file" else {p: self._endpoint(tier)[p] for p in outs}
+                failed = self._transfer(sub, tier, "caller", [ts.slot_of[k] for k in sub], idx,
+                                        src_arrays=src_arrays, dst_arrays=outs)
+                self.counters[f"get_hits_{tier}"] += len(sub) - len(failed)
+                self._raise_failed(failed, tier, "caller")
+            return result
+
+    def offload(self, keys, to: str | None = None, keep: bool = False) -> np.ndarray:
+        """Move blocks down to tier ``to`` (default: the tier below the top tier).
+
+        Each key is copied from the nearest tier above ``to`` that holds it (nothing is copied
+        for keys already in ``to``). With ``keep=False`` the copies above ``to`` are then
+        dropped; with ``keep=True`` they stay (the copy below is clean).
+
+        Returns:
+            The keys' slots in ``to``.
+
+        Raises:
+            KeyNotFoundError: a key not stored at or above ``to``.
+            PinnedBlockError: ``keep=False`` for a pinned key.
+            TierFullError, TransferError (the source copies stay valid and registered).
+        """
+        with self._lock:
+            self._check_open()
+            ks = normalize_keys(keys)
+            order = self.placement.order
+            default = order[1] if len(order) > 1 else order[0]
+            dst = self._tier_name(to, default)
+            upper = [dst, *self.placement.above(dst)]
+            missing = [k for k in ks if not any(k in self.placement.tiers[t] for t in upper)]
+            if missing:
+                raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not stored in {' or '.join(upper)}; "
+                                       "offload moves blocks down (use onboard to move them up)")
+            if not keep:
+                self._require_unpinned([k for k in ks if any(k in self.placement.tiers[t] for t in upper[1:])],
+                                       "offload (keep=False)")
+            slots = self._copy_into(ks, dst, set(ks))
+            self.counters["offloaded_blocks"] += len(ks)
+            if not keep:
+                for t in upper[1:]:
+                    self.placement.tiers[t].remove(ks)
+            return slots
+
+    def onboard(self, keys, to: str | None = None) -> np.ndarray:
+        """Bring blocks up into tier ``to`` (default: the top tier) from the nearest tier
+        below that holds each; the copy below stays (clean). Keys already in ``to`` are
+        only marked recently used.
+
+        Returns:
+            The keys' slots in ``to`` (``int64``, in key order): with the device tier, rows
+            of :meth:`device_array`.
+
+        Raises:
+            KeyNotFoundError: a key not stored at or below ``to``.
+            TierFullError, TransferError (a block whose file failed to verify is quarantined
+            and dropped; the error lists it).
+        """
+        with self._lock:
+            self._check_open()
+            ks = normalize_keys(keys)
+            dst = self._tier_name(to, self.top_tier)
+            lower = [dst, *self.placement.below(dst)]
+            missing = [k for k in ks if not any(k in self.placement.tiers[t] for t in lower)]
+            if missing:
+                raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not stored in {' or '.join(lower)}")
+            ts = self.placement.tiers[dst]
+            self.counters[f"onboard_hits_{dst}"] += sum(1 for k in ks if k in ts)
+            slots = self._copy_into(ks, dst, set(ks))
+            self.counters["onboarded_blocks"] += len(ks)
+            return slots
+
+    def flush(self, keys=None) -> int:
+        """Make sure every block (or each of ``keys``) has a copy in the file tier, so that it
+        survives the process. Returns the number of blocks written.
+
+        Raises:
+            TierUnavailableError: no file tier. TransferError.
+        """
+        with self._lock:
+            self._check_open()
+            self._tier_name("file", "file")
+            ks = normalize_keys(keys) if keys is not None else sorted(
+                self.placement.keys(), key=lambda k: (isinstance(k, bytes), k))
+            self._require_present(ks)
+            todo = [k for k in ks if k not in self.placement.tiers["file"]]
+            if todo:
+                self._copy_into(todo, "file", set(todo))
+            self.counters["flushed_blocks"] += len(todo)
+            return len(todo)
+
+    def evict(self, keys, tier: str | None = None) -> None:
+        """Drop blocks from ``tier``, or from every tier when ``tier`` is None (the blocks
+        are then gone, files included).
+
+        Raises:
+            KeyNotFoundError: a key not in that tier (or not stored).
+            PinnedBlockError: a pinned key.
+        """
+        with self._lock:
+            self._check_open()
+            ks = normalize_keys(keys)
+            tiers = self.placement.order if tier is None else [self._tier_name(tier, tier)]
+            if tier is None:
+                self._require_present(ks)
+            else:
+                missing = [k for k in ks if k not in self.placement.tiers[tiers[0]]]
+                if missing:
+                    raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not in the {tiers[0]} tier")
+            self._require_unpinned(ks, "evict")
+            for t in tiers:
+                self.placement.tiers[t].remove(ks)
+                if t == "file":
+                    self.tiers["file"].delete(ks)
+            self.counters["evict_calls"] += 1
+
+    # -- stats & lifecycle ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """A JSON-ready snapshot: I/O path (and why), per-tier slots used/free and bytes,
+        and counters (puts, onboards, offloads, spills, evictions, hits, bytes moved per tier
+        pair, failed transfers, corrupt blocks)."""
+        with self._lock:
+            per_block = self.config.block_nbytes
+            tiers = {}
+            for name in self.placement.order:
+                ts = self.placement.tiers[name]
+                t = self.tiers[name]
+                tiers[name] = {
+                    "slots": ts.num_slots,
+                    "used": len(ts),
+                    "free": ts.free_count,
+                    "bytes_used": len(ts) * per_block,
+                    "bytes_capacity": ts.num_slots * per_block,
+                    **({"pinned_memory": t.pinned} if name == "host" else {}),
+                    **({"root": str(t.root)} if name == "file" else {}),
+                }
+            return {
+                "io_path": {"name": self.io_path.name, "label": self.io_path.label, "reason": self.io_path.reason},
+                "cuda": cuda_status().reason,
+                "tiers": tiers,
+                "pools": [p.describe() for p in self.config.pools],
+                "blocks": len(self.placement.keys()),
+                "pinned_blocks": len(self.placement.pins),
+                "counters": dict(self.counters),
+            }
+
+    def close(self) -> None:
+        """Wait for transfers, stop I/O threads and release memory. Idempotent. Blocks in the
+        file tier stay on disk; blocks only in memory tiers are dropped (call :meth:`flush`
+        first to keep them)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.mover.synchronize()
+            ft = self.tiers.get("file")
+            if ft is not None:
+                ft.close()
+            self.tiers.clear()
+
+    def __enter__(self) -> TierCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,266 @@
+"""Cache configuration: pools, slots per tier, the file-tier root and the I/O mode.
+
+A configuration comes from keyword arguments or from a TOML file (parsed with the standard
+library's ``tomllib``)::
+
+    [tiers]
+    device_slots = 256        # blocks in VRAM (0: no device tier)
+    host_slots = 512          # blocks in pinned DRAM (0: no host tier)
+    file_slots = 4096         # blocks in files under [file].root (0: no file tier)
+
+    [file]
+    root = "/mnt/nvme/tiercache"   # default: <tmp>/tiercache-<user>
+    io_mode = "auto"               # auto | gds | compat | posix
+    fsync = "data"                 # none | data | data+dir
+    verify_checksums = true
+    io_threads = 8
+
+    [pools.kv]                     # a KV-cache pool (layer_major or token_major layout)
+    num_layers = 32
+    kv_factor = 2
+    num_kv_heads = 8
+    tokens_per_block = 16
+    head_dim = 128
+    dtype = "bfloat16"
+
+    [pools.act]                    # or any block shape
+    block_shape = [4096]
+    dtype = "float16"
+
+Every value is validated; an unknown key, a wrong type, or a value out of range raises
+:class:`~tiercache.errors.ConfigError` naming the key, the value, and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import os
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .geometry import PoolSpec
+
+IO_MODES = ("auto", "gds", "compat", "posix")
+FSYNC_POLICIES = ("none", "data", "data+dir")
+MAX_IO_THREADS = 256
+
+_TIER_KEYS = {"device_slots", "host_slots", "file_slots"}
+_FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads"}
+_KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
+_TOP_KEYS = {"tiers", "file", "pools", "device"}
+
+
+def default_root() -> Path:
+    """``<system temp dir>/tiercache-<user>``: the file-tier root when none is configured."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in some containers
+        user = str(os.getuid())
+    return Path(tempfile.gettempdir()) / f"tiercache-{user}"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Everything a :class:`~tiercache.TierCache` needs.
+
+    Attributes:
+        pools: one or more :class:`PoolSpec`; a block has one slot in every pool.
+        device_slots: blocks the device tier holds (VRAM), >= 0. Ignored (with one log line)
+            where no CUDA device is usable.
+        host_slots: blocks the host tier holds (pinned DRAM with CUDA, page-aligned DRAM
+            without), >= 0.
+        file_slots: blocks the file tier holds, >= 0; 0 turns the file tier off.
+        root: directory of the file tier (created if missing).
+        io_mode: ``auto`` (GDS if present, else kvikio compat mode with CUDA, else POSIX),
+            ``gds``, ``compat`` (kvikio's POSIX thread pool) or ``posix`` (tiercache's own
+            pread/pwrite through host memory).
+        fsync: ``none``, ``data`` (fsync each block file before its rename; the default) or
+            ``data+dir`` (also fsync the directory after the rename).
+        verify_checksums: verify each block file's checksum when it is read.
+        io_threads: file I/O threads (tiercache's POSIX pool and kvikio's), 1..256.
+        device_id: CUDA device ordinal of the device tier.
+
+    Raises:
+        ConfigError: any value out of range (see each attribute).
+    """
+
+    pools: tuple[PoolSpec, ...]
+    device_slots: int = 0
+    host_slots: int = 0
+    file_slots: int = 0
+    root: Path | None = None
+    io_mode: str = "auto"
+    fsync: str = "data"
+    verify_checksums: bool = True
+    io_threads: int = 8
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        pools = self.pools
+        if isinstance(pools, PoolSpec):
+            pools = (pools,)
+        pools = tuple(pools)
+        if not pools or not all(isinstance(p, PoolSpec) for p in pools):
+            raise ConfigError("pools must be a non-empty list of PoolSpec")
+        names = [p.name for p in pools]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"duplicate pool names: {', '.join(dupes)}")
+        object.__setattr__(self, "pools", pools)
+        for key in ("device_slots", "host_slots", "file_slots", "device_id"):
+            _check_int(key, getattr(self, key), 0, 1 << 31)
+        if self.device_slots + self.host_slots + self.file_slots == 0:
+            raise ConfigError("every tier has 0 slots: give device_slots, host_slots or file_slots > 0")
+        _check_int("io_threads", self.io_threads, 1, MAX_IO_THREADS)
+        _check_choice("io_mode", self.io_mode, IO_MODES)
+        _check_choice("fsync", self.fsync, FSYNC_POLICIES)
+        if not isinstance(self.verify_checksums, bool):
+            raise ConfigError(f"verify_checksums = {self.verify_checksums!r} must be true or false")
+        root = self.root
+        if root is None:
+            root = default_root()
+        elif isinstance(root, (str, os.PathLike)):
+            text = os.fspath(root)
+            if not text.strip():
+                raise ConfigError("root is empty: give a directory path")
+            root = Path(os.path.expandvars(os.path.expanduser(text)))
+        else:
+            raise ConfigError(f"root = {root!r} must be a path string")
+        object.__setattr__(self, "root", root)
+
+    def pool(self, name: str) -> PoolSpec:
+        """The pool called ``name``.
+
+        Raises:
+            UnknownPoolError: no pool has that name.
+        """
+        for p in self.pools:
+            if p.name == name:
+                return p
+        from .errors import UnknownPoolError
+
+        raise UnknownPoolError(
+            f"unknown pool {name!r}; this cache has pools: {', '.join(p.name for p in self.pools)}"
+        )
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all pools."""
+        return sum(p.block_nbytes for p in self.pools)
+
+    def replace(self, **changes: Any) -> CacheConfig:
+        """A copy with ``changes`` applied (validated like the original)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> dict:
+        """A JSON-ready description of this configuration."""
+        return {
+            "pools": [p.describe() for p in self.pools],
+            "device_slots": self.device_slots,
+            "host_slots": self.host_slots,
+            "file_slots": self.file_slots,
+            "root": str(self.root),
+            "io_mode": self.io_mode,
+            "fsync": self.fsync,
+            "verify_checksums": self.verify_checksums,
+            "io_threads": self.io_threads,
+            "block_nbytes": self.block_nbytes,
+        }
+
+
+def _check_int(key: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
+        raise ConfigError(f"{key} = {value!r} must be an integer in [{lo}, {hi})")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} = {value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def _check_keys(where: str, table: Any, allowed: set[str]) -> dict:
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{where}] must be a table, got {type(table).__name__}")
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) in [{where}]: {', '.join(unknown)}; valid keys: {', '.join(sorted(allowed))}"
+        )
+    return table
+
+
+def pool_from_table(name: str, table: dict) -> PoolSpec:
+    """Build a pool from its TOML table: KV geometry keys, or ``block_shape``, plus ``dtype``.
+
+    Raises:
+        ConfigError: missing, unknown or invalid keys.
+    """
+    where = f"pools.{name}"
+    if "block_shape" in table:
+        _check_keys(where, table, {"block_shape", "dtype"})
+        if "dtype" not in table:
+            raise ConfigError(f"[{where}] needs dtype")
+        shape = table["block_shape"]
+        if not isinstance(shape, list):
+            raise ConfigError(f"[{where}] block_shape = {shape!r} must be a list of positive integers")
+        return PoolSpec(name=name, block_shape=tuple(shape), dtype=table["dtype"])
+    _check_keys(where, table, _KV_KEYS | {"dtype"})
+    missing = sorted((_KV_KEYS - {"layout"}) - set(table))
+    if missing:
+        raise ConfigError(
+            f"[{where}] is missing {', '.join(missing)}; give either block_shape + dtype or the "
+            "KV geometry (num_layers, kv_factor, num_kv_heads, tokens_per_block, head_dim, dtype)"
+        )
+    kw = {k: table[k] for k in _KV_KEYS if k in table}
+    return PoolSpec.kv(name, dtype=table.get("dtype", "bfloat16"), **kw)
+
+
+def config_from_dict(data: dict, **overrides: Any) -> CacheConfig:
+    """Build a :class:`CacheConfig` from a parsed TOML document, then apply ``overrides``
+    (keyword names of :class:`CacheConfig`, for command-line options).
+
+    Raises:
+        ConfigError: malformed document or invalid values.
+    """
+    _check_keys("top level", data, _TOP_KEYS)
+    tiers = _check_keys("tiers", data.get("tiers", {}), _TIER_KEYS)
+    file = _check_keys("file", data.get("file", {}), _FILE_KEYS)
+    device = _check_keys("device", data.get("device", {}), {"device_id"})
+    pools_table = data.get("pools")
+    if not isinstance(pools_table, dict) or not pools_table:
+        raise ConfigError("the config needs at least one [pools.<name>] table")
+    pools = tuple(pool_from_table(name, _check_keys(f"pools.{name}", t, _KV_KEYS | {"dtype", "block_shape"}))
+                  for name, t in pools_table.items())
+    kwargs: dict[str, Any] = {"pools": pools, **tiers, **file, **device}
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return CacheConfig(**kwargs)
+    except TypeError as exc:  # an override with a wrong name
+        raise ConfigError(str(exc)) from None
+
+
+def load_config(path: str | os.PathLike, **overrides: Any) -> CacheConfig:
+    """Read a TOML configuration file (see the module docstring for its form).
+
+    Raises:
+        ConfigError: the file is missing, is not valid TOML, or holds invalid values.
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror}") from None
+    try:
+        return config_from_dict(data, **overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None

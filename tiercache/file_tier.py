@@ -1,0 +1,282 @@
+"""The file tier: one file per block and pool under a root directory that tiercache owns.
+
+The root holds a marker file (``.tiercache-root``) with the format version; a directory that
+is not empty and has no marker is refused, so tiercache never writes into (or later purges)
+somebody else's files. Blocks are written atomically (see :mod:`tiercache.posix_io`); when a
+cache reopens a root, :meth:`FileTier.scan` rebuilds the index from the files, removes
+leftover temporary files, and moves files that fail their header check into
+``quarantine/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import kvikio_io, posix_io
+from .blockfile import FORMAT_VERSION, TMP_PREFIX, block_filename, parse_filename
+from .errors import CorruptBlockError, RootError
+from .geometry import PoolSpec
+from .iopath import IOPath
+from .keys import Key, key_text
+from .memcopy import copy_sync
+
+log = logging.getLogger("tiercache")
+
+MARKER = ".tiercache-root"
+QUARANTINE = "quarantine"
+DIR_MODE = 0o700
+
+
+@dataclass
+class ScanResult:
+    """What :meth:`FileTier.scan` found.
+
+    Attributes:
+        blocks: complete blocks (a valid file for every pool) as ``(key, mtime)``.
+        removed_tmp: leftover temporary files deleted.
+        quarantined: ``(path, reason)`` of files moved to ``quarantine/``.
+        incomplete: keys with files for some pools but not all (left in place).
+        foreign: names in the root that tiercache did not write (left in place).
+    """
+
+    blocks: list[tuple[Key, float]] = field(default_factory=list)
+    removed_tmp: int = 0
+    quarantined: list[tuple[str, str]] = field(default_factory=list)
+    incomplete: list[Key] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+
+def open_root(root: Path) -> None:
+    """Create ``root`` (mode 0700) with its marker, or check an existing one.
+
+    Raises:
+        RootError: ``root`` is not a directory, cannot be created or written, or is a
+            non-empty directory without tiercache's marker.
+    """
+    marker = root / MARKER
+    if root.exists() and not root.is_dir():
+        raise RootError(f"file-tier root {str(root)!r} exists and is not a directory")
+    try:
+        root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RootError(f"cannot create file-tier root {str(root)!r}: {exc.strerror}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise RootError(f"file-tier root {str(root)!r} is not writable by this user")
+    if marker.is_file():
+        try:
+            fmt = json.loads(marker.read_text()).get("format")
+        except (OSError, ValueError, AttributeError):
+            raise RootError(f"file-tier root {str(root)!r} has an unreadable marker {MARKER}") from None
+        if fmt != FORMAT_VERSION:
+            raise RootError(
+                f"file-tier root {str(root)!r} has format {fmt!r}; this tiercache reads {FORMAT_VERSION}"
+            )
+        return
+    if any(root.iterdir()):
+        raise RootError(
+            f"refusing to use {str(root)!r} as a file-tier root: it is not empty and has no "
+            f"{MARKER} marker (not created by tiercache); give an empty or new directory"
+        )
+    try:
+        marker.write_text(json.dumps({"format": FORMAT_VERSION, "created": time.time()}))
+    except OSError as exc:
+        raise RootError(f"cannot write marker in file-tier root {str(root)!r}: {exc.strerror}") from None
+
+
+class FileTier:
+    """Block files under ``root``, read and written by a pool of I/O threads.
+
+    Args:
+        root: directory (created if missing; see :func:`open_root`).
+        pools: the cache's pools.
+        num_slots: blocks the tier may hold (enforced by the cache's policy).
+        io_path: how device buffers reach files (:class:`~tiercache.iopath.IOPath`).
+        fsync: ``none | data | data+dir``.
+        verify: verify checksums on read.
+        io_threads: worker threads.
+        device_id: CUDA device of device buffers.
+
+    Raises:
+        RootError: see :func:`open_root`.
+    """
+
+    def __init__(self, root: Path, pools: tuple[PoolSpec, ...], num_slots: int, io_path: IOPath,
+                 fsync: str = "data", verify: bool = True, io_threads: int = 8, device_id: int = 0) -> None:
+        open_root(root)
+        self.root = root
+        self.pools = {p.name: p for p in pools}
+        self.num_slots = num_slots
+        self.io_path = io_path
+        self.fsync = fsync
+        self.verify = verify
+        self.device_id = device_id
+        self._max_nbytes = max(p.block_nbytes for p in pools)
+        self._local = threading.local()
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercache-io")
+        if io_path.kvikio:
+            kvikio_io.configure(io_threads)
+
+    # -- paths -------------------------------------------------------------------------
+    def path(self, key: Key, pool: str) -> Path:
+        """Path of the file of ``key`` in ``pool``."""
+        return self.root / block_filename(key, pool)
+
+    # -- index rebuild -----------------------------------------------------------------
+    def scan(self) -> ScanResult:
+        """Rebuild the list of complete blocks from the files in the root (see class doc)."""
+        result = ScanResult()
+        found: dict[Key, dict[str, os.DirEntry]] = {}
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(TMP_PREFIX):
+                try:
+                    os.unlink(entry.path)
+                    result.removed_tmp += 1
+                except FileNotFoundError:
+                    pass
+                continue
+            if entry.name in (MARKER, QUARANTINE):
+                continue
+            parsed = parse_filename(entry.name)
+            if parsed is None or parsed[1] not in self.pools or not entry.is_file():
+                result.foreign.append(entry.name)
+                continue
+            found.setdefault(parsed[0], {})[parsed[1]] = entry
+        checks = [(key, pool, entry) for key, by_pool in found.items() for pool, entry in by_pool.items()]
+        bad = dict(zip(((k, p) for k, p, _ in checks),
+                       self._executor.map(lambda c: self._check_file(*c), checks)))
+        for key, by_pool in found.items():
+            reasons = [bad[(key, p)] for p in by_pool if bad[(key, p)]]
+            if reasons:
+                for pool, entry in by_pool.items():
+                    self._quarantine(Path(entry.path), bad[(key, pool)] or "another pool's file of this block is bad")
+                    result.quarantined.append((entry.name, bad[(key, pool)] or "sibling bad"))
+                continue
+            if set(by_pool) != set(self.pools):
+                result.incomplete.append(key)
+                continue
+            mtime = max(e.stat().st_mtime for e in by_pool.values())
+            result.blocks.append((key, mtime))
+        result.blocks.sort(key=lambda kv: kv[1])
+        return result
+
+    def _check_file(self, key: Key, pool: str, entry: os.DirEntry) -> str | None:
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                posix_io.read_header(fd, key, self.pools[pool], entry.name)
+            finally:
+                os.close(fd)
+        except CorruptBlockError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"{entry.name}: unreadable ({exc.strerror})"
+        return None
+
+    def _quarantine(self, path: Path, reason: str) -> None:
+        qdir = self.root / QUARANTINE
+        qdir.mkdir(mode=DIR_MODE, exist_ok=True)
+        try:
+            os.replace(path, qdir / path.name)
+        except FileNotFoundError:
+            return
+        log.warning("tiercache: quarantined %s: %s", path.name, reason)
+
+    def quarantine_block(self, key: Key, reason: str) -> None:
+        """Move every file of ``key`` to ``quarantine/`` (a block that failed to verify)."""
+        for pool in self.pools:
+            self._quarantine(self.path(key, pool), reason)
+
+    # -- I/O -----------------------------------------------------------------------------
+    def _staging(self):
+        buf = getattr(self._local, "staging", None)
+        if buf is None:
+            from .hostmem import alloc_host
+
+            buf, owner = alloc_host(self._max_nbytes, pinned=True)
+            self._local.staging, self._local.owner = buf, owner
+        return buf
+
+    def _write_one(self, key: Key, pool: PoolSpec, buf) -> None:
+        final = self.path(key, pool.name)
+        if isinstance(buf, memoryview) or hasattr(buf, "ctypes"):  # host memory
+            posix_io.write_block(final, key, pool, buf, self.fsync)
+            return
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            staging = self._staging()
+            if self.io_path.kvikio:
+                kvikio_io.write_block(final, key, pool, buf, staging, self.fsync)
+            else:  # forced POSIX: bounce through pinned staging
+                host = staging[: pool.block_nbytes]
+                copy_sync(host, buf)
+                posix_io.write_block(final, key, pool, host, self.fsync)
+
+    def _read_one(self, key: Key, pool: PoolSpec, buf) -> None:
+        path = self.path(key, pool.name)
+        if hasattr(buf, "ctypes"):
+            posix_io.read_block(path, key, pool, buf, self.verify)
+            return
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            staging = self._staging()
+            if self.io_path.kvikio:
+                kvikio_io.read_block(path, key, pool, buf, staging, self.verify)
+            else:
+                host = staging[: pool.block_nbytes]
+                posix_io.read_block(path, key, pool, host, self.verify)
+                copy_sync(buf, host)
+
+    def _run(self, items: list[tuple[Key, dict]], fn: Callable) -> dict[Key, BaseException | None]:
+        futures = [
+            (key, self._executor.submit(fn, key, self.pools[pool], buf))
+            for key, bufs in items
+            for pool, buf in bufs.items()
+        ]
+        results: dict[Key, BaseException | None] = {key: None for key, _ in items}
+        for key, fut in futures:
+            exc = fut.exception()
+            if exc is not None and results[key] is None:
+                results[key] = exc
+        return results
+
+    def write(self, items: list[tuple[Key, dict]]) -> dict[Key, BaseException | None]:
+        """Write blocks: ``items`` is ``[(key, {pool: buffer})]`` with one ``block_nbytes``
+        buffer per pool (host NumPy row or device CuPy row). Returns, per key, None or the
+        first error; a key that failed leaves no new file behind."""
+        results = self._run(items, self._write_one)
+        for key, exc in results.items():
+            if exc is not None:
+                self.delete([key])
+        return results
+
+    def read(self, items: list[tuple[Key, dict]]) -> dict[Key, BaseException | None]:
+        """Read blocks into the buffers of ``items`` (as in :meth:`write`); returns, per key,
+        None or the first error (:class:`CorruptBlockError` for files that do not verify)."""
+        return self._run(items, self._read_one)
+
+    def delete(self, keys: list[Key]) -> None:
+        """Remove the files of ``keys`` (missing files are ignored)."""
+        for key in keys:
+            for pool in self.pools:
+                try:
+                    os.unlink(self.path(key, pool))
+                except FileNotFoundError:
+                    pass
+
+    def describe_key(self, key: Key) -> str:
+        """A short name of the files of ``key``, for messages."""
+        return f"block_{key_text(key)}_pool_*.bin"
+
+    def close(self) -> None:
+        """Stop the I/O threads (after the running ones finish)."""
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,80 @@
+"""Block keys: non-negative ints (block ids) or bytes (content hashes)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+
+from .errors import InvalidKeyError
+
+Key = int | bytes
+MAX_INT_KEY = (1 << 63) - 1
+MAX_BYTES_KEY = 64
+
+
+def normalize_key(key: object) -> Key:
+    """Return ``key`` as an ``int`` or ``bytes``.
+
+    Accepted: Python and NumPy integers in ``[0, 2**63)``; ``bytes``/``bytearray``/
+    ``memoryview`` of 1..64 bytes.
+
+    Raises:
+        InvalidKeyError: any other value.
+    """
+    if isinstance(key, bool):
+        raise InvalidKeyError(f"key {key!r} is a bool; keys are ints in [0, 2**63) or 1..64 bytes")
+    if isinstance(key, numbers.Integral):
+        k = int(key)
+        if not 0 <= k <= MAX_INT_KEY:
+            raise InvalidKeyError(f"int key {k} outside [0, 2**63)")
+        return k
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        b = bytes(key)
+        if not 1 <= len(b) <= MAX_BYTES_KEY:
+            raise InvalidKeyError(f"bytes key of length {len(b)} outside [1, {MAX_BYTES_KEY}]")
+        return b
+    raise InvalidKeyError(
+        f"key {key!r} of type {type(key).__name__}; keys are ints in [0, 2**63) or 1..64 bytes"
+    )
+
+
+def normalize_keys(keys: object) -> list[Key]:
+    """A list of normalized keys from one key or an iterable of keys (NumPy arrays too).
+
+    Raises:
+        InvalidKeyError: a bad key, or the same key twice in one batch.
+    """
+    if isinstance(keys, (bytes, bytearray, memoryview, numbers.Integral)):
+        items: Iterable = [keys]
+    else:
+        try:
+            items = list(keys)  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidKeyError(f"keys {keys!r} are neither a key nor an iterable of keys") from None
+    out = [normalize_key(k) for k in items]
+    if len(set(out)) != len(out):
+        seen: set = set()
+        dup = next(k for k in out if k in seen or seen.add(k))
+        raise InvalidKeyError(f"key {key_text(dup)} appears twice in one batch")
+    return out
+
+
+def key_text(key: Key) -> str:
+    """The key as it appears in file names: decimal for ints, ``x`` + hex for bytes."""
+    return str(key) if isinstance(key, int) else "x" + key.hex()
+
+
+def key_from_text(text: str) -> Key:
+    """Inverse of :func:`key_text`.
+
+    Raises:
+        InvalidKeyError: not a key text.
+    """
+    try:
+        if text.startswith("x"):
+            return normalize_key(bytes.fromhex(text[1:]))
+        if text.isdigit():
+            return normalize_key(int(text))
+    except ValueError:
+        pass
+    raise InvalidKeyError(f"{text!r} is not a key text (decimal int or x<hex>)")

@@ -1,0 +1,124 @@
+"""Memory tiers: the device tier (VRAM, CuPy) and the host tier (pinned or page-aligned DRAM).
+
+Each tier holds, per pool, one C-contiguous ``uint8`` array of shape
+``[num_slots, block_nbytes]``; slot ``s`` of pool ``p`` is row ``s``. Blocks move as bytes; the
+typed view of a pool (``[num_slots, *block_shape]`` with the pool's dtype) is available where
+the array library has that dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import numpy_dtype
+from .errors import SlotRangeError, UnknownPoolError
+from .geometry import PoolSpec
+from .hostmem import alloc_host
+
+
+class MemoryTier:
+    """Slots of block memory in one place (``device`` or ``host``).
+
+    Attributes:
+        name: ``"device"`` or ``"host"``.
+        num_slots: slots per pool.
+        pools: the pools, by name.
+        arrays: per pool, the ``uint8`` array ``[num_slots, block_nbytes]`` (CuPy for the
+            device tier, NumPy for the host tier).
+        on_device: True for VRAM.
+        pinned: True when host memory is page-locked.
+    """
+
+    def __init__(self, name: str, num_slots: int, pools: tuple[PoolSpec, ...], arrays: dict,
+                 on_device: bool, pinned: bool, owners: list | None = None) -> None:
+        self.name = name
+        self.num_slots = num_slots
+        self.pools = {p.name: p for p in pools}
+        self.arrays = arrays
+        self.on_device = on_device
+        self.pinned = pinned
+        self._owners = owners or []
+
+    def array(self, pool: str):
+        """The raw ``uint8`` array ``[num_slots, block_nbytes]`` of ``pool``.
+
+        Raises:
+            UnknownPoolError: no such pool.
+        """
+        try:
+            return self.arrays[pool]
+        except KeyError:
+            raise UnknownPoolError(
+                f"unknown pool {pool!r}; this cache has pools: {', '.join(self.pools)}"
+            ) from None
+
+    def typed(self, pool: str):
+        """``[num_slots, *block_shape]`` view with the pool's dtype where the array library
+        supports it, else the raw ``uint8`` array."""
+        spec = self.pools.get(pool) or self.array(pool)
+        raw = self.array(pool)
+        if self.on_device:
+            import cupy
+
+            try:
+                dt = cupy.dtype(spec.dtype)
+            except TypeError:
+                return raw
+        else:
+            dt = numpy_dtype(spec.dtype)
+            if dt is None:
+                return raw
+        return raw.view(dt).reshape((self.num_slots, *spec.block_shape))
+
+    def check_slots(self, slots, *, unique: bool = False) -> np.ndarray:
+        """``slots`` as an ``int64`` array, every value in ``[0, num_slots)``.
+
+        Raises:
+            SlotRangeError: a slot out of range, or a repeated slot when ``unique``.
+        """
+        arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.num_slots:
+                bad = lo if lo < 0 else hi
+                raise SlotRangeError(f"{self.name} slot {bad} outside [0, {self.num_slots})")
+            if unique and np.unique(arr).size != arr.size:
+                vals, counts = np.unique(arr, return_counts=True)
+                raise SlotRangeError(
+                    f"{self.name} slot {int(vals[counts > 1][0])} appears twice as a destination"
+                )
+        return arr
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of block memory this tier holds (all pools, all slots)."""
+        return sum(p.block_nbytes for p in self.pools.values()) * self.num_slots
+
+
+def make_host_tier(num_slots: int, pools: tuple[PoolSpec, ...], pinned: bool | None = None) -> MemoryTier:
+    """A host tier of ``num_slots`` slots per pool, one allocation per pool.
+
+    Memory is pinned when CUDA is usable (or ``pinned=True``), page-aligned in every case.
+    """
+    arrays, owners = {}, []
+    is_pinned = False
+    for p in pools:
+        flat, owner = alloc_host(num_slots * p.block_nbytes, pinned=pinned)
+        is_pinned = not hasattr(owner, "madvise")  # mmap objects have madvise, pinned memory not
+        arrays[p.name] = flat.reshape(num_slots, p.block_nbytes)
+        owners.append(owner)
+    return MemoryTier("host", num_slots, pools, arrays, on_device=False, pinned=is_pinned, owners=owners)
+
+
+def make_device_tier(num_slots: int, pools: tuple[PoolSpec, ...], device_id: int = 0) -> MemoryTier:
+    """A device tier of ``num_slots`` slots per pool, allocated with CuPy on ``device_id``.
+
+    Raises:
+        TierUnavailableError: no usable CUDA device.
+    """
+    from .cuda import require_cupy
+
+    cupy = require_cupy()
+    with cupy.cuda.Device(device_id):
+        arrays = {p.name: cupy.empty((num_slots, p.block_nbytes), dtype=cupy.uint8) for p in pools}
+    return MemoryTier("device", num_slots, pools, arrays, on_device=True, pinned=False)

@@ -1,0 +1,137 @@
+"""POSIX block-file I/O: atomic writes and verified reads with pwrite/pread.
+
+Every write goes to a temporary file in the same directory (``O_EXCL``, mode 0600), is
+flushed according to the fsync policy, and is renamed over the final name, so a reader never
+sees a torn block and a crash leaves either the old file, the new file, or a temporary file
+that the next open removes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+from .blockfile import (
+    DATA_OFFSET,
+    TMP_PREFIX,
+    check_header,
+    checksum,
+    decode_header,
+    encode_header,
+    file_size,
+)
+from .errors import CorruptBlockError
+from .geometry import PoolSpec
+from .keys import Key
+
+FILE_MODE = 0o600
+
+
+def pwrite_all(fd: int, buffers: list, offset: int) -> None:
+    """Write every byte of ``buffers`` at ``offset``, retrying short writes."""
+    views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError("pwritev wrote 0 bytes")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def pread_into(fd: int, buf, offset: int) -> None:
+    """Fill ``buf`` (writable buffer) from ``offset``; a short file raises ``EOFError``."""
+    view = memoryview(buf).cast("B")
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise EOFError(f"file ends {len(view)} bytes early")
+        offset += n
+        view = view[n:]
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that a rename in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(final: Path, header: bytes, nbytes: int, fsync: str,
+                 write_data: Callable[[int, Path], None]) -> None:
+    """Create ``final`` atomically: header at 0, data (written by ``write_data(fd, tmp_path)``
+    at :data:`DATA_OFFSET`), padded to :func:`file_size`, flushed per ``fsync``, renamed.
+
+    On any error the temporary file is removed and ``final`` is untouched.
+    """
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    try:
+        pwrite_all(fd, [header], 0)
+        write_data(fd, tmp)
+        os.ftruncate(fd, file_size(nbytes))
+        if fsync != "none":
+            os.fdatasync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, final)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if fsync == "data+dir":
+        fsync_dir(final.parent)
+
+
+def write_block(final: Path, key: Key, pool: PoolSpec, data, fsync: str) -> None:
+    """Write one block from host memory ``data`` (``block_nbytes`` bytes) to ``final``."""
+    header = encode_header(key, pool, checksum(data))
+    atomic_write(final, header, pool.block_nbytes, fsync,
+                 lambda fd, _tmp: pwrite_all(fd, [data], DATA_OFFSET))
+
+
+def read_header(fd: int, key: Key, pool: PoolSpec, where: str):
+    """Read, decode and check the header of an open block file; returns the header.
+
+    Raises:
+        CorruptBlockError: bad header, wrong geometry, or a file shorter than its block.
+    """
+    head = os.pread(fd, DATA_OFFSET, 0)
+    header = decode_header(head, where)
+    check_header(header, key, pool, where)
+    size = os.fstat(fd).st_size
+    if size < DATA_OFFSET + pool.block_nbytes:
+        raise CorruptBlockError(f"{where}: truncated ({size} bytes, expected {file_size(pool.block_nbytes)})")
+    return header
+
+
+def read_block(path: Path, key: Key, pool: PoolSpec, out, verify: bool) -> None:
+    """Read one block into host buffer ``out`` (``block_nbytes`` bytes), checking its header
+    and, when ``verify``, its checksum.
+
+    Raises:
+        CorruptBlockError: the file does not verify.
+        FileNotFoundError / OSError: the file cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = read_header(fd, key, pool, str(path))
+        try:
+            pread_into(fd, out, DATA_OFFSET)
+        except EOFError as exc:
+            raise CorruptBlockError(f"{path}: truncated ({exc})") from None
+    finally:
+        os.close(fd)
+    if verify and checksum(out) != header.checksum:
+        raise CorruptBlockError(f"{path}: data checksum mismatch")
