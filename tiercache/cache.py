@@ -25,8 +25,10 @@ from .errors import (
     ArrayMismatchError,
     ClosedError,
     CorruptBlockError,
+    InvalidKeyError,
     KeyNotFoundError,
     PinnedBlockError,
+    SlotRangeError,
     TierUnavailableError,
     TransferError,
 )
@@ -421,12 +423,15 @@ class TierCache:
             self._raise_failed(failed, "caller", name)
             return np.array(rows, dtype=np.int64)
 
-    def allocate(self, keys, tier: str | None = None) -> np.ndarray:
-        """Reserve slots in ``tier`` (default: the top memory tier) for new ``keys`` whose bytes
-        the engine writes in place (through :meth:`device_array`). Returns the slots.
+    def allocate(self, keys, tier: str | None = None, slots=None) -> np.ndarray:
+        """Reserve slots in memory tier ``tier`` (default: the top tier) for new ``keys``
+        whose bytes the engine writes in place (rows of :meth:`device_array` /
+        :meth:`host_array`). With ``slots``, the engine chooses the slots (its own block
+        ids); they must be free. Returns the slots (``int64``, in key order).
 
         Raises:
-            InvalidKeyError: a key already stored. TierFullError, TierUnavailableError.
+            InvalidKeyError: a key already stored. SlotRangeError: a slot out of
+            ``[0, num_slots)``, repeated, or taken. TierFullError, TierUnavailableError.
         """
         with self._lock:
             self._check_open()
@@ -435,12 +440,18 @@ class TierCache:
             self._memory_tier(name)
             existing = [k for k in ks if self.placement.contains(k)]
             if existing:
-                from .errors import InvalidKeyError
-
                 raise InvalidKeyError(f"key(s) {_fmt_keys(existing)} already stored; evict them or use put()")
-            self._make_room(name, len(ks), set(ks))
+            ts = self.placement.tiers[name]
+            if slots is not None:
+                wanted = [int(s) for s in np.asarray(slots, dtype=np.int64).reshape(-1)]
+                if len(wanted) != len(ks):
+                    raise SlotRangeError(f"{len(wanted)} slots given for {len(ks)} keys")
+                ts.claim(ks, wanted)
+            else:
+                self._make_room(name, len(ks), set(ks))
+                wanted = ts.add(ks)
             self.counters["allocated_blocks"] += len(ks)
-            return np.array(self.placement.tiers[name].add(ks), dtype=np.int64)
+            return np.array(wanted, dtype=np.int64)
 
     def get(self, keys, pool: str | None = None, out=None):
         """Read blocks' bytes from the highest tier holding each, without moving them.

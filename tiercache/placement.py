@@ -10,7 +10,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from .errors import TierFullError
+from .errors import SlotRangeError, TierFullError
 from .keys import Key, key_text
 
 TIER_ORDER = ("device", "host", "file")
@@ -27,8 +27,10 @@ class TierSlots:
         self.name = name
         self.num_slots = num_slots
         self.slot_of: dict[Key, int] = {}
+        self.key_at: dict[int, Key] = {}
         self.lru: OrderedDict[Key, None] = OrderedDict()
-        self._free = list(range(num_slots))  # a heap; sorted already
+        self._heap = list(range(num_slots))  # free slots, lowest first; stale entries skipped
+        self._free = num_slots
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of
@@ -38,17 +40,44 @@ class TierSlots:
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        return self._free
+
+    def _take(self, key: Key, slot: int) -> None:
+        self.slot_of[key] = slot
+        self.key_at[slot] = key
+        self.lru[key] = None
+        self._free -= 1
 
     def add(self, keys: list[Key]) -> list[int]:
-        """Give each key (not yet in this tier) a free slot; the caller made room first."""
-        if len(keys) > len(self._free):
-            raise TierFullError(f"{self.name} tier: {len(keys)} slots wanted, {len(self._free)} free")
-        slots = [heapq.heappop(self._free) for _ in keys]
-        for k, s in zip(keys, slots):
-            self.slot_of[k] = s
-            self.lru[k] = None
+        """Give each key (not yet in this tier) the lowest free slot; the caller made room."""
+        if len(keys) > self._free:
+            raise TierFullError(f"{self.name} tier: {len(keys)} slots wanted, {self._free} free")
+        slots = []
+        for k in keys:
+            s = heapq.heappop(self._heap)
+            while s in self.key_at:  # stale: claimed explicitly
+                s = heapq.heappop(self._heap)
+            self._take(k, s)
+            slots.append(s)
         return slots
+
+    def claim(self, keys: list[Key], slots: list[int]) -> None:
+        """Put each key in the given slot (engine-chosen slots).
+
+        Raises:
+            SlotRangeError: a slot out of ``[0, num_slots)``, repeated, or holding a key.
+        """
+        for s in slots:
+            if not 0 <= s < self.num_slots:
+                raise SlotRangeError(f"{self.name} slot {s} outside [0, {self.num_slots})")
+        if len(set(slots)) != len(slots):
+            dup = next(s for i, s in enumerate(slots) if s in slots[:i])
+            raise SlotRangeError(f"{self.name} slot {dup} appears twice")
+        for s in slots:
+            if s in self.key_at:
+                raise SlotRangeError(f"{self.name} slot {s} already holds key {key_text(self.key_at[s])}")
+        for k, s in zip(keys, slots):
+            self._take(k, s)
 
     def remove(self, keys: Iterable[Key]) -> None:
         """Free the slots of ``keys`` (keys not in this tier are ignored)."""
@@ -56,7 +85,9 @@ class TierSlots:
             s = self.slot_of.pop(k, None)
             if s is not None:
                 del self.lru[k]
-                heapq.heappush(self._free, s)
+                del self.key_at[s]
+                heapq.heappush(self._heap, s)
+                self._free += 1
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark ``keys`` most recently used."""

@@ -1,0 +1,78 @@
+"""Shared fixtures: random pools, random keys, random bytes (never zeros), GPU skipping."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+from tiercache import CacheConfig, PoolSpec
+from tiercache.cuda import cuda_status
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_status().available:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: {cuda_status().reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test, printed on failure (``TIERCACHE_TEST_SEED`` replays one)."""
+    s = int(os.environ.get("TIERCACHE_TEST_SEED") or secrets.randbits(32))
+    request.node.user_properties.append(("seed", s))
+    print(f"seed={s}")
+    return s
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def random_kv_pool(rng: np.random.Generator, name: str = "kv", dtype: str = "float16") -> PoolSpec:
+    """A small KV pool of random geometry."""
+    return PoolSpec.kv(
+        name,
+        num_layers=int(rng.integers(1, 4)),
+        kv_factor=int(rng.integers(1, 3)),
+        num_kv_heads=int(rng.integers(1, 4)),
+        tokens_per_block=int(rng.choice([4, 8, 16])),
+        head_dim=int(rng.choice([8, 16, 64])),
+        dtype=dtype,
+    )
+
+
+def random_blocks(rng: np.random.Generator, pool: PoolSpec, n: int) -> np.ndarray:
+    """``n`` blocks of random bytes as raw ``uint8`` ``(n, block_nbytes)``; no all-zero block."""
+    data = rng.integers(1, 256, size=(n, pool.block_nbytes), dtype=np.uint8)
+    return data
+
+
+def random_keys(rng: np.random.Generator, n: int, kind: str = "mixed") -> list:
+    """``n`` distinct random keys: ints, bytes (content hashes), or a mix."""
+    ints = [int(k) for k in rng.choice(1 << 62, size=n, replace=False)]
+    if kind == "int":
+        return ints
+    hashes = [rng.bytes(int(rng.integers(8, 33))) for _ in range(n)]
+    if kind == "bytes":
+        return hashes
+    return [h if i % 2 else k for i, (k, h) in enumerate(zip(ints, hashes))]
+
+
+@pytest.fixture
+def make_config(tmp_path, rng):
+    """Build a CacheConfig with two random pools under a fresh root."""
+
+    def make(**kw) -> CacheConfig:
+        pools = kw.pop("pools", None) or (random_kv_pool(rng, "kv"), PoolSpec("act", (int(rng.integers(100, 3000)),), "float32"))
+        base = dict(pools=pools, device_slots=0, host_slots=8, file_slots=64, root=tmp_path / "root", fsync="none")
+        base.update(kw)
+        return CacheConfig(**base)
+
+    return make

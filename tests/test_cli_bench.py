@@ -1,0 +1,133 @@
+"""`tiercache bench` (the main job) through typer's runner and as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from tiercache.cli import app
+
+SMALL = """
+[tiers]
+device_slots = 24
+host_slots = 24
+file_slots = 64
+[file]
+root = "{root}"
+fsync = "none"
+io_threads = 4
+[pools.kv]
+num_layers = 2
+kv_factor = 2
+num_kv_heads = 2
+tokens_per_block = 16
+head_dim = 64
+dtype = "bfloat16"
+[pools.act]
+block_shape = [1000]
+dtype = "float32"
+"""
+
+
+@pytest.fixture
+def small_config(tmp_path):
+    p = tmp_path / "small.toml"
+    p.write_text(SMALL.format(root=tmp_path / "root"))
+    return p
+
+
+def test_bench_json_via_runner(small_config):
+    res = CliRunner().invoke(app, ["bench", "--config", str(small_config), "--output-format", "json", "--batch", "5"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["ok"] is True and rep["batch"] == 5
+    assert rep["block_nbytes"] == 2 * 2 * 2 * 16 * 64 * 2 + 4000
+    stages = [s["stage"] for s in rep["stages"]]
+    assert "reopen (index rebuild)" in stages and any(s.endswith("-> file") for s in stages)
+    for s in rep["stages"]:
+        if s["stage"].startswith("reopen"):
+            continue
+        assert s["blocks"] == rep["blocks"] == 24
+        assert s["bytes"] == 24 * rep["block_nbytes"] and s["gb_per_s"] > 0
+        assert s["lat_ms"]["p99"] >= s["lat_ms"]["p50"] > 0
+    assert all(v["mismatched"] == 0 and v["verified_blocks"] == 24 for v in rep["verify"])
+    assert rep["io_path"]["name"] in ("gds", "compat", "posix")
+    # the job's directory is removed afterwards
+    assert not list((small_config.parent / "root").glob("bench-*"))
+
+
+def test_bench_normal_output_subprocess(small_config):
+    exe = shutil.which("tiercache")
+    cmd = [exe] if exe else [sys.executable, "-m", "tiercache.cli.app"]
+    res = subprocess.run([*cmd, "bench", "--config", str(small_config), "--blocks", "10", "--seed", "7"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "I/O path:" in out and "GB/s" in out and "lat p50 ms" in out
+    assert "10/10 blocks byte-exact: OK" in out and "result: OK" in out
+    assert "seed 7" in out
+
+
+def test_login_node_falls_back_with_one_log_line(small_config):
+    """GPU packages installed, no GPU: POSIX with one clear line, exit 0 (simulated on GPU hosts)."""
+    env = dict(os.environ, TIERCACHE_DISABLE_CUDA="1")
+    res = subprocess.run([sys.executable, "-m", "tiercache.cli.app", "bench", "--config", str(small_config),
+                          "--output-format", "json"], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["io_path"]["name"] == "posix" and "device" not in rep["tiers"]
+    lines = [ln for ln in res.stderr.splitlines() if "CUDA unavailable" in ln]
+    assert len(lines) == 1 and "device tier off" in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["bench", "--config", "/nonexistent/x.toml"], "does not exist"),
+        (["bench", "--batch", "0"], "--batch"),
+        (["bench", "--io", "warp"], "warp"),
+    ],
+)
+def test_bench_usage_errors(args, fragment):
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2
+    assert fragment in res.output
+    assert "Traceback" not in res.output
+
+
+def test_bench_blocks_out_of_range(small_config):
+    res = CliRunner().invoke(app, ["bench", "--config", str(small_config), "--blocks", "1000"])
+    assert res.exit_code == 2
+    assert "blocks = 1000 must be in [1, 24]" in res.output
+
+
+def test_bench_fails_on_bad_bytes(small_config, monkeypatch):
+    """Exit code 1 when verification finds a difference (corrupt the bytes in flight)."""
+    import numpy as np
+
+    from tiercache import posix_io
+
+    real = posix_io.read_block
+
+    def flip(path, key, pool, out, verify):
+        real(path, key, pool, out, False)
+        np.asarray(out)[0] ^= 1  # damage after the checksum would have been checked
+
+    monkeypatch.setattr(posix_io, "read_block", flip)
+    monkeypatch.setenv("TIERCACHE_DISABLE_CUDA", "1")
+    from tiercache import cuda
+
+    cuda.cuda_status.cache_clear()
+    try:
+        res = CliRunner().invoke(app, ["bench", "--config", str(small_config), "--blocks", "4", "--io", "posix"])
+    finally:
+        cuda.cuda_status.cache_clear()
+    assert res.exit_code == 1, res.output
+    assert "FAILED" in res.output

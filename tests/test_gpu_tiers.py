@@ -1,0 +1,107 @@
+"""Device tier round trips: VRAM <-> pinned DRAM <-> files, kvikio path and forced POSIX path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import random_keys
+from helpers import assert_bytes, put_random
+from tiercache import ArrayMismatchError, TierCache
+
+pytestmark = pytest.mark.gpu
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _device_random(pool, n, rng):
+    cp = _cupy()
+    return cp.asarray(rng.integers(1, 256, size=(n, pool.block_nbytes), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("io_mode", ["auto", "posix"])
+def test_device_host_file_round_trip(make_config, rng, io_mode):
+    cfg = make_config(device_slots=12, host_slots=12, file_slots=64, io_mode=io_mode)
+    with TierCache(cfg) as c:
+        assert c.tier_names == ["device", "host", "file"]
+        assert c.io_path.name == ("posix" if io_mode == "posix" else c.io_path.name)
+        if io_mode == "auto":
+            assert c.io_path.name in ("gds", "compat")
+        keys = random_keys(rng, 12)
+        data = {p.name: _device_random(p, 12, rng) for p in cfg.pools}
+        slots = c.put(keys, data)  # from device memory
+        exp = {k: {p: data[p][i].get() for p in data} for i, k in enumerate(keys)}
+        dev = c.device_array("kv", typed=False)
+        assert all(np.array_equal(dev[s].get(), exp[k]["kv"]) for k, s in zip(keys, slots))
+        c.offload(keys, to="host")
+        assert all(set(c.lookup(k)) == {"host"} for k in keys)
+        c.offload(keys, to="file")
+        assert all(set(c.lookup(k)) == {"file"} for k in keys)
+        c.onboard(keys, to="host")
+        slots = c.onboard(keys, to="device")
+        for p in cfg.pools:
+            dev = c.device_array(p.name, typed=False)
+            got = dev[_cupy().asarray(slots)].get()
+            assert np.array_equal(got, np.stack([exp[k][p.name] for k in keys]))
+        # the direct path: device -> file -> device, no host tier in between
+        c.evict(keys, tier="host")
+        c.evict(keys, tier="file")
+        c.offload(keys, to="file")
+        assert all(set(c.lookup(k)) == {"file"} for k in keys)
+    with TierCache(cfg) as c2:  # reopen: file -> device directly
+        assert sorted(c2.keys(), key=str) == sorted(keys, key=str)
+        slots = c2.onboard(keys, to="device")
+        for p in cfg.pools:
+            got = c2.device_array(p.name, typed=False)[_cupy().asarray(slots)].get()
+            assert np.array_equal(got, np.stack([exp[k][p.name] for k in keys]))
+        assert c2.stats()["counters"]["bytes_file_to_device"] == 12 * cfg.block_nbytes
+
+
+def test_device_spills_through_every_tier(make_config, rng):
+    cfg = make_config(device_slots=4, host_slots=6, file_slots=200)
+    with TierCache(cfg) as c:
+        exp = {}
+        keys = random_keys(rng, 40)
+        for i in range(0, 40, 3):
+            exp.update(put_random(c, keys[i:i + 3], rng))  # host numpy -> device
+        assert len(c.keys("device")) <= 4 and len(c.keys("host")) <= 6
+        assert len(c.keys("file")) >= 30
+        assert_bytes(c, exp)
+        for _ in range(8):
+            sub = [keys[j] for j in rng.choice(40, size=int(rng.integers(1, 5)), replace=False)]
+            slots = c.onboard(sub)
+            dev = c.device_array("act", typed=False)
+            for k, s in zip(sub, slots):
+                assert np.array_equal(dev[int(s)].get(), exp[k]["act"])
+        assert_bytes(c, exp)
+
+
+def test_get_into_device_out(make_config, rng):
+    cfg = make_config(device_slots=4, host_slots=4)
+    cp = _cupy()
+    with TierCache(cfg) as c:
+        exp = put_random(c, [1, 2, 3], rng, tier="host")
+        c.offload([3], to="file")
+        out = cp.empty((3, cfg.pools[1].block_nbytes), dtype=cp.uint8)
+        c.get([3, 1, 2], pool="act", out=out)
+        assert np.array_equal(out.get(), np.stack([exp[k]["act"] for k in (3, 1, 2)]))
+
+
+def test_torch_tensors(make_config, rng):
+    torch = pytest.importorskip("torch")
+    cfg = make_config(device_slots=4, host_slots=4)
+    kv, act = cfg.pools
+    with TierCache(cfg) as c:
+        t_kv = torch.randn((2, *kv.block_shape), device="cuda").to(torch.float16)
+        t_act = torch.randn((2, *act.block_shape), device="cuda")
+        c.put([5, 6], {"kv": t_kv, "act": t_act})
+        c.offload([5, 6], to="file")
+        out = torch.empty_like(t_kv)
+        c.get([5, 6], pool="kv", out=out)
+        assert torch.equal(out, t_kv)
+        with pytest.raises(ArrayMismatchError, match="dtype bfloat16"):
+            c.put([7], {"kv": t_kv[:1].to(torch.bfloat16), "act": t_act[:1]})
