@@ -100,11 +100,12 @@ def make_host_tier(num_slots: int, pools: tuple[PoolSpec, ...], pinned: bool | N
 
     Memory is pinned when CUDA is usable (or ``pinned=True``), page-aligned in every case.
     """
+    from .cuda import cuda_status
+
+    is_pinned = cuda_status().available if pinned is None else pinned
     arrays, owners = {}, []
-    is_pinned = False
     for p in pools:
-        flat, owner = alloc_host(num_slots * p.block_nbytes, pinned=pinned)
-        is_pinned = not hasattr(owner, "madvise")  # mmap objects have madvise, pinned memory not
+        flat, owner = alloc_host(num_slots * p.block_nbytes, pinned=is_pinned)
         arrays[p.name] = flat.reshape(num_slots, p.block_nbytes)
         owners.append(owner)
     return MemoryTier("host", num_slots, pools, arrays, on_device=False, pinned=is_pinned, owners=owners)

@@ -61,6 +61,9 @@ class Mover:
         down = any(_on_device(a) for a in src.values())
         stream = self._streams["down" if down else "up"]
         with cupy.cuda.Device(self.device_id):
+            # order after work the caller already queued (e.g. the kernel that wrote the
+            # source) on its current stream; the legacy default stream covers PyTorch's too
+            stream.wait_event(cupy.cuda.get_current_stream().record())
             for pool, s in src.items():
                 d = dst[pool]
                 row = s.shape[1]
