@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .git/info && touch .git/info/exclude
-EXTRA="xxhash ${EXTRA:-}" bash ../shared/device/fetch-wheels.sh
+EXTRA="xxhash pydantic pydantic-core annotated-types typing-inspection ${EXTRA:-}" bash ../shared/device/fetch-wheels.sh
