@@ -37,7 +37,7 @@ from .iopath import IOPath, select_io_path
 from .keys import Key, key_text, normalize_keys
 from .memory_tier import MemoryTier, make_device_tier, make_host_tier
 from .placement import TIER_ORDER, Placement
-from .transfer import Mover, rows_of
+from .engine import TransferEngine
 
 log = logging.getLogger("tiercache")
 _logged_no_cuda = False
@@ -91,7 +91,10 @@ class TierCache:
         if not self.tiers:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
         self.placement = Placement({name: self._capacity(name) for name in self.tiers})
-        self.mover = Mover(config.device_id)
+        self.engine = TransferEngine(
+            self.tiers, config.pools, config.device_id, streams_per_direction=config.streams_per_direction,
+            copy_kernel_sms=config.copy_kernel_sms, memcpy_min_bytes=config.memcpy_min_bytes,
+        )
         self.scan = None
         if "file" in self.tiers:
             self._rebuild_file_index()
@@ -271,26 +274,20 @@ class TierCache:
             raise PinnedBlockError(f"cannot {action} pinned block(s) {_fmt_keys(pinned)}; unpin them first")
 
     # -- the moving parts -----------------------------------------------------------------
-    def _endpoint(self, tier: str) -> dict:
-        return self.tiers[tier].arrays
-
     def _transfer(self, keys: list[Key], src: str, dst: str, src_rows, dst_rows,
                   src_arrays: dict | None = None, dst_arrays: dict | None = None) -> dict[Key, BaseException]:
-        """Copy ``keys`` from ``src`` rows to ``dst`` rows; ``*_arrays`` override a tier's
-        arrays (caller arrays). Returns the keys that failed, with their errors."""
-        nbytes = len(keys) * self.config.block_nbytes
-        if src != "file" and dst != "file":
-            self.mover.copy(src_arrays or self._endpoint(src), src_rows,
-                            dst_arrays or self._endpoint(dst), dst_rows)
-            failed: dict = {}
-        elif dst == "file":
-            items = list(zip(keys, rows_of(src_arrays or self._endpoint(src), src_rows)))
-            failed = {k: e for k, e in self.tiers["file"].write(items).items() if e is not None}
-        else:
-            items = list(zip(keys, rows_of(dst_arrays or self._endpoint(dst), dst_rows)))
-            failed = {k: e for k, e in self.tiers["file"].read(items).items() if e is not None}
+        """Copy ``keys`` from ``src`` rows to ``dst`` rows through the engine and wait;
+        ``*_arrays`` are caller arrays (tier ``"caller"``). Returns the keys that failed."""
+        pools = list(src_arrays or dst_arrays or [p.name for p in self.config.pools])
+        job = self.engine.copy(src, src_rows, dst, dst_rows, keys=keys, pools=pools,
+                               src_arrays=src_arrays, dst_arrays=dst_arrays)
+        job.wait_host()
+        res = job.result()
+        failed = {(keys[k] if isinstance(k, int) and "file" not in (src, dst) else k): e for k, e in res.failed.items()}
+        if src == "file":
             self._handle_bad_reads(failed)
-        self.counters[f"bytes_{src}_to_{dst}"] += nbytes - len(failed) * self.config.block_nbytes
+        block = sum(self.config.pool(p).block_nbytes for p in pools)
+        self.counters[f"bytes_{src}_to_{dst}"] += (len(keys) - len(failed)) * block
         self.counters["failed_transfers"] += len(failed)
         return failed
 
@@ -491,9 +488,7 @@ class TierCache:
                 if not idx:
                     continue
                 sub = [ks[i] for i in idx]
-                src_arrays = None if tier == "file" else {p: self._endpoint(tier)[p] for p in outs}
-                failed = self._transfer(sub, tier, "caller", [ts.slot_of[k] for k in sub], idx,
-                                        src_arrays=src_arrays, dst_arrays=outs)
+                failed = self._transfer(sub, tier, "caller", [ts.slot_of[k] for k in sub], idx, dst_arrays=outs)
                 self.counters[f"get_hits_{tier}"] += len(sub) - len(failed)
                 self._raise_failed(failed, tier, "caller")
             return result
@@ -606,6 +601,18 @@ class TierCache:
                     self.tiers["file"].delete(ks)
             self.counters["evict_calls"] += 1
 
+    # -- sync points with the engine's compute stream --------------------------------------
+    def wait_for_stream(self, stream=None) -> None:
+        """Copies issued after this call wait for work already queued on ``stream`` (CuPy,
+        PyTorch, ``__cuda_stream__`` or int handle; None: CuPy's current stream). Call it before
+        offloading blocks your kernels just wrote on a side stream."""
+        self.engine.wait_for_stream(stream)
+
+    def make_stream_wait(self, stream=None) -> None:
+        """``stream`` waits (on the device) for every onboard still in flight before running
+        what is queued on it next."""
+        self.engine.make_stream_wait(stream)
+
     # -- stats & lifecycle ----------------------------------------------------------------
     def stats(self) -> dict:
         """A JSON-ready snapshot: I/O path (and why), per-tier slots used/free and bytes,
@@ -644,7 +651,7 @@ class TierCache:
             if self._closed:
                 return
             self._closed = True
-            self.mover.synchronize()
+            self.engine.shutdown()
             ft = self.tiers.get("file")
             if ft is not None:
                 ft.close()

@@ -52,7 +52,8 @@ MAX_IO_THREADS = 256
 _TIER_KEYS = {"device_slots", "host_slots", "file_slots"}
 _FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads"}
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
-_TOP_KEYS = {"tiers", "file", "pools", "device"}
+_TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes"}
+_TOP_KEYS = {"tiers", "file", "pools", "device", "transfer"}
 
 
 def default_root() -> Path:
@@ -84,6 +85,11 @@ class CacheConfig:
         verify_checksums: verify each block file's checksum when it is read.
         io_threads: file I/O threads (tiercache's POSIX pool and kvikio's), 1..256.
         device_id: CUDA device ordinal of the device tier.
+        streams_per_direction: CUDA streams per copy direction (offload, onboard, copy), 1..16.
+        copy_kernel_sms: SMs the gather/scatter kernel may occupy, 1..1024 (None: all). Bounds
+            how much a copy takes from the engine's compute.
+        memcpy_min_bytes: runs of consecutive slots of at least this many bytes go to
+            ``cudaMemcpyAsync`` (copy engines, no SMs); shorter ones to the kernel.
 
     Raises:
         ConfigError: any value out of range (see each attribute).
@@ -99,6 +105,9 @@ class CacheConfig:
     verify_checksums: bool = True
     io_threads: int = 8
     device_id: int = 0
+    streams_per_direction: int = 2
+    copy_kernel_sms: int | None = None
+    memcpy_min_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         pools = self.pools
@@ -117,6 +126,10 @@ class CacheConfig:
         if self.device_slots + self.host_slots + self.file_slots == 0:
             raise ConfigError("every tier has 0 slots: give device_slots, host_slots or file_slots > 0")
         _check_int("io_threads", self.io_threads, 1, MAX_IO_THREADS)
+        _check_int("streams_per_direction", self.streams_per_direction, 1, 17)
+        if self.copy_kernel_sms is not None:
+            _check_int("copy_kernel_sms", self.copy_kernel_sms, 1, 1025)
+        _check_int("memcpy_min_bytes", self.memcpy_min_bytes, 1, 1 << 40)
         _check_choice("io_mode", self.io_mode, IO_MODES)
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
         if not isinstance(self.verify_checksums, bool):
@@ -169,6 +182,9 @@ class CacheConfig:
             "fsync": self.fsync,
             "verify_checksums": self.verify_checksums,
             "io_threads": self.io_threads,
+            "streams_per_direction": self.streams_per_direction,
+            "copy_kernel_sms": self.copy_kernel_sms,
+            "memcpy_min_bytes": self.memcpy_min_bytes,
             "block_nbytes": self.block_nbytes,
         }
 
@@ -231,12 +247,13 @@ def config_from_dict(data: dict, **overrides: Any) -> CacheConfig:
     tiers = _check_keys("tiers", data.get("tiers", {}), _TIER_KEYS)
     file = _check_keys("file", data.get("file", {}), _FILE_KEYS)
     device = _check_keys("device", data.get("device", {}), {"device_id"})
+    transfer = _check_keys("transfer", data.get("transfer", {}), _TRANSFER_KEYS)
     pools_table = data.get("pools")
     if not isinstance(pools_table, dict) or not pools_table:
         raise ConfigError("the config needs at least one [pools.<name>] table")
     pools = tuple(pool_from_table(name, _check_keys(f"pools.{name}", t, _KV_KEYS | {"dtype", "block_shape"}))
                   for name, t in pools_table.items())
-    kwargs: dict[str, Any] = {"pools": pools, **tiers, **file, **device}
+    kwargs: dict[str, Any] = {"pools": pools, **tiers, **file, **device, **transfer}
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return CacheConfig(**kwargs)

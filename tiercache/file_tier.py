@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,33 +236,60 @@ class FileTier:
                 posix_io.read_block(path, key, pool, host, self.verify)
                 copy_sync(buf, host)
 
-    def _run(self, items: list[tuple[Key, dict]], fn: Callable) -> dict[Key, BaseException | None]:
-        futures = [
-            (key, self._executor.submit(fn, key, self.pools[pool], buf))
-            for key, bufs in items
-            for pool, buf in bufs.items()
-        ]
-        results: dict[Key, BaseException | None] = {key: None for key, _ in items}
-        for key, fut in futures:
-            exc = fut.exception()
-            if exc is not None and results[key] is None:
-                results[key] = exc
-        return results
+    def _write_key(self, key: Key, bufs: dict) -> None:
+        try:
+            for pool, buf in bufs.items():
+                self._write_one(key, self.pools[pool], buf)
+        except BaseException:
+            self.delete([key])  # no half-written block: every pool's file or none
+            raise
+
+    def _read_key(self, key: Key, bufs: dict) -> None:
+        for pool, buf in bufs.items():
+            self._read_one(key, self.pools[pool], buf)
+
+    def submit(self, kind: str, items: list[tuple[Key, dict]], deps: list = (), delay_s: float = 0.0,
+               skip: Callable[[int], str | None] | None = None) -> list[tuple[Key, Future]]:
+        """Start reading or writing blocks on the I/O threads; returns ``[(key, future)]``.
+
+        Args:
+            kind: ``"write"`` (buffers -> files) or ``"read"`` (files -> buffers).
+            items: ``[(key, {pool: buffer})]``, one ``block_nbytes`` buffer per pool (host NumPy
+                row or device CuPy row).
+            deps: jobs each task waits for (in its I/O thread) before touching the buffers.
+            delay_s: debug delay before the I/O (tests of in-flight transfers).
+            skip: ``skip(i)`` returns a reason to fail item ``i`` without I/O (its source was
+                never filled), checked after ``deps``.
+
+        A write that fails leaves no file of that key behind; a read that fails raises
+        :class:`CorruptBlockError` for files that do not verify.
+        """
+        fn = self._write_key if kind == "write" else self._read_key
+
+        def task(i: int, key: Key, bufs: dict) -> None:
+            for dep in deps:
+                dep.wait_host()
+            if delay_s:
+                time.sleep(delay_s)
+            if skip is not None:
+                why = skip(i)
+                if why:
+                    raise OSError(why)
+            fn(key, bufs)
+
+        return [(key, self._executor.submit(task, i, key, bufs)) for i, (key, bufs) in enumerate(items)]
+
+    def _wait(self, futures: list[tuple[Key, Future]]) -> dict[Key, BaseException | None]:
+        return {key: fut.exception() for key, fut in futures}
 
     def write(self, items: list[tuple[Key, dict]]) -> dict[Key, BaseException | None]:
-        """Write blocks: ``items`` is ``[(key, {pool: buffer})]`` with one ``block_nbytes``
-        buffer per pool (host NumPy row or device CuPy row). Returns, per key, None or the
-        first error; a key that failed leaves no new file behind."""
-        results = self._run(items, self._write_one)
-        for key, exc in results.items():
-            if exc is not None:
-                self.delete([key])
-        return results
+        """Write blocks and wait (see :meth:`submit`). Returns, per key, None or its error."""
+        return self._wait(self.submit("write", items))
 
     def read(self, items: list[tuple[Key, dict]]) -> dict[Key, BaseException | None]:
-        """Read blocks into the buffers of ``items`` (as in :meth:`write`); returns, per key,
-        None or the first error (:class:`CorruptBlockError` for files that do not verify)."""
-        return self._run(items, self._read_one)
+        """Read blocks and wait (see :meth:`submit`). Returns, per key, None or its error
+        (:class:`CorruptBlockError` for files that do not verify)."""
+        return self._wait(self.submit("read", items))
 
     def delete(self, keys: list[Key]) -> None:
         """Remove the files of ``keys`` (missing files are ignored)."""

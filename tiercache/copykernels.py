@@ -1,0 +1,159 @@
+"""How a batch of block copies between two memory endpoints is executed on the GPU.
+
+Per pool, a batch is planned into runs of consecutive slots on both sides
+(:mod:`tiercache.copyplan`). Runs of at least ``memcpy_min_bytes`` go to the copy engines as one
+``cudaMemcpyAsync`` each (no SMs used); the rest go to one launch of the gather/scatter kernel
+(``kernels/copy_blocks.cu``), which reads and writes pinned host memory through unified
+addressing with 16-byte accesses where alignment allows. Partial copies (the first
+``num_tokens`` tokens of each block) always use the kernel: each block is ``segs`` segments of
+``seg_bytes`` bytes, ``seg_stride`` apart.
+
+The kernel's grid is capped at ``max_sms * ctas_per_sm`` thread blocks so a copy occupies a
+bounded share of the GPU while the engine computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .copyplan import contiguous_runs
+from .errors import ArrayMismatchError
+from .geometry import PoolSpec
+from .memcopy import MEMCPY_DEFAULT, data_ptr
+
+THREADS = 256
+UNROLL = 4
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Which bytes of each block a copy moves: ``segs`` segments of ``seg_bytes`` bytes at
+    ``r * seg_stride``, r < segs."""
+
+    segs: int
+    seg_stride: int
+    seg_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved per block."""
+        return self.segs * self.seg_bytes
+
+
+def segments_for(pool: PoolSpec, num_tokens: int | None) -> Segments:
+    """The segments of a copy of the first ``num_tokens`` tokens (None: the whole block).
+
+    ``num_tokens >= tokens_per_block`` is a whole-block copy; 0 copies nothing.
+
+    Raises:
+        ArrayMismatchError: ``num_tokens`` negative, or the pool has no token axis.
+    """
+    if num_tokens is None:
+        return Segments(1, pool.block_nbytes, pool.block_nbytes)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise ArrayMismatchError(f"num_tokens = {num_tokens!r} must be an integer >= 0")
+    if pool.token_axis is None:
+        raise ArrayMismatchError(
+            f"pool {pool.name!r} has no token axis (a plain block_shape pool); partial copies need "
+            "a KV pool (PoolSpec.kv with layout layer_major or token_major)"
+        )
+    tpb = pool.block_shape[pool.token_axis]
+    if num_tokens >= tpb:
+        return Segments(1, pool.block_nbytes, pool.block_nbytes)
+    outer = math.prod(pool.block_shape[: pool.token_axis])
+    inner = math.prod(pool.block_shape[pool.token_axis + 1:]) * pool.itemsize
+    if outer == 1:
+        return Segments(1, tpb * inner, num_tokens * inner)
+    return Segments(outer, tpb * inner, num_tokens * inner)
+
+
+def _vector_bytes(*values: int) -> int:
+    for v in (16, 8, 4):
+        if all(x % v == 0 for x in values):
+            return v
+    return 1
+
+
+class CopyLauncher:
+    """Enqueues block copies on a stream (see the module docstring).
+
+    Args:
+        device_id: the CUDA device.
+        max_sms: SMs a copy kernel may occupy (None: all).
+        ctas_per_sm: resident thread blocks per SM assumed when sizing the grid.
+        memcpy_min_bytes: runs at least this long go to ``cudaMemcpyAsync``.
+    """
+
+    def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 4,
+                 memcpy_min_bytes: int = 4 << 20) -> None:
+        import cupy
+
+        from tiercache.kernels.loader import get_kernel
+
+        self.device_id = device_id
+        with cupy.cuda.Device(device_id):
+            self.num_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+            self._kernels = {v: get_kernel("copy_blocks.cu", f"tc_copy_v{v}", device_id) for v in (16, 8, 4, 1)}
+            self._spin = get_kernel("copy_blocks.cu", "tc_spin", device_id)
+        self.max_sms = self.num_sms if max_sms is None else max(1, min(int(max_sms), self.num_sms))
+        self.ctas_per_sm = ctas_per_sm
+        self.memcpy_min_bytes = memcpy_min_bytes
+
+    def spin(self, stream, ns: int) -> None:
+        """Debug: occupy ``stream`` for ``ns`` nanoseconds (one thread)."""
+        self._spin((1,), (1,), (np.int64(ns),), stream=stream)
+
+    def launch(self, src, src_slots: np.ndarray, dst, dst_slots: np.ndarray, seg: Segments, stream,
+               force: str | None = None) -> str:
+        """Copy rows ``src_slots`` of ``src`` to rows ``dst_slots`` of ``dst`` (``uint8``
+        ``[rows, block_nbytes]`` arrays, host or device) on ``stream``. Returns the path used
+        (``memcpy``, ``kernel`` or ``memcpy+kernel``). ``force`` = ``"memcpy"`` or
+        ``"kernel"`` overrides the choice (benchmarks)."""
+        import cupy
+
+        n = src_slots.size
+        if n == 0 or seg.seg_bytes == 0:
+            return "none"
+        row_src, row_dst = src.shape[1], dst.shape[1]
+        sp, dp = data_ptr(src), data_ptr(dst)
+        used = set()
+        kernel_idx = np.arange(n)
+        whole = seg.segs == 1 and seg.seg_bytes == row_src == row_dst
+        if force == "memcpy" and not whole:
+            # partial copies without the kernel (pageable memory): one 2-D copy per block
+            for a, b in zip(src_slots.tolist(), dst_slots.tolist()):
+                cupy.cuda.runtime.memcpy2DAsync(dp + b * row_dst, seg.seg_stride, sp + a * row_src, seg.seg_stride,
+                                                seg.seg_bytes, seg.segs, MEMCPY_DEFAULT, stream.ptr)
+            return "memcpy"
+        if whole and force != "kernel":
+            runs = contiguous_runs(src_slots, dst_slots)
+            big = runs.length * row_src >= (1 if force == "memcpy" else self.memcpy_min_bytes)
+            if big.any():
+                for a, b, m in zip(runs.src[big].tolist(), runs.dst[big].tolist(), runs.length[big].tolist()):
+                    cupy.cuda.runtime.memcpyAsync(dp + b * row_dst, sp + a * row_src, m * row_src,
+                                                  MEMCPY_DEFAULT, stream.ptr)
+                used.add("memcpy")
+                starts = np.concatenate(([0], np.cumsum(runs.length)[:-1]))
+                covered = np.zeros(n, dtype=bool)
+                for st, m in zip(starts[big].tolist(), runs.length[big].tolist()):
+                    covered[st:st + m] = True
+                kernel_idx = np.flatnonzero(~covered)
+        if kernel_idx.size:
+            src_off = src_slots[kernel_idx].astype(np.int64) * row_src
+            dst_off = dst_slots[kernel_idx].astype(np.int64) * row_dst
+            vec = _vector_bytes(sp, dp, row_src, row_dst, seg.seg_stride, seg.seg_bytes)
+            chunks = kernel_idx.size * seg.segs * (seg.seg_bytes // vec)
+            grid = max(1, min(math.ceil(chunks / (THREADS * UNROLL)), self.max_sms * self.ctas_per_sm))
+            with stream:
+                offs = cupy.asarray(np.stack([src_off, dst_off]))  # one small upload on `stream`
+            self._kernels[vec](
+                (grid,), (THREADS,),
+                (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(kernel_idx.size),
+                 np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
+                stream=stream,
+            )
+            used.add("kernel")
+        return "+".join(sorted(used))
