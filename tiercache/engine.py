@@ -121,7 +121,10 @@ class TransferEngine:
         for jid, job in list(self._pending.items()):
             if job.done():
                 job.wait_host()  # sets the end time of threaded jobs; returns at once
-                self._finished.append(job.result())
+                res = job.result()
+                if res.failed:
+                    self._ledger.mark_failed(job, job.dst, job.failed_slots())
+                self._finished.append(res)
                 del self._pending[jid]
                 if job.on_gpu:
                     self._events.put(job.start_event, job.end_event)
@@ -176,11 +179,7 @@ class TransferEngine:
                     job = self._gpu_job(jid, direction, src, s, dst, d, sa, da, segs, nbytes)
                 else:
                     job = self._cpu_job(jid, direction, src, s, dst, d, sa, da, segs, nbytes)
-            if not job.done() or job.on_gpu:
-                self._pending[job.id] = job
-            else:
-                job.wait_host()
-                self._finished.append(job.result())
+            self._pending[job.id] = job
             return job
 
     # -- GPU copies ---------------------------------------------------------------------------
@@ -189,6 +188,7 @@ class TransferEngine:
 
         stream = self._streams.next(direction if direction in ("offload", "onboard") else "copy")
         job = Job(jid, direction, src, dst, s.size, nbytes, "gpu")
+        job.dst_slots = d
         job.stream = stream
         with cupy.cuda.Device(self.device_id):
             covers: list[Job] = []
@@ -199,9 +199,8 @@ class TransferEngine:
                         continue
                     if dep.futures or any(not c.on_gpu for c in dep.covers):
                         dep.wait_host()  # threaded job: no device handle
-                        if dep.id in raw:
-                            self._inherit_failures(job, dep, src, s)
                     dep.make_stream_wait(stream)
+                self._inherit_failures(job, src, s)
                 covers = [j for j in (self._job(i) for i in self._ledger.previous_readers(src, s, gpu=True))
                           if j is not None and j.stream is not stream]
             job.start_event = self._events.get()
@@ -233,25 +232,43 @@ class TransferEngine:
 
         return is_pinned(arr)
 
-    def _inherit_failures(self, job: Job, dep: Job, src: str, s: np.ndarray) -> None:
-        """Blocks whose source slot a failed earlier job left invalid fail in ``job`` too."""
-        bad = dep.failed_slots()
-        if not bad:
-            return
-        for i in np.flatnonzero(np.isin(s, list(bad))).tolist():
-            job.failed[i] = RuntimeError(f"source {src} slot {int(s[i])} was not filled: job {dep.id} failed")
+    def _inherit_failures(self, job: Job, src: str, s: np.ndarray) -> None:
+        """Blocks whose source slot a failed earlier job left invalid fail in ``job`` too
+        (call after waiting for the source's writers)."""
+        self._reap()
+        for i in self._ledger.invalid(src, s).tolist():
+            job.failed[i] = RuntimeError(f"source {src} slot {int(s[i])} holds no valid block: the copy into it failed")
+            job.failed_dst_slots.add(int(job_dst_slot(job, i)))
+
+    def _source_check(self, src: str, rows: list[int], raw_deps: list[Job]):
+        """For file writes: a callable telling an I/O task whether its source slot holds no
+        valid block. Failures already known are read now (under the engine lock); those of
+        writers still pending are read from the jobs after the task waited for them, so the I/O
+        threads never take the engine lock."""
+        known = set(np.asarray(rows, dtype=np.int64)[self._ledger.invalid(src, np.asarray(rows, dtype=np.int64))].tolist()) \
+            if src in self.tiers else set()
+        if not known and not raw_deps:
+            return None
+
+        def check(i: int) -> str | None:
+            row = rows[i]
+            if row in known or any(row in dep.failed_slots() for dep in raw_deps):
+                return f"source {src} slot {row} holds no valid block: the copy into it failed"
+            return None
+
+        return check
 
     # -- CPU copies ---------------------------------------------------------------------------
     def _cpu_job(self, jid, direction, src, s, dst, d, sa, da, segs, nbytes) -> Job:
         job = Job(jid, direction, src, dst, s.size, nbytes, "cpu")
+        job.dst_slots = d
         if self.ordering:
             raw, war = self._ledger.dependencies(src, s, dst, d)
             for i in sorted(set(raw) | set(war)):
                 dep = self._job(i)
                 if dep is not None:
                     dep.wait_host()
-                    if i in raw:
-                        self._inherit_failures(job, dep, src, s)
+            self._inherit_failures(job, src, s)
         for p, seg in segs.items():
             _cpu_copy(sa[p], s, da[p], d, seg)
         return job
@@ -269,12 +286,12 @@ class TransferEngine:
             deps = [j for j in (self._job(i) for i in sorted(set(raw) | set(war))) if j is not None]
             job.covers = [j for j in (self._job(i) for i in self._ledger.previous_readers(src, s, gpu=False))
                           if j is not None]
-        raw_deps = [j for j in deps if j.id in raw]
         if dst == "file":
             arrays = self._arrays(src, src_arrays, pool_names)
-            items = [(k, {p: arrays[p][int(r)] for p in pool_names}, int(r)) for k, r in zip(keys, s)]
-            job.futures = ft.submit("write", [(k, b) for k, b, _ in items], deps, self.debug_file_delay_s,
-                                    skip=self._failed_sources(raw_deps, [r for *_, r in items]))
+            rows = [int(r) for r in s]
+            items = [(k, {p: arrays[p][r] for p in pool_names}) for k, r in zip(keys, rows)]
+            skip = self._source_check(src, rows, [j for j in deps if j.id in raw]) if self.ordering else None
+            job.futures = ft.submit("write", items, deps, self.debug_file_delay_s, skip=skip)
             job._dst_slot_of = {k: int(x) for k, x in zip(keys, d)}
         else:
             arrays = self._arrays(dst, dst_arrays, pool_names)
@@ -284,21 +301,6 @@ class TransferEngine:
         if self.ordering:
             self._ledger.record(job, src, s, dst, d, gpu=False)
         return job
-
-    @staticmethod
-    def _failed_sources(raw_deps: list[Job], src_rows: list[int]):
-        """A callable telling a file task whether its source slot was left invalid by a failed
-        earlier job (evaluated in the I/O thread, after the dependencies finished)."""
-        if not raw_deps:
-            return None
-
-        def check(i: int) -> str | None:
-            for dep in raw_deps:
-                if src_rows[i] in dep.failed_slots():
-                    return f"source slot {src_rows[i]} was not filled: job {dep.id} failed"
-            return None
-
-        return check
 
     # -- sync points ------------------------------------------------------------------------
     def wait_for_stream(self, stream=None) -> None:
@@ -369,6 +371,11 @@ class TransferEngine:
     def shutdown(self) -> None:
         """Drain: wait for every pending job. The engine stays usable."""
         self.synchronize()
+
+
+def job_dst_slot(job: Job, i: int) -> int:
+    """Destination slot of item ``i`` of a memory job."""
+    return int(job.dst_slots[i]) if job.dst_slots is not None else -1
 
 
 def _cpu_copy(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray, seg) -> None:

@@ -75,6 +75,7 @@ class Job:
         self.covers: list[Job] = []  # earlier readers this job's completion must imply
         self.failed: dict = {}       # known failures (set at submit for dependency failures)
         self.failed_dst_slots: set[int] = set()  # destination slots that hold no valid block
+        self.dst_slots = None  # destination slots of a memory job (int64 array)
         self._dst_slot_of: dict = {}  # key/index -> destination slot, to map failures
         self._t0 = time.perf_counter()
         self._t1: float | None = None

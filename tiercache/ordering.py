@@ -34,6 +34,8 @@ class SlotLedger:
         self._w = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
         self._rg = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
         self._rt = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
+        # slots whose last writer failed: they hold no valid block until written again
+        self._invalid = {t: np.zeros(n, dtype=bool) for t, n in capacities.items()}
 
     def tracks(self, tier: str) -> bool:
         return tier in self._w
@@ -69,6 +71,22 @@ class SlotLedger:
             self._w[dst][dst_slots] = job.id
             self._rg[dst][dst_slots] = -1
             self._rt[dst][dst_slots] = -1
+            self._invalid[dst][dst_slots] = False
+
+    def mark_failed(self, job: Job, tier: str, slots) -> None:
+        """A finished ``job`` did not fill ``slots`` of ``tier``: flag those it still owns (no
+        later writer) as invalid, so later readers fail instead of copying garbage."""
+        if tier not in self._w or not slots:
+            return
+        arr = np.fromiter(slots, dtype=np.int64)
+        arr = arr[self._w[tier][arr] == job.id]
+        self._invalid[tier][arr] = True
+
+    def invalid(self, tier: str, slots: np.ndarray) -> np.ndarray:
+        """Indices into ``slots`` of the slots that hold no valid block."""
+        if tier not in self._invalid or slots.size == 0:
+            return np.empty(0, dtype=np.int64)
+        return np.flatnonzero(self._invalid[tier][slots])
 
     def pending_writers(self, tier: str, slots: np.ndarray) -> list[int]:
         """Ids of pending writers of ``slots`` (for host-side reads of a tier)."""

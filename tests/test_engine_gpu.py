@@ -1,0 +1,203 @@
+"""The transfer engine on the GPU: the four hazards (each shown to corrupt bytes with ordering
+switched off and to be safe with it on), partial copies against NumPy, a 100,000-operation
+randomized workload against a mirror, and the two sync points with PyTorch streams."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from engine_model import Mirror
+from tiercache import PoolSpec
+from tiercache.engine import TransferEngine
+from tiercache.file_tier import FileTier
+from tiercache.iopath import select_io_path
+from tiercache.memory_tier import make_device_tier, make_host_tier
+
+pytestmark = pytest.mark.gpu
+DELAY_NS = 80_000_000  # 80 ms: the first copy of each hazard is still in flight
+
+
+def make_engine(tmp_path, pools, device_slots=16, host_slots=16, file_slots=16, ordering=True, **kw):
+    tiers = {"device": make_device_tier(device_slots, pools), "host": make_host_tier(host_slots, pools)}
+    if file_slots:
+        tiers["file"] = FileTier(tmp_path / "root", pools, file_slots, select_io_path("auto"), fsync="none", io_threads=4)
+    return TransferEngine(tiers, pools, ordering=ordering, streams_per_direction=2, **kw)
+
+
+@pytest.fixture
+def pool():
+    return PoolSpec.kv("kv", num_layers=4, kv_factor=2, num_kv_heads=4, tokens_per_block=16, head_dim=64, dtype="bfloat16")
+
+
+def fill(eng, tier, slot, rng, pool):
+    data = {pool.name: rng.integers(1, 256, size=(1, pool.block_nbytes), dtype=np.uint8)}
+    eng.copy("caller", [0], tier, [slot], src_arrays=data).wait()
+    return data[pool.name][0]
+
+
+def read(eng, tier, slot, pool, key=None):
+    out = {pool.name: np.empty((1, pool.block_nbytes), np.uint8)}
+    eng.copy(tier, [slot], "caller", [0], keys=None if key is None else [key], dst_arrays=out).wait()
+    return out[pool.name][0]
+
+
+@pytest.mark.parametrize("ordering", [True, False])
+def test_hazard_two_offloads_into_one_host_slot(tmp_path, rng, pool, ordering):
+    eng = make_engine(tmp_path, (pool,), ordering=ordering)
+    x, y = fill(eng, "device", 0, rng, pool), fill(eng, "device", 1, rng, pool)
+    eng.debug_delay_ns = DELAY_NS
+    eng.copy("device", [0], "host", [5])   # first offload, slow
+    eng.debug_delay_ns = 0
+    eng.copy("device", [1], "host", [5])   # second offload into the same slot, same step
+    eng.synchronize()
+    got = read(eng, "host", 5, pool)
+    assert np.array_equal(got, y) if ordering else np.array_equal(got, x)
+
+
+@pytest.mark.parametrize("ordering", [True, False])
+def test_hazard_onboard_from_slot_still_being_written(tmp_path, rng, pool, ordering):
+    eng = make_engine(tmp_path, (pool,), ordering=ordering)
+    x = fill(eng, "device", 0, rng, pool)
+    stale = fill(eng, "host", 5, rng, pool)
+    eng.debug_delay_ns = DELAY_NS
+    eng.copy("device", [0], "host", [5])   # offload in flight
+    eng.debug_delay_ns = 0
+    eng.copy("host", [5], "device", [3])   # onboard from the slot being written
+    eng.synchronize()
+    got = read(eng, "device", 3, pool)
+    assert np.array_equal(got, x) if ordering else np.array_equal(got, stale)
+
+
+@pytest.mark.parametrize("ordering", [True, False])
+def test_hazard_partial_copy_from_block_being_onboarded(tmp_path, rng, pool, ordering):
+    eng = make_engine(tmp_path, (pool,), ordering=ordering)
+    x = fill(eng, "host", 5, rng, pool)
+    stale = fill(eng, "device", 2, rng, pool)
+    dst_before = fill(eng, "device", 7, rng, pool)
+    eng.debug_delay_ns = DELAY_NS
+    eng.copy("host", [5], "device", [2])                 # onboard in flight
+    eng.debug_delay_ns = 0
+    eng.copy("device", [2], "device", [7], num_tokens=5)  # partial reuse of the onboarded block
+    eng.synchronize()
+    got = read(eng, "device", 7, pool).view(np.uint16).reshape(pool.block_shape)
+    src = (x if ordering else stale).view(np.uint16).reshape(pool.block_shape)
+    assert np.array_equal(got[:, :, :, :5], src[:, :, :, :5])
+    assert np.array_equal(got[:, :, :, 5:], dst_before.view(np.uint16).reshape(pool.block_shape)[:, :, :, 5:])
+
+
+@pytest.mark.parametrize("ordering", [True, False])
+def test_hazard_evicting_host_slot_a_file_write_reads(tmp_path, rng, pool, ordering):
+    eng = make_engine(tmp_path, (pool,), ordering=ordering)
+    x = fill(eng, "host", 5, rng, pool)
+    y = fill(eng, "device", 1, rng, pool)
+    eng.debug_file_delay_s = 0.3
+    eng.copy("host", [5], "file", [0], keys=[1234])   # file write reading host slot 5
+    eng.debug_file_delay_s = 0.0
+    eng.copy("device", [1], "host", [5])              # slot 5 evicted and refilled at once
+    eng.synchronize()
+    got = read(eng, "file", 0, pool, key=1234)
+    assert np.array_equal(got, x) if ordering else np.array_equal(got, y)
+
+
+DTYPES = ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["layer_major", "token_major"])
+def test_partial_copies_match_numpy(tmp_path, rng, dtype, layout):
+    pool = PoolSpec.kv("kv", num_layers=3, kv_factor=2, num_kv_heads=2, tokens_per_block=16,
+                       head_dim=int(rng.choice([8, 24, 64])), dtype=dtype, layout=layout)
+    eng = make_engine(tmp_path, (pool,), device_slots=12, host_slots=12, file_slots=0)
+    ta = pool.token_axis
+    for n in (0, 1, 15, 16, 40):
+        for src, dst in (("host", "device"), ("device", "host"), ("device", "device")):
+            init = {t: rng.integers(0, 256, size=(12, pool.block_nbytes), dtype=np.uint8) for t in ("device", "host")}
+            for t in init:
+                eng.copy("caller", np.arange(12), t, np.arange(12), src_arrays={"kv": init[t]}).wait()
+            s = rng.choice(12, size=5, replace=False)
+            d = rng.choice(np.setdiff1d(np.arange(12), s) if src == dst else np.arange(12), size=5, replace=False)
+            eng.copy(src, s, dst, d, num_tokens=n).wait()
+            exp = init[dst].copy()
+            sv = init[src].reshape(12, *pool.block_shape, pool.itemsize)
+            ev = exp.reshape(12, *pool.block_shape, pool.itemsize)
+            idx = [slice(None)] * (len(pool.block_shape) + 1)
+            idx[ta] = slice(0, min(n, 16))
+            for a, b in zip(s, d):
+                ev[b][tuple(idx)] = sv[a][tuple(idx)]
+            out = {"kv": np.empty_like(exp)}
+            eng.copy(dst, np.arange(12), "caller", np.arange(12), dst_arrays=out).wait()
+            assert np.array_equal(out["kv"], exp), (n, src, dst)
+
+
+def test_path_choice_and_bounded_sms(tmp_path, rng):
+    pool = PoolSpec("blk", (1 << 20,), "uint8")  # 1 MiB blocks
+    eng = make_engine(tmp_path, (pool,), device_slots=8, host_slots=8, file_slots=0, memcpy_min_bytes=2 << 20,
+                      copy_kernel_sms=2)
+    assert eng.launcher.max_sms == 2
+    data = rng.integers(0, 256, size=(8, pool.block_nbytes), dtype=np.uint8)
+    eng.copy("caller", np.arange(8), "host", np.arange(8), src_arrays={"blk": data}).wait()
+    assert eng.copy("host", [0, 1, 2], "device", [4, 5, 6]).wait().path == "memcpy"     # one 3 MiB run
+    assert eng.copy("host", [7, 3], "device", [0, 2]).wait().path == "kernel"           # scattered 1 MiB blocks
+    assert eng.copy("host", [0, 1, 5], "device", [1, 2, 7]).wait().path == "kernel+memcpy"
+    out = {"blk": np.empty((8, pool.block_nbytes), np.uint8)}
+    eng.copy("device", np.arange(8), "caller", np.arange(8), dst_arrays=out).wait()
+    exp = {4: 0, 5: 1, 6: 2, 0: 7, 2: 3, 1: 0, 7: 5}
+    for d, s_ in exp.items():
+        assert np.array_equal(out["blk"][d], data[s_]), d
+
+
+def test_randomized_workload_100k_ops(tmp_path, rng):
+    n_ops = int(os.environ.get("TIERCACHE_STRESS_OPS", "100000"))
+    pools = (PoolSpec.kv("kv", num_layers=2, kv_factor=2, num_kv_heads=2, tokens_per_block=8, head_dim=16, dtype="float16"),
+             PoolSpec.kv("mla", num_layers=2, kv_factor=1, num_kv_heads=1, tokens_per_block=8, head_dim=24,
+                         dtype="int8", layout="token_major"))
+    eng = make_engine(tmp_path, pools, device_slots=48, host_slots=48, file_slots=16)
+    m = Mirror(eng, rng)
+    m.upload_all()
+    checks = 0
+    while m.ops < n_ops:
+        m.random_op()
+        if m.ops % 20000 == 0:
+            assert m.check() == 0, f"mismatch after {m.ops} ops"
+            checks += 1
+    assert m.check() == 0
+    results = eng.get_finished()
+    assert all(r.ok for r in results)
+    print(f"{m.ops} ops, {checks + 1} full checks, 0 mismatches")
+
+
+def test_sync_points_with_torch_streams(tmp_path, rng, pool):
+    """The engine's compute stream writes a block and it is offloaded at once; then an onboard is
+    consumed on the compute stream. Without the sync points these race."""
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    eng = make_engine(tmp_path, (pool,), file_slots=0)
+    dev = eng.tiers["device"].arrays["kv"]
+    compute = torch.cuda.Stream()
+    tdev = torch.as_tensor(dev, device="cuda")  # zero-copy view of the device tier
+    for trial in range(3):
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(50_000_000)  # a long kernel before the write
+            tdev[3].fill_(trial + 7)
+        eng.wait_for_stream(compute)
+        eng.copy("device", [3], "host", [9]).wait()
+        assert (eng.tiers["host"].arrays["kv"][9] == trial + 7).all()
+        # onboard, then read on the compute stream after make_stream_wait
+        eng.tiers["host"].arrays["kv"][10] = trial + 100
+        eng.debug_delay_ns = 50_000_000
+        job = eng.copy("host", [10], "device", [4])
+        eng.debug_delay_ns = 0
+        eng.make_stream_wait(compute)
+        with torch.cuda.stream(compute):
+            total = tdev[4].to(torch.int64).sum()
+        compute.synchronize()
+        assert int(total) == (trial + 100) * pool.block_nbytes
+        job.wait()
+    # CuPy streams and raw handles are accepted too
+    s = cupy.cuda.Stream(non_blocking=True)
+    eng.wait_for_stream(s)
+    eng.make_stream_wait(s.ptr)
