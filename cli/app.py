@@ -35,6 +35,11 @@ class OutputFormat(str, Enum):
     json = "json"
 
 
+class Job(str, Enum):
+    main = "main"
+    copy = "copy"
+
+
 class IOMode(str, Enum):
     auto = "auto"
     gds = "gds"
@@ -71,6 +76,9 @@ def bench(
     io: Annotated[Optional[IOMode], typer.Option("--io", help="I/O path (overrides the config's io_mode).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed (default: fresh, reported).")] = None,
     keep: Annotated[bool, typer.Option(help="Keep the job's block files.")] = False,
+    job: Annotated[Job, typer.Option(help="main: every tier and back, verified; copy: host<->device copy "
+                                          "benchmark against cudaMemcpyAsync baselines (GPU).")] = Job.main,
+    quick: Annotated[bool, typer.Option(help="Smaller sizes (copy job).")] = False,
 ) -> None:
     """Run the main job: fill the top tier with random blocks, offload them through every
     tier to files, reopen, onboard them back, and verify every byte.
@@ -78,6 +86,9 @@ def bench(
     Prints a fio-like summary per stage (GB/s, blocks/s, request latency p50/p99, I/O path).
     Exit code 0 only if every byte verified.
     """
+    if job is Job.copy:
+        _copy_job(config, output_format, quick)
+        return
     try:
         cfg = load_config(config or _default_config(), root=root, io_mode=io.value if io else None)
         progress = None if output_format is OutputFormat.json else (lambda s: typer.echo(f"  ... {s}", err=True))
@@ -88,6 +99,19 @@ def bench(
         typer.echo(json.dumps(rep, indent=2))
     else:
         typer.echo(format_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _copy_job(config: Path | None, output_format: OutputFormat, quick: bool) -> None:
+    from tiercache.benchcopy import format_copy_report, run_copy_bench
+
+    try:
+        cfg = load_config(config or _default_config())
+        log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+        rep = run_copy_bench(quick=quick, device_id=cfg.device_id, copy_kernel_sms=cfg.copy_kernel_sms, log=log)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_copy_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
 
 

@@ -1,0 +1,383 @@
+"""The copy benchmark: scattered block copies between pinned DRAM and VRAM, measured in one run
+against the baselines on the same bytes.
+
+For each block size (16 KiB, 64 KiB, 256 KiB, 2 MiB by default) and direction (h2d, d2h),
+``blocks`` slots are copied with random, non-consecutive slot ids on both sides by:
+
+- ``contiguous``: one ``cudaMemcpyAsync`` of all the bytes (the bus's ceiling, the reference);
+- ``naive``: one ``cudaMemcpyAsync`` per block, from a Python loop;
+- ``batch``: the driver's ``cuMemcpyBatchAsync`` (what vLLM uses), where the driver has it;
+- ``tiercache``: the engine's launcher (gather/scatter kernel for scattered blocks).
+
+Every figure is the median of ``reps`` runs timed with CUDA events, after a warm-up. It then
+measures partial copies (first N tokens of each KV block) against a contiguous copy of the same
+number of bytes, the planning cost per block of a 4096-block batch, and a bf16 matrix product
+running alone and beside a stream of 16 KiB scattered transfers, for several SM bounds of the
+copy kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+
+import numpy as np
+
+from .copykernels import CopyLauncher, Segments, segments_for
+from .geometry import PoolSpec
+from .hostmem import alloc_host
+from .memcopy import MEMCPY_DEFAULT
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+class _Attrs(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcType", ctypes.c_int), ("srcId", ctypes.c_int),
+                ("dstType", ctypes.c_int), ("dstId", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+class BatchCopy:
+    """``cuMemcpyBatchAsync`` (CUDA 12.8+ driver) through ctypes; ``available`` is False where
+    the driver lacks it."""
+
+    def __init__(self) -> None:
+        self.fn = None
+        self.v2 = False
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return
+        for name, v2 in (("cuMemcpyBatchAsync_v2", True), ("cuMemcpyBatchAsync", False)):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                self.fn, self.v2 = fn, v2
+                break
+
+    @property
+    def available(self) -> bool:
+        return self.fn is not None
+
+    def prepare(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray):
+        """Arguments for :meth:`launch` (kept alive by the caller)."""
+        attrs = _Attrs(1, 0, 0, 0, 0, 0)  # source access order: stream
+        return (np.ascontiguousarray(dsts, dtype=np.uint64), np.ascontiguousarray(srcs, dtype=np.uint64),
+                np.ascontiguousarray(sizes, dtype=np.uint64), attrs, np.zeros(1, dtype=np.uint64),
+                np.zeros(1, dtype=np.uint64))
+
+    def launch(self, args, stream_ptr: int) -> None:
+        dsts, srcs, sizes, attrs, idxs, fail = args
+        p = ctypes.c_void_p
+        common = [p(dsts.ctypes.data), p(srcs.ctypes.data), p(sizes.ctypes.data), ctypes.c_size_t(dsts.size),
+                  ctypes.byref(attrs), p(idxs.ctypes.data), ctypes.c_size_t(1)]
+        if self.v2:
+            rc = self.fn(*common, p(stream_ptr))
+        else:
+            rc = self.fn(*common, p(fail.ctypes.data), p(stream_ptr))
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {rc}")
+
+
+def _time(fn, stream, reps: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` enqueued on ``stream``, by CUDA events."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(stream)
+        fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b) / 1e3)
+    return statistics.median(times)
+
+
+def scattered_slots(rng: np.random.Generator, n: int) -> np.ndarray:
+    """A permutation of ``range(n)`` with no two consecutive values adjacent (no runs)."""
+    while True:
+        p = rng.permutation(n)
+        if n < 3 or not (np.abs(np.diff(p)) == 1).any():
+            return p
+        bad = np.flatnonzero(np.abs(np.diff(p)) == 1)
+        for i in bad:  # break runs by swapping with a random far element
+            j = int(rng.integers(0, n))
+            p[i + 1], p[j] = p[j], p[i + 1]
+        if not (np.abs(np.diff(p)) == 1).any():
+            return p
+
+
+def _bufs(n: int, block: int, device_id: int):
+    import cupy
+
+    host, owner = alloc_host(n * block, pinned=True)
+    host = host.reshape(n, block)
+    host[:] = np.random.default_rng(0).integers(0, 256, size=(n, block), dtype=np.uint8)
+    with cupy.cuda.Device(device_id):
+        dev = cupy.empty((n, block), dtype=cupy.uint8)
+    return host, owner, dev
+
+
+def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int = 256 * MiB, reps: int = 7,
+                    device_id: int = 0, copy_kernel_sms: int | None = None, seed: int = 0, log=print) -> list[dict]:
+    """Scattered host <-> device copies: GB/s of each method and ratios to contiguous."""
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    batch = BatchCopy()
+    launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms)
+    rows = []
+    with cupy.cuda.Device(device_id):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for block in sizes:
+            n = max(8, total // block)
+            host, _owner, dev = _bufs(n, block, device_id)
+            s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+            nbytes = n * block
+            for direction in ("h2d", "d2h"):
+                src, dst = (host, dev) if direction == "h2d" else (dev, host)
+                sp, dp = (src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr,
+                          dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr)
+                seg = Segments(1, block, block)
+                res = {"block_bytes": block, "direction": direction, "blocks": n, "bytes": nbytes}
+
+                def contiguous():
+                    cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, stream.ptr)
+
+                s_l, d_l = (s * block).tolist(), (d * block).tolist()
+
+                def naive():
+                    for a, b in zip(s_l, d_l):
+                        cupy.cuda.runtime.memcpyAsync(dp + b, sp + a, block, MEMCPY_DEFAULT, stream.ptr)
+
+                def ours():
+                    launcher.launch(src, s, dst, d, seg, stream, force="kernel")
+
+                res["contiguous_gbps"] = nbytes / _time(contiguous, stream, reps) / 1e9
+                res["naive_gbps"] = nbytes / _time(naive, stream, max(3, reps // 2), warmup=1) / 1e9
+                if batch.available:
+                    args = batch.prepare(dp + d.astype(np.uint64) * block, sp + s.astype(np.uint64) * block,
+                                         np.full(n, block, dtype=np.uint64))
+                    try:
+                        res["batch_gbps"] = nbytes / _time(lambda: batch.launch(args, stream.ptr), stream, reps) / 1e9
+                    except RuntimeError as exc:
+                        res["batch_error"] = str(exc)
+                res["tiercache_gbps"] = nbytes / _time(ours, stream, reps) / 1e9
+                # correctness of the timed path
+                stream.synchronize()
+                check = rng.choice(n, size=min(n, 16), replace=False)
+                got = dst[d[check]] if isinstance(dst, np.ndarray) else dst[d[check]].get()
+                want = src[s[check]] if isinstance(src, np.ndarray) else src[s[check]].get()
+                res["verified"] = bool(np.array_equal(got, want))
+                for k in ("naive", "batch", "tiercache"):
+                    if f"{k}_gbps" in res:
+                        res[f"{k}_ratio"] = res[f"{k}_gbps"] / res["contiguous_gbps"]
+                rows.append(res)
+                log(f"  scattered {block // KiB:>5} KiB {direction}: contiguous {res['contiguous_gbps']:.1f} GB/s, "
+                    f"tiercache {res['tiercache_gbps']:.1f} ({res['tiercache_ratio']:.0%}), naive "
+                    f"{res['naive_gbps']:.1f}, batch {res.get('batch_gbps', float('nan')):.1f}")
+            del host, dev
+    return rows
+
+
+def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id: int = 0,
+                  copy_kernel_sms: int | None = None, seed: int = 1, log=print) -> list[dict]:
+    """Partial copies (first N of 16 tokens) of Llama-3.1-8B KV blocks (2 MiB, layer-major),
+    against a contiguous copy of the same number of bytes."""
+    import cupy
+
+    pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8, tokens_per_block=16, head_dim=128,
+                       dtype="bfloat16")
+    rng = np.random.default_rng(seed)
+    launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms)
+    rows = []
+    with cupy.cuda.Device(device_id):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host, _owner, dev = _bufs(blocks, pool.block_nbytes, device_id)
+        s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
+        for n_tok in tokens:
+            seg = segments_for(pool, n_tok)
+            moved = blocks * seg.nbytes
+            for direction in ("h2d", "d2h"):
+                src, dst = (host, dev) if direction == "h2d" else (dev, host)
+                sp = src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr
+                dp = dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr
+                t_c = _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, moved, MEMCPY_DEFAULT, stream.ptr), stream, reps)
+                t_p = _time(lambda: launcher.launch(src, s, dst, d, seg, stream), stream, reps)
+                rows.append({"num_tokens": n_tok, "direction": direction, "blocks": blocks, "bytes": moved,
+                             "segment_bytes": seg.seg_bytes, "contiguous_gbps": moved / t_c / 1e9,
+                             "partial_gbps": moved / t_p / 1e9, "ratio": t_c / t_p})
+                log(f"  partial {n_tok:>2}/16 tokens {direction}: {moved / t_p / 1e9:.1f} GB/s vs contiguous "
+                    f"{moved / t_c / 1e9:.1f} ({t_c / t_p:.0%}), segments of {seg.seg_bytes} B")
+    return rows
+
+
+def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, device_id: int = 0, log=print) -> dict:
+    """Host time of submitting one scattered 4096-block host -> device batch through the engine
+    (validation, ordering, planning, offsets upload, launch), per block."""
+    import cupy
+
+    from .engine import TransferEngine
+    from .memory_tier import make_device_tier, make_host_tier
+
+    pool = PoolSpec("blk", (block,), "uint8")
+    tiers = {"device": make_device_tier(blocks, (pool,), device_id), "host": make_host_tier(blocks, (pool,))}
+    eng = TransferEngine(tiers, (pool,), device_id)
+    rng = np.random.default_rng(2)
+    s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
+    eng.copy("host", s, "device", d).wait()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        job = eng.copy("host", s, "device", d)
+        times.append(time.perf_counter() - t)
+        job.wait()
+    med = statistics.median(times)
+    from .copyplan import contiguous_runs
+
+    t = time.perf_counter()
+    for _ in range(reps):
+        contiguous_runs(s, d)
+    plan_only = (time.perf_counter() - t) / reps
+    cupy.cuda.Device(device_id).synchronize()
+    res = {"blocks": blocks, "submit_us_per_block": med / blocks * 1e6, "plan_us_per_block": plan_only / blocks * 1e6}
+    log(f"  planning: submit {res['submit_us_per_block']:.2f} us/block (plan only {res['plan_us_per_block']:.3f}) "
+        f"for a {blocks}-block batch")
+    return res
+
+
+def bench_overlap(sms_list=(2, 4, 8, 16), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
+                  iters: int = 20, device_id: int = 0, log=print) -> dict:
+    """A bf16 matrix product alone, then beside a stream of scattered 16 KiB host -> device
+    transfers (kernel with each SM bound, and cuMemcpyBatchAsync): product slowdown and
+    transfer bandwidth relative to contiguous."""
+    import cupy
+
+    rng = np.random.default_rng(3)
+    with cupy.cuda.Device(device_id):
+        try:
+            import torch
+
+            a = torch.randn((matmul, matmul), device=f"cuda:{device_id}", dtype=torch.bfloat16)
+            b = torch.randn((matmul, matmul), device=f"cuda:{device_id}", dtype=torch.bfloat16)
+            cstream = torch.cuda.Stream(device=device_id)
+            cs = cupy.cuda.ExternalStream(cstream.cuda_stream)
+
+            def product():
+                with torch.cuda.stream(cstream):
+                    for _ in range(iters):
+                        torch.matmul(a, b)
+            engine_name = "torch"
+        except ImportError:
+            a = cupy.random.standard_normal((matmul, matmul), dtype=cupy.float32).astype(cupy.float16)
+            b = cupy.random.standard_normal((matmul, matmul), dtype=cupy.float32).astype(cupy.float16)
+            cs = cupy.cuda.Stream(non_blocking=True)
+
+            def product():
+                with cs:
+                    for _ in range(iters):
+                        cupy.matmul(a, b)
+            engine_name = "cupy-fp16"
+        host, _owner, dev = _bufs(blocks, block, device_id)
+        s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
+        nbytes = blocks * block
+        ts = cupy.cuda.Stream(non_blocking=True)
+        t_product = _time(product, cs, 5)
+        t_contig = _time(lambda: cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, MEMCPY_DEFAULT, ts.ptr), ts, 5)
+        flops = 2 * matmul**3 * iters
+        res = {"matmul": matmul, "iters": iters, "engine": engine_name, "product_alone_s": t_product,
+               "product_tflops": flops / t_product / 1e12, "contiguous_gbps": nbytes / t_contig / 1e9, "runs": []}
+        log(f"  overlap: {matmul}^3 bf16 product x{iters} alone {t_product * 1e3:.1f} ms "
+            f"({res['product_tflops']:.0f} TFLOP/s); contiguous h2d {res['contiguous_gbps']:.1f} GB/s")
+        seg = Segments(1, block, block)
+        methods = [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k)) for k in sms_list]
+        batch = BatchCopy()
+        if batch.available:
+            methods.append(("batch", None))
+        for name, launcher in methods:
+            if launcher is None:
+                args = batch.prepare(dev.data.ptr + d.astype(np.uint64) * block, host.ctypes.data + s.astype(np.uint64) * block,
+                                     np.full(blocks, block, dtype=np.uint64))
+
+                def xfer():
+                    batch.launch(args, ts.ptr)
+            else:
+                def xfer(launcher=launcher):
+                    launcher.launch(host, s, dev, d, seg, ts, force="kernel")
+            t_alone = _time(xfer, ts, 5)
+            # together: enqueue the products, then transfers until the products finish
+            ev = [cupy.cuda.Event() for _ in range(4)]
+            cupy.cuda.Device(device_id).synchronize()
+            ev[0].record(cs)
+            product()
+            ev[1].record(cs)
+            ev[2].record(ts)
+            n_x = 0
+            while not ev[1].done and n_x < 10_000:
+                xfer()
+                n_x += 1
+                if n_x % 4 == 0:
+                    ts.synchronize()
+            ev[3].record(ts)
+            ev[3].synchronize()
+            ev[1].synchronize()
+            t_prod_with = cupy.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3
+            t_x = cupy.cuda.get_elapsed_time(ev[2], ev[3]) / 1e3
+            row = {"method": name, "transfer_alone_gbps": nbytes / t_alone / 1e9,
+                   "transfer_during_gbps": n_x * nbytes / t_x / 1e9 if t_x > 0 else 0.0,
+                   "product_with_s": t_prod_with, "product_slowdown": t_prod_with / t_product - 1}
+            row["transfer_during_ratio"] = row["transfer_during_gbps"] / res["contiguous_gbps"]
+            res["runs"].append(row)
+            log(f"  overlap {name:>12}: transfers alone {row['transfer_alone_gbps']:.1f} GB/s, beside the product "
+                f"{row['transfer_during_gbps']:.1f} GB/s ({row['transfer_during_ratio']:.0%} of contiguous); "
+                f"product slowed {row['product_slowdown']:+.1%}")
+    return res
+
+
+def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int | None = None, log=print) -> dict:
+    """Every part of the copy benchmark; returns a JSON-ready report."""
+    from .cuda import cuda_status
+
+    st = cuda_status()
+    if not st.available:
+        from .errors import TierUnavailableError
+
+        raise TierUnavailableError(f"the copy benchmark needs a GPU: {st.reason}")
+    total = 64 * MiB if quick else 256 * MiB
+    rep = {"job": "copy", "device": st.reason, "copy_kernel_sms": copy_kernel_sms}
+    rep["scattered"] = bench_scattered(total=total, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
+    rep["partial"] = bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
+    rep["planning"] = bench_planning(device_id=device_id, log=log)
+    rep["overlap"] = bench_overlap(iters=5 if quick else 20, device_id=device_id, log=log)
+    rep["ok"] = all(r.get("verified", True) for r in rep["scattered"])
+    return rep
+
+
+def format_copy_report(rep: dict) -> str:
+    """The copy benchmark as tables."""
+    out = [f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'})", "",
+           f"  {'block':>8} {'dir':>4} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'naive':>7} {'ratio':>6} "
+           f"{'batch':>7} {'ratio':>6}"]
+    for r in rep["scattered"]:
+        out.append(f"  {r['block_bytes'] // KiB:>5} KiB {r['direction']:>4} {r['contiguous_gbps']:>12.1f} "
+                   f"{r['tiercache_gbps']:>10.1f} {r['tiercache_ratio']:>6.0%} {r['naive_gbps']:>7.1f} "
+                   f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} {r.get('batch_ratio', float('nan')):>6.0%}")
+    out += ["", f"  {'partial':>12} {'dir':>4} {'segment B':>10} {'GB/s':>7} {'contig':>7} {'ratio':>6}"]
+    for r in rep["partial"]:
+        out.append(f"  {r['num_tokens']:>5}/16 tok {r['direction']:>4} {r['segment_bytes']:>10} {r['partial_gbps']:>7.1f} "
+                   f"{r['contiguous_gbps']:>7.1f} {r['ratio']:>6.0%}")
+    p = rep["planning"]
+    out += ["", f"  planning a {p['blocks']}-block batch: {p['submit_us_per_block']:.2f} us/block submit "
+                f"({p['plan_us_per_block']:.3f} us/block run planning)"]
+    o = rep["overlap"]
+    out += ["", f"  {o['matmul']}^3 bf16 product x{o['iters']}: {o['product_alone_s'] * 1e3:.1f} ms alone "
+                f"({o['product_tflops']:.0f} TFLOP/s); contiguous h2d {o['contiguous_gbps']:.1f} GB/s",
+            f"  {'method':>12} {'alone GB/s':>11} {'beside GB/s':>12} {'of contig':>10} {'product':>8}"]
+    for r in o["runs"]:
+        out.append(f"  {r['method']:>12} {r['transfer_alone_gbps']:>11.1f} {r['transfer_during_gbps']:>12.1f} "
+                   f"{r['transfer_during_ratio']:>10.0%} {r['product_slowdown']:>+8.1%}")
+    return "\n".join(out)
