@@ -15,7 +15,6 @@
 // loads issued before the stores, to keep many PCIe reads in flight. VEC is 16 (uint4) when
 // every pointer, offset, stride and length is 16-byte aligned, else 8, 4 or 1.
 
-#include <cstdint>
 
 template <typename T>
 struct Vec;
