@@ -10,11 +10,11 @@
 // Either side may be device memory or pinned host memory (unified virtual addressing), so the
 // same kernel does host->device, device->host and device->device.
 //
-// The work is flattened into VEC-byte chunks; a grid-stride loop (the grid is sized by the host
-// to bound the SMs a copy may occupy) gives each thread UNROLL independent chunks per step, all
-// loads issued before the stores, to keep many PCIe reads in flight. VEC is 16 (uint4) when
-// every pointer, offset, stride and length is 16-byte aligned, else 8, 4 or 1.
-
+// The work is flattened into VEC-byte chunks; a grid-stride loop (the host sizes the grid to
+// bound the SMs a copy may occupy) gives each thread UNROLL independent chunks per step, all
+// loads issued before the stores, to keep many PCIe reads in flight. Index arithmetic is 32-bit
+// when the batch has fewer than 2^31 chunks (the usual case), 64-bit otherwise. VEC is 16 (uint4)
+// when every pointer, offset, stride and length is 16-byte aligned, else 8, 4 or 1.
 
 template <typename T>
 struct Vec;
@@ -23,30 +23,31 @@ template <> struct Vec<uint2> { static constexpr int bytes = 8; };
 template <> struct Vec<unsigned int> { static constexpr int bytes = 4; };
 template <> struct Vec<unsigned char> { static constexpr int bytes = 1; };
 
-template <typename T, int UNROLL>
-__device__ __forceinline__ void copy_chunks(const unsigned char* __restrict__ src_base,
-                                            unsigned char* __restrict__ dst_base,
-                                            const long long* __restrict__ src_off,
-                                            const long long* __restrict__ dst_off,
-                                            long long n_blocks, long long segs, long long seg_stride,
-                                            long long seg_bytes) {
-    const long long chunks_per_seg = seg_bytes / Vec<T>::bytes;
-    const long long chunks_per_block = chunks_per_seg * segs;
-    const long long total = chunks_per_block * n_blocks;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; g < total; g += stride * UNROLL) {
+template <typename T, int UNROLL, typename I>
+__device__ __forceinline__ void copy_loop(const unsigned char* __restrict__ src_base,
+                                          unsigned char* __restrict__ dst_base,
+                                          const long long* __restrict__ src_off,
+                                          const long long* __restrict__ dst_off, I total,
+                                          I chunks_per_block, I chunks_per_seg, long long seg_stride,
+                                          bool whole) {
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += stride * UNROLL) {
         T v[UNROLL];
         T* dptr[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const long long c = g + u * stride;
+            const I c = g + u * stride;
             dptr[u] = nullptr;
             if (c < total) {
-                const long long blk = c / chunks_per_block;
-                const long long rem = c - blk * chunks_per_block;
-                const long long seg = rem / chunks_per_seg;
-                const long long off = seg * seg_stride + (rem - seg * chunks_per_seg) * Vec<T>::bytes;
+                const I blk = c / chunks_per_block;
+                const I rem = c - blk * chunks_per_block;
+                long long off;
+                if (whole) {
+                    off = (long long)rem * Vec<T>::bytes;
+                } else {
+                    const I seg = rem / chunks_per_seg;
+                    off = (long long)seg * seg_stride + (long long)(rem - seg * chunks_per_seg) * Vec<T>::bytes;
+                }
                 v[u] = *reinterpret_cast<const T*>(src_base + src_off[blk] + off);
                 dptr[u] = reinterpret_cast<T*>(dst_base + dst_off[blk] + off);
             }
@@ -58,19 +59,43 @@ __device__ __forceinline__ void copy_chunks(const unsigned char* __restrict__ sr
     }
 }
 
-#define TC_COPY_KERNEL(NAME, T)                                                                  \
+template <typename T, int UNROLL>
+__device__ __forceinline__ void copy_blocks(const unsigned char* src_base, unsigned char* dst_base,
+                                            const long long* src_off, const long long* dst_off,
+                                            long long n_blocks, long long segs, long long seg_stride,
+                                            long long seg_bytes) {
+    const long long cps = seg_bytes / Vec<T>::bytes;
+    const long long cpb = cps * segs;
+    const long long total = cpb * n_blocks;
+    const bool whole = segs == 1;
+    // 32-bit indices while g + UNROLL * stride cannot overflow
+    const long long slack = (long long)UNROLL * gridDim.x * blockDim.x;
+    if (total + slack < 0x7fffffffLL) {
+        copy_loop<T, UNROLL, unsigned int>(src_base, dst_base, src_off, dst_off, (unsigned int)total,
+                                           (unsigned int)cpb, (unsigned int)cps, seg_stride, whole);
+    } else {
+        copy_loop<T, UNROLL, long long>(src_base, dst_base, src_off, dst_off, total, cpb, cps,
+                                        seg_stride, whole);
+    }
+}
+
+#define TC_COPY_KERNEL(NAME, T, UNROLL)                                                          \
     extern "C" __global__ void NAME(const unsigned char* src_base, unsigned char* dst_base,      \
                                     const long long* src_off, const long long* dst_off,          \
                                     long long n_blocks, long long segs, long long seg_stride,    \
                                     long long seg_bytes) {                                       \
-        copy_chunks<T, 4>(src_base, dst_base, src_off, dst_off, n_blocks, segs, seg_stride,      \
-                          seg_bytes);                                                            \
+        copy_blocks<T, UNROLL>(src_base, dst_base, src_off, dst_off, n_blocks, segs, seg_stride, \
+                               seg_bytes);                                                       \
     }
 
-TC_COPY_KERNEL(tc_copy_v16, uint4)
-TC_COPY_KERNEL(tc_copy_v8, uint2)
-TC_COPY_KERNEL(tc_copy_v4, unsigned int)
-TC_COPY_KERNEL(tc_copy_v1, unsigned char)
+TC_COPY_KERNEL(tc_copy_v16_u4, uint4, 4)
+TC_COPY_KERNEL(tc_copy_v16_u8, uint4, 8)
+TC_COPY_KERNEL(tc_copy_v8_u4, uint2, 4)
+TC_COPY_KERNEL(tc_copy_v8_u8, uint2, 8)
+TC_COPY_KERNEL(tc_copy_v4_u4, unsigned int, 4)
+TC_COPY_KERNEL(tc_copy_v4_u8, unsigned int, 8)
+TC_COPY_KERNEL(tc_copy_v1_u4, unsigned char, 4)
+TC_COPY_KERNEL(tc_copy_v1_u8, unsigned char, 8)
 
 // Debug only: keep the stream busy for `ns` nanoseconds (delays the copies queued after it, so
 // tests can show what happens to a transfer that is still in flight).

@@ -135,7 +135,7 @@ def test_partial_copies_match_numpy(tmp_path, rng, dtype, layout):
 def test_path_choice_and_bounded_sms(tmp_path, rng):
     pool = PoolSpec("blk", (1 << 20,), "uint8")  # 1 MiB blocks
     eng = make_engine(tmp_path, (pool,), device_slots=8, host_slots=8, file_slots=0, memcpy_min_bytes=2 << 20,
-                      copy_kernel_sms=2)
+                      batch_min_bytes=4 << 20, copy_kernel_sms=2)
     assert eng.launcher.max_sms == 2
     data = rng.integers(0, 256, size=(8, pool.block_nbytes), dtype=np.uint8)
     eng.copy("caller", np.arange(8), "host", np.arange(8), src_arrays={"blk": data}).wait()
@@ -144,7 +144,13 @@ def test_path_choice_and_bounded_sms(tmp_path, rng):
     assert eng.copy("host", [0, 1, 5], "device", [1, 2, 7]).wait().path == "kernel+memcpy"
     out = {"blk": np.empty((8, pool.block_nbytes), np.uint8)}
     eng.copy("device", np.arange(8), "caller", np.arange(8), dst_arrays=out).wait()
-    exp = {4: 0, 5: 1, 6: 2, 0: 7, 2: 3, 1: 0, 7: 5}
+    exp = {4: 0, 5: 1, 6: 2, 0: 7, 1: 0, 2: 1, 7: 5}  # the third copy overwrote slot 2
+    assert eng.launcher.batch_min_bytes == 4 << 20
+    eng.launcher.batch_min_bytes = 1 << 20  # now scattered 1 MiB blocks go to the copy engines
+    want = "batch" if eng.launcher.batch.available else "memcpy"
+    assert eng.copy("device", [4, 6], "host", [0, 7]).wait().path == want
+    host = eng.tiers["host"].arrays["blk"]
+    assert np.array_equal(host[0], data[0]) and np.array_equal(host[7], data[2])
     for d, s_ in exp.items():
         assert np.array_equal(out["blk"][d], data[s_]), d
 

@@ -7,7 +7,8 @@ For each block size (16 KiB, 64 KiB, 256 KiB, 2 MiB by default) and direction (h
 - ``contiguous``: one ``cudaMemcpyAsync`` of all the bytes (the bus's ceiling, the reference);
 - ``naive``: one ``cudaMemcpyAsync`` per block, from a Python loop;
 - ``batch``: the driver's ``cuMemcpyBatchAsync`` (what vLLM uses), where the driver has it;
-- ``tiercache``: the engine's launcher (gather/scatter kernel for scattered blocks).
+- ``tiercache``: the engine's launcher with its own path choice (kernel for small blocks, the
+  batched driver copy from ``batch_min_bytes`` up), and ``kernel``: the kernel forced.
 
 Every figure is the median of ``reps`` runs timed with CUDA events, after a warm-up. It then
 measures partial copies (first N tokens of each KV block) against a contiguous copy of the same
@@ -18,12 +19,12 @@ copy kernel.
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 import time
 
 import numpy as np
 
+from .batchcopy import BatchCopy
 from .copykernels import CopyLauncher, Segments, segments_for
 from .geometry import PoolSpec
 from .hostmem import alloc_host
@@ -31,52 +32,6 @@ from .memcopy import MEMCPY_DEFAULT
 
 KiB = 1024
 MiB = 1024 * KiB
-
-
-class _Attrs(ctypes.Structure):
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcType", ctypes.c_int), ("srcId", ctypes.c_int),
-                ("dstType", ctypes.c_int), ("dstId", ctypes.c_int), ("flags", ctypes.c_uint)]
-
-
-class BatchCopy:
-    """``cuMemcpyBatchAsync`` (CUDA 12.8+ driver) through ctypes; ``available`` is False where
-    the driver lacks it."""
-
-    def __init__(self) -> None:
-        self.fn = None
-        self.v2 = False
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            return
-        for name, v2 in (("cuMemcpyBatchAsync_v2", True), ("cuMemcpyBatchAsync", False)):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                self.fn, self.v2 = fn, v2
-                break
-
-    @property
-    def available(self) -> bool:
-        return self.fn is not None
-
-    def prepare(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray):
-        """Arguments for :meth:`launch` (kept alive by the caller)."""
-        attrs = _Attrs(1, 0, 0, 0, 0, 0)  # source access order: stream
-        return (np.ascontiguousarray(dsts, dtype=np.uint64), np.ascontiguousarray(srcs, dtype=np.uint64),
-                np.ascontiguousarray(sizes, dtype=np.uint64), attrs, np.zeros(1, dtype=np.uint64),
-                np.zeros(1, dtype=np.uint64))
-
-    def launch(self, args, stream_ptr: int) -> None:
-        dsts, srcs, sizes, attrs, idxs, fail = args
-        p = ctypes.c_void_p
-        common = [p(dsts.ctypes.data), p(srcs.ctypes.data), p(sizes.ctypes.data), ctypes.c_size_t(dsts.size),
-                  ctypes.byref(attrs), p(idxs.ctypes.data), ctypes.c_size_t(1)]
-        if self.v2:
-            rc = self.fn(*common, p(stream_ptr))
-        else:
-            rc = self.fn(*common, p(fail.ctypes.data), p(stream_ptr))
-        if rc != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {rc}")
 
 
 def _time(fn, stream, reps: int, warmup: int = 2) -> float:
@@ -123,13 +78,14 @@ def _bufs(n: int, block: int, device_id: int):
 
 
 def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int = 256 * MiB, reps: int = 7,
-                    device_id: int = 0, copy_kernel_sms: int | None = None, seed: int = 0, log=print) -> list[dict]:
+                    device_id: int = 0, copy_kernel_sms: int | None = None, seed: int = 0, log=print,
+                    launcher_kw: dict | None = None) -> list[dict]:
     """Scattered host <-> device copies: GB/s of each method and ratios to contiguous."""
     import cupy
 
     rng = np.random.default_rng(seed)
     batch = BatchCopy()
-    launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms)
+    launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms, **(launcher_kw or {}))
     rows = []
     with cupy.cuda.Device(device_id):
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -154,7 +110,12 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                     for a, b in zip(s_l, d_l):
                         cupy.cuda.runtime.memcpyAsync(dp + b, sp + a, block, MEMCPY_DEFAULT, stream.ptr)
 
+                path = []
+
                 def ours():
+                    path.append(launcher.launch(src, s, dst, d, seg, stream))
+
+                def kernel():
                     launcher.launch(src, s, dst, d, seg, stream, force="kernel")
 
                 res["contiguous_gbps"] = nbytes / _time(contiguous, stream, reps) / 1e9
@@ -167,25 +128,27 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                     except RuntimeError as exc:
                         res["batch_error"] = str(exc)
                 res["tiercache_gbps"] = nbytes / _time(ours, stream, reps) / 1e9
+                res["tiercache_path"] = path[-1]
+                res["kernel_gbps"] = nbytes / _time(kernel, stream, reps) / 1e9
                 # correctness of the timed path
                 stream.synchronize()
                 check = rng.choice(n, size=min(n, 16), replace=False)
                 got = dst[d[check]] if isinstance(dst, np.ndarray) else dst[d[check]].get()
                 want = src[s[check]] if isinstance(src, np.ndarray) else src[s[check]].get()
                 res["verified"] = bool(np.array_equal(got, want))
-                for k in ("naive", "batch", "tiercache"):
+                for k in ("naive", "batch", "tiercache", "kernel"):
                     if f"{k}_gbps" in res:
                         res[f"{k}_ratio"] = res[f"{k}_gbps"] / res["contiguous_gbps"]
                 rows.append(res)
                 log(f"  scattered {block // KiB:>5} KiB {direction}: contiguous {res['contiguous_gbps']:.1f} GB/s, "
-                    f"tiercache {res['tiercache_gbps']:.1f} ({res['tiercache_ratio']:.0%}), naive "
+                    f"tiercache {res['tiercache_gbps']:.1f} ({res['tiercache_ratio']:.0%}, {res['tiercache_path']}), naive "
                     f"{res['naive_gbps']:.1f}, batch {res.get('batch_gbps', float('nan')):.1f}")
             del host, dev
     return rows
 
 
 def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id: int = 0,
-                  copy_kernel_sms: int | None = None, seed: int = 1, log=print) -> list[dict]:
+                  copy_kernel_sms: int | None = None, seed: int = 1, log=print, launcher_kw: dict | None = None) -> list[dict]:
     """Partial copies (first N of 16 tokens) of Llama-3.1-8B KV blocks (2 MiB, layer-major),
     against a contiguous copy of the same number of bytes."""
     import cupy
@@ -193,7 +156,7 @@ def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id:
     pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8, tokens_per_block=16, head_dim=128,
                        dtype="bfloat16")
     rng = np.random.default_rng(seed)
-    launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms)
+    launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms, **(launcher_kw or {}))
     rows = []
     with cupy.cuda.Device(device_id):
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -250,8 +213,8 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
     return res
 
 
-def bench_overlap(sms_list=(2, 4, 8, 16), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
-                  iters: int = 20, device_id: int = 0, log=print) -> dict:
+def bench_overlap(sms_list=(4, 8, 16, 32), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
+                  iters: int = 20, device_id: int = 0, log=print, launcher_kw: dict | None = None) -> dict:
     """A bf16 matrix product alone, then beside a stream of scattered 16 KiB host -> device
     transfers (kernel with each SM bound, and cuMemcpyBatchAsync): product slowdown and
     transfer bandwidth relative to contiguous."""
@@ -294,7 +257,7 @@ def bench_overlap(sms_list=(2, 4, 8, 16), block: int = 16 * KiB, blocks: int = 8
         log(f"  overlap: {matmul}^3 bf16 product x{iters} alone {t_product * 1e3:.1f} ms "
             f"({res['product_tflops']:.0f} TFLOP/s); contiguous h2d {res['contiguous_gbps']:.1f} GB/s")
         seg = Segments(1, block, block)
-        methods = [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k)) for k in sms_list]
+        methods = [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))) for k in sms_list]
         batch = BatchCopy()
         if batch.available:
             methods.append(("batch", None))
@@ -309,26 +272,27 @@ def bench_overlap(sms_list=(2, 4, 8, 16), block: int = 16 * KiB, blocks: int = 8
                 def xfer(launcher=launcher):
                     launcher.launch(host, s, dev, d, seg, ts, force="kernel")
             t_alone = _time(xfer, ts, 5)
-            # together: enqueue the products, then transfers until the products finish
-            ev = [cupy.cuda.Event() for _ in range(4)]
-            cupy.cuda.Device(device_id).synchronize()
-            ev[0].record(cs)
-            product()
-            ev[1].record(cs)
-            ev[2].record(ts)
-            n_x = 0
-            while not ev[1].done and n_x < 10_000:
-                xfer()
-                n_x += 1
-                if n_x % 4 == 0:
-                    ts.synchronize()
-            ev[3].record(ts)
-            ev[3].synchronize()
-            ev[1].synchronize()
-            t_prod_with = cupy.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3
-            t_x = cupy.cuda.get_elapsed_time(ev[2], ev[3]) / 1e3
-            row = {"method": name, "transfer_alone_gbps": nbytes / t_alone / 1e9,
-                   "transfer_during_gbps": n_x * nbytes / t_x / 1e9 if t_x > 0 else 0.0,
+            # together: the products on their stream, and enough transfers queued up front (no
+            # host syncs in between) to span them; median of three such runs
+            n_x = max(2, int(round(t_product / t_alone)))
+            prods, spans = [], []
+            for _ in range(3):
+                ev = [cupy.cuda.Event() for _ in range(4)]
+                cupy.cuda.Device(device_id).synchronize()
+                ev[0].record(cs)
+                ev[2].record(ts)
+                product()
+                for _ in range(n_x):
+                    xfer()
+                ev[1].record(cs)
+                ev[3].record(ts)
+                ev[1].synchronize()
+                ev[3].synchronize()
+                prods.append(cupy.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3)
+                spans.append(cupy.cuda.get_elapsed_time(ev[2], ev[3]) / 1e3)
+            t_prod_with, t_x = statistics.median(prods), statistics.median(spans)
+            row = {"method": name, "transfer_alone_gbps": nbytes / t_alone / 1e9, "batches": n_x,
+                   "transfer_during_gbps": n_x * nbytes / t_x / 1e9,
                    "product_with_s": t_prod_with, "product_slowdown": t_prod_with / t_product - 1}
             row["transfer_during_ratio"] = row["transfer_during_gbps"] / res["contiguous_gbps"]
             res["runs"].append(row)
@@ -336,6 +300,38 @@ def bench_overlap(sms_list=(2, 4, 8, 16), block: int = 16 * KiB, blocks: int = 8
                 f"{row['transfer_during_gbps']:.1f} GB/s ({row['transfer_during_ratio']:.0%} of contiguous); "
                 f"product slowed {row['product_slowdown']:+.1%}")
     return res
+
+
+def bench_shapes(block: int = 16 * KiB, total: int = 128 * MiB, reps: int = 5, device_id: int = 0, log=print) -> list[dict]:
+    """Kernel launch shapes (SM bound x CTAs per SM x unroll) on scattered 16 KiB blocks, both
+    directions, as a fraction of contiguous: the data behind the defaults."""
+    import cupy
+
+    rng = np.random.default_rng(4)
+    n = total // block
+    rows = []
+    with cupy.cuda.Device(device_id):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host, _owner, dev = _bufs(n, block, device_id)
+        s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+        seg = Segments(1, block, block)
+        contig = {}
+        for direction, (src, dst) in (("h2d", (host, dev)), ("d2h", (dev, host))):
+            sp = src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr
+            dp = dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr
+            contig[direction] = total / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, total, MEMCPY_DEFAULT, stream.ptr), stream, reps) / 1e9
+        for sms in (8, 16, 32, None):
+            for ctas in (1, 2, 4):
+                for unroll in (4, 8):
+                    la = CopyLauncher(device_id, max_sms=sms, ctas_per_sm=ctas, unroll=unroll)
+                    row = {"sms": sms or la.num_sms, "ctas_per_sm": ctas, "unroll": unroll}
+                    for direction, (src, dst) in (("h2d", (host, dev)), ("d2h", (dev, host))):
+                        t = _time(lambda: la.launch(src, s, dst, d, seg, stream, force="kernel"), stream, reps)
+                        row[direction] = total / t / 1e9 / contig[direction]
+                    rows.append(row)
+        best = max(rows, key=lambda r: min(r["h2d"], r["d2h"]))
+        log(f"  shapes: best {best} of {len(rows)}; contiguous h2d {contig['h2d']:.1f}, d2h {contig['d2h']:.1f} GB/s")
+    return rows
 
 
 def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int | None = None, log=print) -> dict:
@@ -349,6 +345,8 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
         raise TierUnavailableError(f"the copy benchmark needs a GPU: {st.reason}")
     total = 64 * MiB if quick else 256 * MiB
     rep = {"job": "copy", "device": st.reason, "copy_kernel_sms": copy_kernel_sms}
+    if not quick:
+        rep["shapes"] = bench_shapes(device_id=device_id, log=log)
     rep["scattered"] = bench_scattered(total=total, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
     rep["partial"] = bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
     rep["planning"] = bench_planning(device_id=device_id, log=log)
@@ -360,11 +358,12 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
 def format_copy_report(rep: dict) -> str:
     """The copy benchmark as tables."""
     out = [f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'})", "",
-           f"  {'block':>8} {'dir':>4} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'naive':>7} {'ratio':>6} "
-           f"{'batch':>7} {'ratio':>6}"]
+           f"  {'block':>8} {'dir':>4} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'path':>7} {'kernel':>7} "
+           f"{'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} {'ratio':>6}"]
     for r in rep["scattered"]:
         out.append(f"  {r['block_bytes'] // KiB:>5} KiB {r['direction']:>4} {r['contiguous_gbps']:>12.1f} "
-                   f"{r['tiercache_gbps']:>10.1f} {r['tiercache_ratio']:>6.0%} {r['naive_gbps']:>7.1f} "
+                   f"{r['tiercache_gbps']:>10.1f} {r['tiercache_ratio']:>6.0%} {r['tiercache_path']:>7} "
+                   f"{r['kernel_gbps']:>7.1f} {r['kernel_ratio']:>6.0%} {r['naive_gbps']:>7.1f} "
                    f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} {r.get('batch_ratio', float('nan')):>6.0%}")
     out += ["", f"  {'partial':>12} {'dir':>4} {'segment B':>10} {'GB/s':>7} {'contig':>7} {'ratio':>6}"]
     for r in rep["partial"]:
@@ -377,6 +376,11 @@ def format_copy_report(rep: dict) -> str:
     out += ["", f"  {o['matmul']}^3 bf16 product x{o['iters']}: {o['product_alone_s'] * 1e3:.1f} ms alone "
                 f"({o['product_tflops']:.0f} TFLOP/s); contiguous h2d {o['contiguous_gbps']:.1f} GB/s",
             f"  {'method':>12} {'alone GB/s':>11} {'beside GB/s':>12} {'of contig':>10} {'product':>8}"]
+    if rep.get("shapes"):
+        best = sorted(rep["shapes"], key=lambda r: -min(r["h2d"], r["d2h"]))[:5]
+        out[3:3] = [f"  kernel shapes, 16 KiB scattered, fraction of contiguous (best 5 of {len(rep['shapes'])}):"] + [
+            f"    sms {r['sms']:>3} ctas/sm {r['ctas_per_sm']} unroll {r['unroll']}: h2d {r['h2d']:.0%} d2h {r['d2h']:.0%}"
+            for r in best] + [""]
     for r in o["runs"]:
         out.append(f"  {r['method']:>12} {r['transfer_alone_gbps']:>11.1f} {r['transfer_during_gbps']:>12.1f} "
                    f"{r['transfer_during_ratio']:>10.0%} {r['product_slowdown']:>+8.1%}")

@@ -52,7 +52,7 @@ MAX_IO_THREADS = 256
 _TIER_KEYS = {"device_slots", "host_slots", "file_slots"}
 _FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads"}
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
-_TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes"}
+_TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes"}
 _TOP_KEYS = {"tiers", "file", "pools", "device", "transfer"}
 
 
@@ -90,6 +90,8 @@ class CacheConfig:
             how much a copy takes from the engine's compute.
         memcpy_min_bytes: runs of consecutive slots of at least this many bytes go to
             ``cudaMemcpyAsync`` (copy engines, no SMs); shorter ones to the kernel.
+        batch_min_bytes: other blocks of at least this many bytes go to ``cuMemcpyBatchAsync``
+            (copy engines) where the driver has it.
 
     Raises:
         ConfigError: any value out of range (see each attribute).
@@ -108,6 +110,7 @@ class CacheConfig:
     streams_per_direction: int = 2
     copy_kernel_sms: int | None = None
     memcpy_min_bytes: int = 4 << 20
+    batch_min_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         pools = self.pools
@@ -130,6 +133,7 @@ class CacheConfig:
         if self.copy_kernel_sms is not None:
             _check_int("copy_kernel_sms", self.copy_kernel_sms, 1, 1025)
         _check_int("memcpy_min_bytes", self.memcpy_min_bytes, 1, 1 << 40)
+        _check_int("batch_min_bytes", self.batch_min_bytes, 1, 1 << 40)
         _check_choice("io_mode", self.io_mode, IO_MODES)
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
         if not isinstance(self.verify_checksums, bool):
@@ -185,6 +189,7 @@ class CacheConfig:
             "streams_per_direction": self.streams_per_direction,
             "copy_kernel_sms": self.copy_kernel_sms,
             "memcpy_min_bytes": self.memcpy_min_bytes,
+            "batch_min_bytes": self.batch_min_bytes,
             "block_nbytes": self.block_nbytes,
         }
 

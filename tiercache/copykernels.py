@@ -1,10 +1,14 @@
 """How a batch of block copies between two memory endpoints is executed on the GPU.
 
 Per pool, a batch is planned into runs of consecutive slots on both sides
-(:mod:`tiercache.copyplan`). Runs of at least ``memcpy_min_bytes`` go to the copy engines as one
-``cudaMemcpyAsync`` each (no SMs used); the rest go to one launch of the gather/scatter kernel
-(``kernels/copy_blocks.cu``), which reads and writes pinned host memory through unified
-addressing with 16-byte accesses where alignment allows. Partial copies (the first
+(:mod:`tiercache.copyplan`), and each part goes where it was measured to be fastest:
+
+- runs of at least ``memcpy_min_bytes``: one ``cudaMemcpyAsync`` each (copy engines, no SMs);
+- other blocks of at least ``batch_min_bytes``: one ``cuMemcpyBatchAsync`` for all of them (copy
+  engines; per-block ``cudaMemcpyAsync`` where the driver lacks it);
+- the rest: one launch of the gather/scatter kernel (``kernels/copy_blocks.cu``), which reads
+  and writes pinned host memory through unified addressing with 16-byte accesses where
+  alignment allows. Partial copies (the first
 ``num_tokens`` tokens of each block) always use the kernel: each block is ``segs`` segments of
 ``seg_bytes`` bytes, ``seg_stride`` apart.
 
@@ -24,8 +28,6 @@ from .errors import ArrayMismatchError
 from .geometry import PoolSpec
 from .memcopy import MEMCPY_DEFAULT, data_ptr
 
-THREADS = 256
-UNROLL = 4
 
 
 @dataclass(frozen=True)
@@ -83,24 +85,37 @@ class CopyLauncher:
     Args:
         device_id: the CUDA device.
         max_sms: SMs a copy kernel may occupy (None: all).
-        ctas_per_sm: resident thread blocks per SM assumed when sizing the grid.
+        ctas_per_sm: thread blocks per SM when sizing the grid.
+        threads: threads per block.
+        unroll: chunks in flight per thread (4 or 8).
         memcpy_min_bytes: runs at least this long go to ``cudaMemcpyAsync``.
+        batch_min_bytes: other blocks at least this long go to ``cuMemcpyBatchAsync``.
     """
 
-    def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 4,
-                 memcpy_min_bytes: int = 4 << 20) -> None:
+    def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 4, threads: int = 256,
+                 unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 1 << 20) -> None:
         import cupy
 
         from tiercache.kernels.loader import get_kernel
 
+        from .batchcopy import BatchCopy
+
+        if unroll not in (4, 8):
+            raise ValueError(f"unroll = {unroll} must be 4 or 8")
         self.device_id = device_id
         with cupy.cuda.Device(device_id):
             self.num_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-            self._kernels = {v: get_kernel("copy_blocks.cu", f"tc_copy_v{v}", device_id) for v in (16, 8, 4, 1)}
+            self._kernels = {v: get_kernel("copy_blocks.cu", f"tc_copy_v{v}_u{unroll}", device_id)
+                             for v in (16, 8, 4, 1)}
             self._spin = get_kernel("copy_blocks.cu", "tc_spin", device_id)
         self.max_sms = self.num_sms if max_sms is None else max(1, min(int(max_sms), self.num_sms))
         self.ctas_per_sm = ctas_per_sm
+        self.threads = threads
+        self.unroll = unroll
         self.memcpy_min_bytes = memcpy_min_bytes
+        self.batch_min_bytes = batch_min_bytes
+        self.batch = BatchCopy()
+        self._keep = None  # arguments of the last batch call
 
     def spin(self, stream, ns: int) -> None:
         """Debug: occupy ``stream`` for ``ns`` nanoseconds (one thread)."""
@@ -128,7 +143,7 @@ class CopyLauncher:
                 cupy.cuda.runtime.memcpy2DAsync(dp + b * row_dst, seg.seg_stride, sp + a * row_src, seg.seg_stride,
                                                 seg.seg_bytes, seg.segs, MEMCPY_DEFAULT, stream.ptr)
             return "memcpy"
-        if whole and force != "kernel":
+        if whole and force not in ("kernel", "batch"):
             runs = contiguous_runs(src_slots, dst_slots)
             big = runs.length * row_src >= (1 if force == "memcpy" else self.memcpy_min_bytes)
             if big.any():
@@ -141,16 +156,30 @@ class CopyLauncher:
                 for st, m in zip(starts[big].tolist(), runs.length[big].tolist()):
                     covered[st:st + m] = True
                 kernel_idx = np.flatnonzero(~covered)
+        use_batch = whole and kernel_idx.size and (
+            force == "batch" or (force is None and row_src >= self.batch_min_bytes))
+        if use_batch:
+            srcs = sp + src_slots[kernel_idx].astype(np.uint64) * np.uint64(row_src)
+            dsts = dp + dst_slots[kernel_idx].astype(np.uint64) * np.uint64(row_dst)
+            if self.batch.available:
+                self._keep = self.batch.prepare(dsts, srcs, np.full(kernel_idx.size, row_src, dtype=np.uint64))
+                self.batch.launch(self._keep, stream.ptr)
+                used.add("batch")
+            else:
+                for a, b in zip(srcs.tolist(), dsts.tolist()):
+                    cupy.cuda.runtime.memcpyAsync(b, a, row_src, MEMCPY_DEFAULT, stream.ptr)
+                used.add("memcpy")
+            kernel_idx = kernel_idx[:0]
         if kernel_idx.size:
             src_off = src_slots[kernel_idx].astype(np.int64) * row_src
             dst_off = dst_slots[kernel_idx].astype(np.int64) * row_dst
             vec = _vector_bytes(sp, dp, row_src, row_dst, seg.seg_stride, seg.seg_bytes)
             chunks = kernel_idx.size * seg.segs * (seg.seg_bytes // vec)
-            grid = max(1, min(math.ceil(chunks / (THREADS * UNROLL)), self.max_sms * self.ctas_per_sm))
+            grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), self.max_sms * self.ctas_per_sm))
             with stream:
                 offs = cupy.asarray(np.stack([src_off, dst_off]))  # one small upload on `stream`
             self._kernels[vec](
-                (grid,), (THREADS,),
+                (grid,), (self.threads,),
                 (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(kernel_idx.size),
                  np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
                 stream=stream,

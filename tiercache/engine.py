@@ -66,6 +66,7 @@ class TransferEngine:
         ordering: order conflicting copies per slot (turn off only to demonstrate hazards).
         copy_kernel_sms: SMs a copy kernel may occupy (None: all).
         memcpy_min_bytes: contiguous runs at least this long use ``cudaMemcpyAsync``.
+        batch_min_bytes: other blocks at least this long use ``cuMemcpyBatchAsync``.
         keep_finished: results kept for :meth:`get_finished` (oldest dropped beyond it).
 
     The engine is thread-safe (one lock around submission and bookkeeping).
@@ -73,7 +74,8 @@ class TransferEngine:
 
     def __init__(self, tiers: dict, pools: tuple[PoolSpec, ...], device_id: int = 0, *,
                  streams_per_direction: int = 2, ordering: bool = True, copy_kernel_sms: int | None = None,
-                 memcpy_min_bytes: int = 4 << 20, keep_finished: int = 100_000) -> None:
+                 memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 1 << 20,
+                 keep_finished: int = 100_000) -> None:
         self.tiers = tiers
         self.pools = {p.name: p for p in pools}
         self.device_id = device_id
@@ -89,7 +91,8 @@ class TransferEngine:
         if self.gpu:
             self._streams = StreamPool(device_id, max(1, streams_per_direction))
             self._events = EventPool()
-            self.launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms, memcpy_min_bytes=memcpy_min_bytes)
+            self.launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms, memcpy_min_bytes=memcpy_min_bytes,
+                                         batch_min_bytes=batch_min_bytes)
         else:
             self._streams = self._events = self.launcher = None
 

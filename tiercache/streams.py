@@ -21,16 +21,35 @@ def as_cupy_stream(stream=None):
     if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
         return stream
     if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
-        return cupy.cuda.ExternalStream(int(stream.cuda_stream))
+        return _external(int(stream.cuda_stream))
     if hasattr(stream, "__cuda_stream__"):
         _version, handle = stream.__cuda_stream__()
-        return cupy.cuda.ExternalStream(int(handle))
+        return _external(int(handle))
     if isinstance(stream, int):
-        return cupy.cuda.ExternalStream(stream)
+        return _external(stream)
     raise TypeError(
         f"stream of type {type(stream).__name__}: pass a CuPy stream, a torch.cuda.Stream, an "
         "object with __cuda_stream__, an int cudaStream_t, or None"
     )
+
+
+class _Handle:
+    """A raw ``cudaStream_t`` exposed through the CUDA stream protocol."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def _external(handle: int):
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy 14+: ExternalStream is deprecated
+        return from_external(_Handle(handle))
+    return cupy.cuda.ExternalStream(handle)
 
 
 class StreamPool:
