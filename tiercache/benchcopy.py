@@ -92,14 +92,22 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
         for block in sizes:
             n = max(8, total // block)
             host, _owner, dev = _bufs(n, block, device_id)
-            s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+            dev_scat = scattered_slots(rng, n)
             nbytes = n * block
-            for direction in ("h2d", "d2h"):
+            for direction, layout in (("h2d", "scattered"), ("d2h", "scattered"), ("h2d", "host-runs"),
+                                      ("d2h", "host-runs")):
+                # scattered: random slots on both sides; host-runs: the host side in runs of 64
+                # consecutive slots (what the cache's allocator produces), the device side scattered
+                if layout == "scattered":
+                    hs_ = scattered_slots(rng, n)
+                else:
+                    hs_ = (rng.permutation(n // 64)[:, None] * 64 + np.arange(64)).reshape(-1) if n >= 64 else np.arange(n)
+                s, d = (hs_, dev_scat) if direction == "h2d" else (dev_scat, hs_)
                 src, dst = (host, dev) if direction == "h2d" else (dev, host)
                 sp, dp = (src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr,
                           dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr)
                 seg = Segments(1, block, block)
-                res = {"block_bytes": block, "direction": direction, "blocks": n, "bytes": nbytes}
+                res = {"block_bytes": block, "direction": direction, "layout": layout, "blocks": n, "bytes": nbytes}
 
                 def contiguous():
                     cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, stream.ptr)
@@ -140,7 +148,7 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                     if f"{k}_gbps" in res:
                         res[f"{k}_ratio"] = res[f"{k}_gbps"] / res["contiguous_gbps"]
                 rows.append(res)
-                log(f"  scattered {block // KiB:>5} KiB {direction}: contiguous {res['contiguous_gbps']:.1f} GB/s, "
+                log(f"  {layout} {block // KiB:>5} KiB {direction}: contiguous {res['contiguous_gbps']:.1f} GB/s, "
                     f"tiercache {res['tiercache_gbps']:.1f} ({res['tiercache_ratio']:.0%}, {res['tiercache_path']}), naive "
                     f"{res['naive_gbps']:.1f}, batch {res.get('batch_gbps', float('nan')):.1f}")
             del host, dev
@@ -213,7 +221,7 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
     return res
 
 
-def bench_overlap(sms_list=(4, 8, 16, 32), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
+def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
                   iters: int = 20, device_id: int = 0, log=print, launcher_kw: dict | None = None) -> dict:
     """A bf16 matrix product alone, then beside a stream of scattered 16 KiB host -> device
     transfers (kernel with each SM bound, and cuMemcpyBatchAsync): product slowdown and
@@ -261,8 +269,14 @@ def bench_overlap(sms_list=(4, 8, 16, 32), block: int = 16 * KiB, blocks: int = 
         batch = BatchCopy()
         if batch.available:
             methods.append(("batch", None))
+        host_runs = (rng.permutation(blocks // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
+        for k in sms_list:
+            methods.append((f"staged_{k}sm", ("staged", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {})))))
         for name, launcher in methods:
-            if launcher is None:
+            if isinstance(launcher, tuple):
+                def xfer(launcher=launcher[1]):
+                    launcher.launch(host, host_runs, dev, d, seg, ts, force="staged")
+            elif launcher is None:
                 args = batch.prepare(dev.data.ptr + d.astype(np.uint64) * block, host.ctypes.data + s.astype(np.uint64) * block,
                                      np.full(blocks, block, dtype=np.uint64))
 
@@ -358,10 +372,10 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
 def format_copy_report(rep: dict) -> str:
     """The copy benchmark as tables."""
     out = [f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'})", "",
-           f"  {'block':>8} {'dir':>4} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'path':>7} {'kernel':>7} "
+           f"  {'block':>8} {'dir':>4} {'host side':>10} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'path':>7} {'kernel':>7} "
            f"{'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} {'ratio':>6}"]
     for r in rep["scattered"]:
-        out.append(f"  {r['block_bytes'] // KiB:>5} KiB {r['direction']:>4} {r['contiguous_gbps']:>12.1f} "
+        out.append(f"  {r['block_bytes'] // KiB:>5} KiB {r['direction']:>4} {r['layout']:>10} {r['contiguous_gbps']:>12.1f} "
                    f"{r['tiercache_gbps']:>10.1f} {r['tiercache_ratio']:>6.0%} {r['tiercache_path']:>7} "
                    f"{r['kernel_gbps']:>7.1f} {r['kernel_ratio']:>6.0%} {r['naive_gbps']:>7.1f} "
                    f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} {r.get('batch_ratio', float('nan')):>6.0%}")

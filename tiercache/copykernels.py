@@ -4,6 +4,9 @@ Per pool, a batch is planned into runs of consecutive slots on both sides
 (:mod:`tiercache.copyplan`), and each part goes where it was measured to be fastest:
 
 - runs of at least ``memcpy_min_bytes``: one ``cudaMemcpyAsync`` each (copy engines, no SMs);
+- host <-> device batches whose host slots form runs of at least ``staged_min_run_bytes`` (on
+  average): the staged path (:mod:`tiercache.stagedcopy`): copy engines for PCIe, the kernel
+  only for the scatter/gather in VRAM;
 - other blocks of at least ``batch_min_bytes``: one ``cuMemcpyBatchAsync`` for all of them (copy
   engines; per-block ``cudaMemcpyAsync`` where the driver lacks it);
 - the rest: one launch of the gather/scatter kernel (``kernels/copy_blocks.cu``), which reads
@@ -90,10 +93,13 @@ class CopyLauncher:
         unroll: chunks in flight per thread (4 or 8).
         memcpy_min_bytes: runs at least this long go to ``cudaMemcpyAsync``.
         batch_min_bytes: other blocks at least this long go to ``cuMemcpyBatchAsync``.
+        staged_min_run_bytes: host <-> device batches whose host-side runs average at least
+            this many bytes take the staged path.
     """
 
-    def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 4, threads: int = 256,
-                 unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 1 << 20) -> None:
+    def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
+                 unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 1 << 20,
+                 staged_min_run_bytes: int = 512 << 10) -> None:
         import cupy
 
         from tiercache.kernels.loader import get_kernel
@@ -114,8 +120,12 @@ class CopyLauncher:
         self.unroll = unroll
         self.memcpy_min_bytes = memcpy_min_bytes
         self.batch_min_bytes = batch_min_bytes
+        self.staged_min_run_bytes = staged_min_run_bytes
         self.batch = BatchCopy()
         self._keep = None  # arguments of the last batch call
+        from .stagedcopy import StagedCopier
+
+        self.staged = StagedCopier(self)
 
     def spin(self, stream, ns: int) -> None:
         """Debug: occupy ``stream`` for ``ns`` nanoseconds (one thread)."""
@@ -156,6 +166,14 @@ class CopyLauncher:
                 for st, m in zip(starts[big].tolist(), runs.length[big].tolist()):
                     covered[st:st + m] = True
                 kernel_idx = np.flatnonzero(~covered)
+        host_dev = isinstance(src, np.ndarray) != isinstance(dst, np.ndarray)
+        if whole and kernel_idx.size and host_dev and row_src <= self.staged.chunk_bytes and (
+                force == "staged" or (force is None and row_src < self.batch_min_bytes and self.staged.host_runs(
+                    (src_slots if isinstance(src, np.ndarray) else dst_slots)[kernel_idx]) * row_src
+                    >= self.staged_min_run_bytes)):
+            self.staged.copy(src, src_slots[kernel_idx], dst, dst_slots[kernel_idx], stream)
+            used.add("staged")
+            kernel_idx = kernel_idx[:0]
         use_batch = whole and kernel_idx.size and (
             force == "batch" or (force is None and row_src >= self.batch_min_bytes))
         if use_batch:
