@@ -136,6 +136,7 @@ def test_path_choice_and_bounded_sms(tmp_path, rng):
     pool = PoolSpec("blk", (1 << 20,), "uint8")  # 1 MiB blocks
     eng = make_engine(tmp_path, (pool,), device_slots=8, host_slots=8, file_slots=0, memcpy_min_bytes=2 << 20,
                       batch_min_bytes=4 << 20, copy_kernel_sms=2)
+    eng.launcher.staged_min_run_bytes = 1 << 40  # staged path off here; test_staged_path_* covers it
     assert eng.launcher.max_sms == 2
     data = rng.integers(0, 256, size=(8, pool.block_nbytes), dtype=np.uint8)
     eng.copy("caller", np.arange(8), "host", np.arange(8), src_arrays={"blk": data}).wait()
@@ -233,3 +234,25 @@ def test_staged_path_round_trip(tmp_path, rng, n_blocks):
     back = eng.copy("device", ds, "host", hs2).wait()
     assert back.path == "staged"
     assert np.array_equal(eng.tiers["host"].arrays["blk"][hs2], data[hs])
+
+
+def test_upload_ring_wraps_without_clobbering(rng):
+    import cupy
+
+    from tiercache.uploadring import UploadRing
+
+    ring = UploadRing(0, nbytes=4096)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    outs, wants = [], []
+    for i in range(60):
+        arr = rng.integers(0, 1 << 40, size=int(rng.integers(1, 200)), dtype=np.int64)
+        dev = ring.upload(arr, stream)
+        out = cupy.empty_like(dev)
+        with stream:
+            out[...] = dev * 1  # a "kernel" reading the upload, on the stream
+        ring.release(stream)
+        outs.append(out)
+        wants.append(arr)
+    stream.synchronize()
+    for out, want in zip(outs, wants):
+        assert np.array_equal(out.get(), want)

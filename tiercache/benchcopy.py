@@ -66,12 +66,13 @@ def scattered_slots(rng: np.random.Generator, n: int) -> np.ndarray:
             return p
 
 
-def _bufs(n: int, block: int, device_id: int):
+def _bufs(n: int, block: int, device_id: int, host_rows: int | None = None):
     import cupy
 
-    host, owner = alloc_host(n * block, pinned=True)
-    host = host.reshape(n, block)
-    host[:] = np.random.default_rng(0).integers(0, 256, size=(n, block), dtype=np.uint8)
+    rows = host_rows or n
+    host, owner = alloc_host(rows * block, pinned=True)
+    host = host.reshape(rows, block)
+    host[:] = np.random.default_rng(0).integers(0, 256, size=(rows, block), dtype=np.uint8)
     with cupy.cuda.Device(device_id):
         dev = cupy.empty((n, block), dtype=cupy.uint8)
     return host, owner, dev
@@ -91,15 +92,15 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
         stream = cupy.cuda.Stream(non_blocking=True)
         for block in sizes:
             n = max(8, total // block)
-            host, _owner, dev = _bufs(n, block, device_id)
+            host, _owner, dev = _bufs(n, block, device_id, host_rows=2 * n)
             dev_scat = scattered_slots(rng, n)
             nbytes = n * block
             for direction, layout in (("h2d", "scattered"), ("d2h", "scattered"), ("h2d", "host-runs"),
                                       ("d2h", "host-runs")):
-                # scattered: random slots on both sides; host-runs: the host side in runs of 64
+                # scattered: random slots on both sides (a random half of the host slots); host-runs: the host side in runs of 64
                 # consecutive slots (what the cache's allocator produces), the device side scattered
-                if layout == "scattered":
-                    hs_ = scattered_slots(rng, n)
+                if layout == "scattered":  # n of the 2n host slots, at random: runs average ~2 blocks
+                    hs_ = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
                 else:
                     hs_ = (rng.permutation(n // 64)[:, None] * 64 + np.arange(64)).reshape(-1) if n >= 64 else np.arange(n)
                 s, d = (hs_, dev_scat) if direction == "h2d" else (dev_scat, hs_)

@@ -124,8 +124,10 @@ class CopyLauncher:
         self.batch = BatchCopy()
         self._keep = None  # arguments of the last batch call
         from .stagedcopy import StagedCopier
+        from .uploadring import UploadRing
 
         self.staged = StagedCopier(self)
+        self.ring = UploadRing(device_id)
 
     def spin(self, stream, ns: int) -> None:
         """Debug: occupy ``stream`` for ``ns`` nanoseconds (one thread)."""
@@ -194,13 +196,13 @@ class CopyLauncher:
             vec = _vector_bytes(sp, dp, row_src, row_dst, seg.seg_stride, seg.seg_bytes)
             chunks = kernel_idx.size * seg.segs * (seg.seg_bytes // vec)
             grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), self.max_sms * self.ctas_per_sm))
-            with stream:
-                offs = cupy.asarray(np.stack([src_off, dst_off]))  # one small upload on `stream`
+            offs = self.ring.upload(np.stack([src_off, dst_off]), stream)  # async, from pinned memory
             self._kernels[vec](
                 (grid,), (self.threads,),
                 (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(kernel_idx.size),
                  np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
                 stream=stream,
             )
+            self.ring.release(stream)
             used.add("kernel")
         return "+".join(sorted(used))
