@@ -222,7 +222,7 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
     return res
 
 
-def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
+def bench_overlap(sms_list=(6, 8, 10, 12), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
                   iters: int = 20, device_id: int = 0, log=print, launcher_kw: dict | None = None) -> dict:
     """A bf16 matrix product alone, then beside a stream of scattered 16 KiB host -> device
     transfers (kernel with each SM bound, and cuMemcpyBatchAsync): product slowdown and
@@ -257,7 +257,7 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
         host, _owner, dev = _bufs(blocks, block, device_id)
         s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
         nbytes = blocks * block
-        ts = cupy.cuda.Stream(non_blocking=True)
+        ts = ts_normal = cupy.cuda.Stream(non_blocking=True)
         t_product = _time(product, cs, 5)
         t_contig = _time(lambda: cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, MEMCPY_DEFAULT, ts.ptr), ts, 5)
         flops = 2 * matmul**3 * iters
@@ -271,20 +271,28 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
         if batch.available:
             methods.append(("batch", None))
         host_runs = (rng.permutation(blocks // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
+        methods.append(("staged_16sm", ("staged", CopyLauncher(device_id, max_sms=16, **(launcher_kw or {})))))
+        from .streams import copy_stream
+
+        hi = copy_stream("high")
         for k in sms_list:
-            methods.append((f"staged_{k}sm", ("staged", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {})))))
+            methods.append((f"kernel_{k}sm_hi", ("hi", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {})))))
         for name, launcher in methods:
-            if isinstance(launcher, tuple):
-                def xfer(launcher=launcher[1]):
+            ts = hi if isinstance(launcher, tuple) and launcher[0] == "hi" else ts_normal
+            if isinstance(launcher, tuple) and launcher[0] == "hi":
+                def xfer(launcher=launcher[1], ts=ts):
+                    launcher.launch(host, s, dev, d, seg, ts, force="kernel")
+            elif isinstance(launcher, tuple):
+                def xfer(launcher=launcher[1], ts=ts):
                     launcher.launch(host, host_runs, dev, d, seg, ts, force="staged")
             elif launcher is None:
                 args = batch.prepare(dev.data.ptr + d.astype(np.uint64) * block, host.ctypes.data + s.astype(np.uint64) * block,
                                      np.full(blocks, block, dtype=np.uint64))
 
-                def xfer():
+                def xfer(ts=ts):
                     batch.launch(args, ts.ptr)
             else:
-                def xfer(launcher=launcher):
+                def xfer(launcher=launcher, ts=ts):
                     launcher.launch(host, s, dev, d, seg, ts, force="kernel")
             t_alone = _time(xfer, ts, 5)
             # together: the products on their stream, and enough transfers queued up front (no

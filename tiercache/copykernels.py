@@ -94,12 +94,13 @@ class CopyLauncher:
         memcpy_min_bytes: runs at least this long go to ``cudaMemcpyAsync``.
         batch_min_bytes: other blocks at least this long go to ``cuMemcpyBatchAsync``.
         staged_min_run_bytes: host <-> device batches whose host-side runs average at least
-            this many bytes take the staged path.
+            this many bytes take the staged path; 0 (the default) turns it off: on the H100s
+            measured it ran at 78-95% of contiguous, below the kernel (see docs/performance.md).
     """
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
                  unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 1 << 20,
-                 staged_min_run_bytes: int = 512 << 10) -> None:
+                 staged_min_run_bytes: int = 0) -> None:
         import cupy
 
         from tiercache.kernels.loader import get_kernel
@@ -170,7 +171,8 @@ class CopyLauncher:
                 kernel_idx = np.flatnonzero(~covered)
         host_dev = isinstance(src, np.ndarray) != isinstance(dst, np.ndarray)
         if whole and kernel_idx.size and host_dev and row_src <= self.staged.chunk_bytes and (
-                force == "staged" or (force is None and row_src < self.batch_min_bytes and self.staged.host_runs(
+                force == "staged" or (force is None and self.staged_min_run_bytes and row_src < self.batch_min_bytes
+                                      and self.staged.host_runs(
                     (src_slots if isinstance(src, np.ndarray) else dst_slots)[kernel_idx]) * row_src
                     >= self.staged_min_run_bytes)):
             self.staged.copy(src, src_slots[kernel_idx], dst, dst_slots[kernel_idx], stream)

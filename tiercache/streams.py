@@ -52,12 +52,23 @@ def _external(handle: int):
     return cupy.cuda.ExternalStream(handle)
 
 
+def copy_stream(priority: str = "high"):
+    """A non-blocking stream; ``high`` priority lets copy kernels take SMs ahead of compute
+    kernels when both wait for them (the copy engines are not affected)."""
+    import cupy
+
+    if priority == "high":
+        _least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+        return cupy.cuda.Stream(non_blocking=True, priority=greatest)
+    return cupy.cuda.Stream(non_blocking=True)
+
+
 class StreamPool:
     """``per_direction`` non-blocking streams for each direction, handed out round-robin, so
     independent jobs of one direction may overlap (their conflicts are ordered by events, not by
     stream order)."""
 
-    def __init__(self, device_id: int, per_direction: int = 2) -> None:
+    def __init__(self, device_id: int, per_direction: int = 2, priority: str = "high") -> None:
         import cupy
 
         self.device_id = device_id
@@ -65,7 +76,7 @@ class StreamPool:
         self._cycle: dict[str, itertools.cycle] = {}
         with cupy.cuda.Device(device_id):
             for d in ("offload", "onboard", "copy"):
-                self._streams[d] = [cupy.cuda.Stream(non_blocking=True) for _ in range(per_direction)]
+                self._streams[d] = [copy_stream(priority) for _ in range(per_direction)]
                 self._cycle[d] = itertools.cycle(self._streams[d])
 
     def next(self, direction: str):
