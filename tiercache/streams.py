@@ -58,8 +58,8 @@ def copy_stream(priority: str = "high"):
     import cupy
 
     if priority == "high":
-        _least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
-        return cupy.cuda.Stream(non_blocking=True, priority=greatest)
+        # CUDA clamps a priority outside the device's range to its highest priority
+        return cupy.cuda.Stream(non_blocking=True, priority=-1000)
     return cupy.cuda.Stream(non_blocking=True)
 
 
