@@ -401,7 +401,7 @@ def format_copy_report(rep: dict) -> str:
             f"  {'method':>12} {'alone GB/s':>11} {'beside GB/s':>12} {'of contig':>10} {'product':>8}"]
     if rep.get("shapes"):
         best = sorted(rep["shapes"], key=lambda r: -min(r["h2d"], r["d2h"]))[:5]
-        out[3:3] = [f"  kernel shapes, 16 KiB scattered, fraction of contiguous (best 5 of {len(rep['shapes'])}):"] + [
+        out[2:2] = [f"  kernel shapes, 16 KiB scattered, fraction of contiguous (best 5 of {len(rep['shapes'])}):"] + [
             f"    sms {r['sms']:>3} ctas/sm {r['ctas_per_sm']} unroll {r['unroll']}: h2d {r['h2d']:.0%} d2h {r['d2h']:.0%}"
             for r in best] + [""]
     for r in o["runs"]:
