@@ -261,10 +261,10 @@ def test_write_failure_keeps_source(make_config, rng, monkeypatch):
         doomed_keys = {keys[i] for i in doomed}
         real = posix_io.write_block
 
-        def failing(final, key, pool, data, fsync):
+        def failing(final, key, pool, data, *args):
             if key in doomed_keys:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            return real(final, key, pool, data, fsync)
+            return real(final, key, pool, data, *args)
 
         monkeypatch.setattr(posix_io, "write_block", failing)
         with pytest.raises(TransferError) as ei:

@@ -116,8 +116,8 @@ def test_bench_fails_on_bad_bytes(small_config, monkeypatch):
 
     real = posix_io.read_block
 
-    def flip(path, key, pool, out, verify):
-        real(path, key, pool, out, False)
+    def flip(path, key, pool, out, verify, *args):
+        real(path, key, pool, out, False, *args)
         np.asarray(out)[0] ^= 1  # damage after the checksum would have been checked
 
     monkeypatch.setattr(posix_io, "read_block", flip)

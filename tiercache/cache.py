@@ -85,8 +85,10 @@ class TierCache:
             self.tiers["host"] = make_host_tier(config.host_slots, config.pools)
         if config.file_slots:
             self.tiers["file"] = FileTier(
-                config.root, config.pools, config.file_slots, self.io_path, fsync=config.fsync,
+                config.root, config.pools, config.file_capacity_slots, self.io_path, fsync=config.fsync,
                 verify=config.verify_checksums, io_threads=config.io_threads, device_id=config.device_id,
+                direct_io=config.direct_io, kvikio_task_size=config.kvikio_task_size,
+                kvikio_gds_threshold=config.kvikio_gds_threshold,
             )
         if not self.tiers:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
@@ -113,7 +115,7 @@ class TierCache:
 
     def _capacity(self, name: str) -> int:
         return {"device": self.config.device_slots, "host": self.config.host_slots,
-                "file": self.config.file_slots}[name]
+                "file": self.config.file_capacity_slots}[name]
 
     def _log_no_cuda(self, cuda) -> None:
         global _logged_no_cuda
@@ -632,7 +634,9 @@ class TierCache:
                     "bytes_used": len(ts) * per_block,
                     "bytes_capacity": ts.num_slots * per_block,
                     **({"pinned_memory": t.pinned} if name == "host" else {}),
-                    **({"root": str(t.root)} if name == "file" else {}),
+                    **({"root": str(t.root), "bytes_on_disk": len(ts) * self.config.block_file_bytes,
+                        "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io}
+                       if name == "file" else {}),
                 }
             return {
                 "io_path": {"name": self.io_path.name, "label": self.io_path.label, "reason": self.io_path.reason},

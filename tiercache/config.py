@@ -50,7 +50,8 @@ FSYNC_POLICIES = ("none", "data", "data+dir")
 MAX_IO_THREADS = 256
 
 _TIER_KEYS = {"device_slots", "host_slots", "file_slots"}
-_FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads"}
+_FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "capacity_bytes", "direct_io",
+              "kvikio_task_size", "kvikio_gds_threshold"}
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes"}
 _TOP_KEYS = {"tiers", "file", "pools", "device", "transfer"}
@@ -84,6 +85,12 @@ class CacheConfig:
             ``data+dir`` (also fsync the directory after the rename).
         verify_checksums: verify each block file's checksum when it is read.
         io_threads: file I/O threads (tiercache's POSIX pool and kvikio's), 1..256.
+        capacity_bytes: bytes the file tier may use on disk (0: no byte limit; ``file_slots``
+            still applies). Least recently used blocks are deleted beyond it.
+        direct_io: open block files with O_DIRECT on the POSIX path (bypasses the page cache;
+            blocks whose size is not a multiple of 4096 use buffered I/O).
+        kvikio_task_size: bytes per kvikio task (None: kvikio's default, 4 MiB).
+        kvikio_gds_threshold: I/O smaller than this skips cuFile in kvikio (None: default).
         device_id: CUDA device ordinal of the device tier.
         streams_per_direction: CUDA streams per copy direction (offload, onboard, copy), 1..16.
         copy_kernel_sms: SMs the gather/scatter kernel may occupy, 1..1024 (None: all); default
@@ -107,6 +114,10 @@ class CacheConfig:
     fsync: str = "data"
     verify_checksums: bool = True
     io_threads: int = 8
+    capacity_bytes: int = 0
+    direct_io: bool = False
+    kvikio_task_size: int | None = None
+    kvikio_gds_threshold: int | None = None
     device_id: int = 0
     streams_per_direction: int = 2
     copy_kernel_sms: int | None = 8
@@ -137,8 +148,18 @@ class CacheConfig:
         _check_int("batch_min_bytes", self.batch_min_bytes, 1, 1 << 40)
         _check_choice("io_mode", self.io_mode, IO_MODES)
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
-        if not isinstance(self.verify_checksums, bool):
-            raise ConfigError(f"verify_checksums = {self.verify_checksums!r} must be true or false")
+        for key in ("verify_checksums", "direct_io"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} = {getattr(self, key)!r} must be true or false")
+        _check_int("capacity_bytes", self.capacity_bytes, 0, 1 << 62)
+        for key in ("kvikio_task_size", "kvikio_gds_threshold"):
+            if getattr(self, key) is not None:
+                _check_int(key, getattr(self, key), 0 if key == "kvikio_gds_threshold" else 4096, 1 << 40)
+        if self.capacity_bytes and self.file_slots and self.capacity_bytes < self.block_file_bytes:
+            raise ConfigError(
+                f"capacity_bytes = {self.capacity_bytes} holds no block: one block takes {self.block_file_bytes} "
+                "bytes on disk (0 means no byte limit)"
+            )
         root = self.root
         if root is None:
             root = default_root()
@@ -171,6 +192,20 @@ class CacheConfig:
         """Bytes of one block across all pools."""
         return sum(p.block_nbytes for p in self.pools)
 
+    @property
+    def block_file_bytes(self) -> int:
+        """Bytes one block takes on disk (its files for every pool, headers and padding)."""
+        from .blockfile import file_size
+
+        return sum(file_size(p.block_nbytes) for p in self.pools)
+
+    @property
+    def file_capacity_slots(self) -> int:
+        """Blocks the file tier may hold: ``file_slots``, lowered by ``capacity_bytes``."""
+        if not self.capacity_bytes:
+            return self.file_slots
+        return min(self.file_slots, self.capacity_bytes // self.block_file_bytes)
+
     def replace(self, **changes: Any) -> CacheConfig:
         """A copy with ``changes`` applied (validated like the original)."""
         return dataclasses.replace(self, **changes)
@@ -187,6 +222,8 @@ class CacheConfig:
             "fsync": self.fsync,
             "verify_checksums": self.verify_checksums,
             "io_threads": self.io_threads,
+            "capacity_bytes": self.capacity_bytes,
+            "direct_io": self.direct_io,
             "streams_per_direction": self.streams_per_direction,
             "copy_kernel_sms": self.copy_kernel_sms,
             "memcpy_min_bytes": self.memcpy_min_bytes,

@@ -60,11 +60,10 @@ def cuda_status() -> CudaStatus:
 
 
 def _cupy_importable() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except Exception:
-        return False
-    return True
+    """Whether CuPy is installed (without importing it, which takes a while)."""
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
 
 
 def require_cupy() -> ModuleType:

@@ -1,8 +1,5 @@
-"""The file tier: one file per block and pool under a root directory that tiercache owns.
-
-The root holds a marker file (``.tiercache-root``) with the format version; a directory that
-is not empty and has no marker is refused, so tiercache never writes into (or later purges)
-somebody else's files. Blocks are written atomically (see :mod:`tiercache.posix_io`); when a
+"""The file tier: one file per block and pool under a root directory that tiercache owns
+(marker and single-writer lock: :mod:`tiercache.rootdir`). Blocks are written atomically (see :mod:`tiercache.posix_io`); when a
 cache reopens a root, :meth:`FileTier.scan` rebuilds the index from the files, removes
 leftover temporary files, and moves files that fail their header check into
 ``quarantine/``.
@@ -10,7 +7,6 @@ leftover temporary files, and moves files that fail their header check into
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -21,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import kvikio_io, posix_io
-from .blockfile import FORMAT_VERSION, TMP_PREFIX, block_filename, parse_filename
-from .errors import CorruptBlockError, RootError
+from .blockfile import TMP_PREFIX, block_filename, parse_filename
+from .errors import CorruptBlockError
+from .rootdir import DIR_MODE, OWN_NAMES, QUARANTINE, RootLock, open_root
 from .geometry import PoolSpec
 from .iopath import IOPath
 from .keys import Key, key_text
@@ -30,9 +27,6 @@ from .memcopy import copy_sync
 
 log = logging.getLogger("tiercache")
 
-MARKER = ".tiercache-root"
-QUARANTINE = "quarantine"
-DIR_MODE = 0o700
 
 
 @dataclass
@@ -54,43 +48,6 @@ class ScanResult:
     foreign: list[str] = field(default_factory=list)
 
 
-def open_root(root: Path) -> None:
-    """Create ``root`` (mode 0700) with its marker, or check an existing one.
-
-    Raises:
-        RootError: ``root`` is not a directory, cannot be created or written, or is a
-            non-empty directory without tiercache's marker.
-    """
-    marker = root / MARKER
-    if root.exists() and not root.is_dir():
-        raise RootError(f"file-tier root {str(root)!r} exists and is not a directory")
-    try:
-        root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RootError(f"cannot create file-tier root {str(root)!r}: {exc.strerror}") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise RootError(f"file-tier root {str(root)!r} is not writable by this user")
-    if marker.is_file():
-        try:
-            fmt = json.loads(marker.read_text()).get("format")
-        except (OSError, ValueError, AttributeError):
-            raise RootError(f"file-tier root {str(root)!r} has an unreadable marker {MARKER}") from None
-        if fmt != FORMAT_VERSION:
-            raise RootError(
-                f"file-tier root {str(root)!r} has format {fmt!r}; this tiercache reads {FORMAT_VERSION}"
-            )
-        return
-    if any(root.iterdir()):
-        raise RootError(
-            f"refusing to use {str(root)!r} as a file-tier root: it is not empty and has no "
-            f"{MARKER} marker (not created by tiercache); give an empty or new directory"
-        )
-    try:
-        marker.write_text(json.dumps({"format": FORMAT_VERSION, "created": time.time()}))
-    except OSError as exc:
-        raise RootError(f"cannot write marker in file-tier root {str(root)!r}: {exc.strerror}") from None
-
-
 class FileTier:
     """Block files under ``root``, read and written by a pool of I/O threads.
 
@@ -109,8 +66,11 @@ class FileTier:
     """
 
     def __init__(self, root: Path, pools: tuple[PoolSpec, ...], num_slots: int, io_path: IOPath,
-                 fsync: str = "data", verify: bool = True, io_threads: int = 8, device_id: int = 0) -> None:
+                 fsync: str = "data", verify: bool = True, io_threads: int = 8, device_id: int = 0,
+                 direct_io: bool = False, kvikio_task_size: int | None = None,
+                 kvikio_gds_threshold: int | None = None) -> None:
         open_root(root)
+        self._lock = RootLock(root)
         self.root = root
         self.pools = {p.name: p for p in pools}
         self.num_slots = num_slots
@@ -118,11 +78,12 @@ class FileTier:
         self.fsync = fsync
         self.verify = verify
         self.device_id = device_id
+        self.direct_io = direct_io
         self._max_nbytes = max(p.block_nbytes for p in pools)
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercache-io")
         if io_path.kvikio:
-            kvikio_io.configure(io_threads)
+            kvikio_io.configure(io_threads, kvikio_task_size, kvikio_gds_threshold)
 
     # -- paths -------------------------------------------------------------------------
     def path(self, key: Key, pool: str) -> Path:
@@ -142,7 +103,7 @@ class FileTier:
                 except FileNotFoundError:
                     pass
                 continue
-            if entry.name in (MARKER, QUARANTINE):
+            if entry.name in OWN_NAMES or entry.name.startswith(".tiercache-root"):
                 continue
             parsed = parse_filename(entry.name)
             if parsed is None or parsed[1] not in self.pools or not entry.is_file():
@@ -207,7 +168,7 @@ class FileTier:
     def _write_one(self, key: Key, pool: PoolSpec, buf) -> None:
         final = self.path(key, pool.name)
         if isinstance(buf, memoryview) or hasattr(buf, "ctypes"):  # host memory
-            posix_io.write_block(final, key, pool, buf, self.fsync)
+            posix_io.write_block(final, key, pool, buf, self.fsync, self.direct_io)
             return
         import cupy
 
@@ -218,12 +179,12 @@ class FileTier:
             else:  # forced POSIX: bounce through pinned staging
                 host = staging[: pool.block_nbytes]
                 copy_sync(host, buf)
-                posix_io.write_block(final, key, pool, host, self.fsync)
+                posix_io.write_block(final, key, pool, host, self.fsync, self.direct_io)
 
     def _read_one(self, key: Key, pool: PoolSpec, buf) -> None:
         path = self.path(key, pool.name)
         if hasattr(buf, "ctypes"):
-            posix_io.read_block(path, key, pool, buf, self.verify)
+            posix_io.read_block(path, key, pool, buf, self.verify, self.direct_io)
             return
         import cupy
 
@@ -233,7 +194,7 @@ class FileTier:
                 kvikio_io.read_block(path, key, pool, buf, staging, self.verify)
             else:
                 host = staging[: pool.block_nbytes]
-                posix_io.read_block(path, key, pool, host, self.verify)
+                posix_io.read_block(path, key, pool, host, self.verify, self.direct_io)
                 copy_sync(buf, host)
 
     def _write_key(self, key: Key, bufs: dict) -> None:
@@ -305,5 +266,6 @@ class FileTier:
         return f"block_{key_text(key)}_pool_*.bin"
 
     def close(self) -> None:
-        """Stop the I/O threads (after the running ones finish)."""
+        """Stop the I/O threads (after the running ones finish) and release the root's lock."""
         self._executor.shutdown(wait=True)
+        self._lock.release()

@@ -19,12 +19,14 @@ from .keys import Key
 from .posix_io import atomic_write, read_header
 
 
-def configure(num_threads: int) -> None:
-    """Size kvikio's thread pool (process-wide)."""
+def configure(num_threads: int, task_size: int | None = None, gds_threshold: int | None = None) -> None:
+    """Set kvikio's thread pool size, task size and GDS threshold (process-wide settings)."""
     import kvikio.defaults
 
-    if kvikio.defaults.get("num_threads") != num_threads:
-        kvikio.defaults.set("num_threads", num_threads)
+    wanted = {"num_threads": num_threads, "task_size": task_size, "gds_threshold": gds_threshold}
+    for key, value in wanted.items():
+        if value is not None and kvikio.defaults.get(key) != value:
+            kvikio.defaults.set(key, value)
 
 
 def _device_checksum(dev, staging) -> int:

@@ -8,10 +8,15 @@ that the next open removes.
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from .blockfile import (
     DATA_OFFSET,
@@ -27,6 +32,33 @@ from .geometry import PoolSpec
 from .keys import Key
 
 FILE_MODE = 0o600
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+_local = threading.local()
+
+
+def _page() -> memoryview:
+    """A thread-local, page-aligned 4096-byte buffer (headers under O_DIRECT)."""
+    buf = getattr(_local, "page", None)
+    if buf is None:
+        buf = _local.page = mmap.mmap(-1, DATA_OFFSET)
+    return memoryview(buf)
+
+
+def direct_ok(buf) -> bool:
+    """True when ``buf`` may be used for O_DIRECT I/O: page-aligned address and length."""
+    arr = np.asarray(buf)
+    return bool(O_DIRECT) and arr.ctypes.data % 4096 == 0 and arr.nbytes % 4096 == 0
+
+
+def _open(path, flags: int, direct: bool, mode: int = FILE_MODE) -> tuple[int, bool]:
+    """Open with O_DIRECT when asked and supported (filesystems such as tmpfs refuse it)."""
+    if direct:
+        try:
+            return os.open(path, flags | O_DIRECT, mode), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
 
 
 def pwrite_all(fd: int, buffers: list, offset: int) -> None:
@@ -65,16 +97,22 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write(final: Path, header: bytes, nbytes: int, fsync: str,
-                 write_data: Callable[[int, Path], None]) -> None:
+                 write_data: Callable[[int, Path], None], direct: bool = False) -> None:
     """Create ``final`` atomically: header at 0, data (written by ``write_data(fd, tmp_path)``
     at :data:`DATA_OFFSET`), padded to :func:`file_size`, flushed per ``fsync``, renamed.
+    ``direct`` opens the file with O_DIRECT (the data must then be page-aligned).
 
     On any error the temporary file is removed and ``final`` is untouched.
     """
     tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    fd, direct = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, direct)
     try:
-        pwrite_all(fd, [header], 0)
+        if direct:
+            page = _page()
+            page[:] = header
+            pwrite_all(fd, [page], 0)
+        else:
+            pwrite_all(fd, [header], 0)
         write_data(fd, tmp)
         os.ftruncate(fd, file_size(nbytes))
         if fsync != "none":
@@ -94,11 +132,12 @@ def atomic_write(final: Path, header: bytes, nbytes: int, fsync: str,
         fsync_dir(final.parent)
 
 
-def write_block(final: Path, key: Key, pool: PoolSpec, data, fsync: str) -> None:
-    """Write one block from host memory ``data`` (``block_nbytes`` bytes) to ``final``."""
+def write_block(final: Path, key: Key, pool: PoolSpec, data, fsync: str, direct: bool = False) -> None:
+    """Write one block from host memory ``data`` (``block_nbytes`` bytes) to ``final``;
+    ``direct`` uses O_DIRECT where ``data`` is page-aligned in address and length."""
     header = encode_header(key, pool, checksum(data))
     atomic_write(final, header, pool.block_nbytes, fsync,
-                 lambda fd, _tmp: pwrite_all(fd, [data], DATA_OFFSET))
+                 lambda fd, _tmp: pwrite_all(fd, [data], DATA_OFFSET), direct=direct and direct_ok(data))
 
 
 def read_header(fd: int, key: Key, pool: PoolSpec, where: str):
@@ -107,8 +146,9 @@ def read_header(fd: int, key: Key, pool: PoolSpec, where: str):
     Raises:
         CorruptBlockError: bad header, wrong geometry, or a file shorter than its block.
     """
-    head = os.pread(fd, DATA_OFFSET, 0)
-    header = decode_header(head, where)
+    page = _page()
+    n = os.preadv(fd, [page], 0)  # an aligned buffer: valid under O_DIRECT too
+    header = decode_header(bytes(page[:n]), where)
     check_header(header, key, pool, where)
     size = os.fstat(fd).st_size
     if size < DATA_OFFSET + pool.block_nbytes:
@@ -116,15 +156,15 @@ def read_header(fd: int, key: Key, pool: PoolSpec, where: str):
     return header
 
 
-def read_block(path: Path, key: Key, pool: PoolSpec, out, verify: bool) -> None:
+def read_block(path: Path, key: Key, pool: PoolSpec, out, verify: bool, direct: bool = False) -> None:
     """Read one block into host buffer ``out`` (``block_nbytes`` bytes), checking its header
-    and, when ``verify``, its checksum.
+    and, when ``verify``, its checksum; ``direct`` uses O_DIRECT where ``out`` is page-aligned.
 
     Raises:
         CorruptBlockError: the file does not verify.
         FileNotFoundError / OSError: the file cannot be read.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd, _ = _open(path, os.O_RDONLY | os.O_CLOEXEC, direct and direct_ok(out))
     try:
         header = read_header(fd, key, pool, str(path))
         try:

@@ -1,0 +1,55 @@
+"""Crash safety: a child process spills and flushes blocks continuously and is killed with
+SIGKILL at random moments; after each kill the root is reopened, every block it serves must
+match the bytes written, and every block acknowledged as flushed must be present."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from crash_child import block, pools
+from tiercache import CacheConfig, TierCache
+
+KILLS = int(os.environ.get("TIERCACHE_CRASH_KILLS", "50"))
+
+
+def test_sigkill_at_random_moments(tmp_path, rng):
+    root, ack = tmp_path / "root", tmp_path / "acked.log"
+    env = dict(os.environ, TIERCACHE_DISABLE_CUDA="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    cfg = CacheConfig(pools=pools, host_slots=6, file_slots=100_000, root=root, fsync="data")
+    next_key, served_total = 0, 0
+    for i in range(KILLS):
+        child = subprocess.Popen([sys.executable, str(Path(__file__).parent / "crash_child.py"), str(root),
+                                  str(ack), str(next_key)], env=env, stderr=subprocess.PIPE)
+        # wait until it is writing (its first acknowledgement of this round), then a random moment
+        deadline = time.time() + 60
+        base = ack.stat().st_size if ack.exists() else 0
+        while (not ack.exists() or ack.stat().st_size == base) and child.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        assert child.poll() is None, child.stderr.read().decode()
+        time.sleep(float(rng.uniform(0, 0.25)))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        acked = {int(k) for line in ack.read_text().splitlines() if line.strip() for k in line.split()}
+        with TierCache(cfg) as cache:
+            stored = set(cache.keys("file"))
+            missing = acked - stored
+            assert not missing, f"kill {i}: acknowledged blocks lost: {sorted(missing)[:5]}"
+            keys = sorted(stored)
+            for p in pools:
+                got = cache.get(keys, pool=p.name, out=np.empty((len(keys), p.block_nbytes), np.uint8))
+                want = np.concatenate([block(k, p) for k in keys])
+                bad = [keys[j] for j in np.flatnonzero((got != want).any(axis=1))]
+                assert not bad, f"kill {i}: blocks served with wrong bytes: {bad[:5]}"
+            served_total = len(keys)
+            assert not list(root.glob(".tmp.*")), "temporary files survived the reopen"
+        next_key = max(stored | acked | {next_key}) + 1000  # fresh keys for the next round
+    assert served_total >= KILLS  # every round acknowledged at least one batch
