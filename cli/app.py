@@ -38,6 +38,7 @@ class OutputFormat(str, Enum):
 class Job(str, Enum):
     main = "main"
     copy = "copy"
+    file = "file"
 
 
 class IOMode(str, Enum):
@@ -77,7 +78,8 @@ def bench(
     seed: Annotated[Optional[int], typer.Option(help="Random seed (default: fresh, reported).")] = None,
     keep: Annotated[bool, typer.Option(help="Keep the job's block files.")] = False,
     job: Annotated[Job, typer.Option(help="main: every tier and back, verified; copy: host<->device copy "
-                                          "benchmark against cudaMemcpyAsync baselines (GPU).")] = Job.main,
+                                          "benchmark against cudaMemcpyAsync baselines (GPU); file: block files "
+                                          "against dd / raw O_DIRECT / kvikio on the root's disk.")] = Job.main,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy job).")] = False,
 ) -> None:
     """Run the main job: fill the top tier with random blocks, offload them through every
@@ -88,6 +90,9 @@ def bench(
     """
     if job is Job.copy:
         _copy_job(config, output_format, quick)
+        return
+    if job is Job.file:
+        _file_job(config, output_format, root, blocks, io)
         return
     try:
         cfg = load_config(config or _default_config(), root=root, io_mode=io.value if io else None)
@@ -112,6 +117,21 @@ def _copy_job(config: Path | None, output_format: OutputFormat, quick: bool) -> 
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_copy_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _file_job(config: Path | None, output_format: OutputFormat, root: Path | None, blocks: int | None,
+              io: IOMode | None) -> None:
+    from tiercache.benchfile import format_file_report, run_file_bench
+
+    try:
+        cfg = load_config(config or _default_config(), root=root)
+        log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+        rep = run_file_bench(cfg.root, cfg.pools[0], blocks=blocks or 256, io_threads=cfg.io_threads,
+                             io_mode=io.value if io else cfg.io_mode, log=log)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_file_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
 
 

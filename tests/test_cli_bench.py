@@ -131,3 +131,17 @@ def test_bench_fails_on_bad_bytes(small_config, monkeypatch):
         cuda.cuda_status.cache_clear()
     assert res.exit_code == 1, res.output
     assert "FAILED" in res.output
+
+
+def test_file_bench_json(small_config):
+    res = CliRunner().invoke(app, ["bench", "--job", "file", "--config", str(small_config), "--blocks", "8",
+                                   "--output-format", "json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    stages = {s["stage"]: s for s in rep["stages"]}
+    for name in ("raw write (O_DIRECT, fsync)", "raw cold read (O_DIRECT)", "block files durable write",
+                 "block files cold read", "block files cold read via aiofiles", "block files warm read"):
+        assert stages[name]["gb_per_s"] > 0, name
+    assert 0 < stages["block files cold read"]["ratio_to_raw"]
+    assert rep["bytes"] == 8 * rep["block_bytes"]
+    assert not list((small_config.parent / "root").glob("filebench-*"))

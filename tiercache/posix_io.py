@@ -87,6 +87,23 @@ def pread_into(fd: int, buf, offset: int) -> None:
         view = view[n:]
 
 
+def _preadv_all(fd: int, buffers: list) -> int:
+    """Fill ``buffers`` from offset 0 until they are full or the file ends; returns bytes read."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, total)
+        if n == 0:
+            break
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so that a rename in it is durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -166,11 +183,15 @@ def read_block(path: Path, key: Key, pool: PoolSpec, out, verify: bool, direct: 
     """
     fd, _ = _open(path, os.O_RDONLY | os.O_CLOEXEC, direct and direct_ok(out))
     try:
-        header = read_header(fd, key, pool, str(path))
-        try:
-            pread_into(fd, out, DATA_OFFSET)
-        except EOFError as exc:
-            raise CorruptBlockError(f"{path}: truncated ({exc})") from None
+        # header and data in one request (one I/O instead of a small one and a large one)
+        page = _page()
+        view = memoryview(np.asarray(out)).cast("B")
+        want = DATA_OFFSET + len(view)
+        got = _preadv_all(fd, [page, view])
+        header = decode_header(bytes(page), str(path))
+        check_header(header, key, pool, str(path))
+        if got < want:
+            raise CorruptBlockError(f"{path}: truncated ({got} bytes, expected {file_size(pool.block_nbytes)})")
     finally:
         os.close(fd)
     if verify and checksum(out) != header.checksum:

@@ -1,0 +1,80 @@
+"""asyncio front end: ``await`` forms of the cache's calls that never block the event loop.
+
+Each call runs on a worker thread (the cache's work is CPU copies, CUDA calls and file I/O,
+which the cache already spreads over its own I/O threads). A cancelled ``await`` returns at once,
+but the call it started runs to completion on its thread under the cache's lock, so the cache
+is always left consistent: a cancelled onboard either completed (the blocks are in the tier) or
+never started; it is never half done. Callers that must know can look the keys up afterwards.
+
+File I/O on the hot paths uses tiercache's worker pool, not ``aiofiles``: reading block files
+through aiofiles was measured slower (``tiercache bench --job file``, docs/performance.md),
+since aiofiles hands every open/read/close to a thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+from .cache import TierCache
+
+
+class AsyncTierCache:
+    """``await``-able wrapper of a :class:`~tiercache.TierCache`.
+
+    Args:
+        cache: the cache (owned by the caller; :meth:`aclose` closes it).
+        max_workers: threads running cache calls (calls serialize on the cache's lock anyway;
+            more threads only let reads of different calls queue without blocking the loop).
+
+    Every method takes the same arguments and raises the same errors as the cache's.
+    """
+
+    def __init__(self, cache: TierCache, max_workers: int = 2) -> None:
+        self.cache = cache
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tiercache-aio")
+
+    async def _run(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def put(self, keys, data, tier=None):
+        return await self._run(self.cache.put, keys, data, tier)
+
+    async def get(self, keys, pool=None, out=None):
+        return await self._run(self.cache.get, keys, pool, out)
+
+    async def offload(self, keys, to=None, keep=False):
+        return await self._run(self.cache.offload, keys, to, keep)
+
+    async def onboard(self, keys, to=None):
+        return await self._run(self.cache.onboard, keys, to)
+
+    async def flush(self, keys=None):
+        return await self._run(self.cache.flush, keys)
+
+    async def evict(self, keys, tier=None):
+        return await self._run(self.cache.evict, keys, tier)
+
+    async def wait_job(self, job, timeout: float | None = None):
+        """Await an engine :class:`~tiercache.jobs.Job` (result, or TransferError)."""
+        return await self._run(job.wait, timeout)
+
+    def lookup(self, key):
+        """Non-blocking (in-memory index only)."""
+        return self.cache.lookup(key)
+
+    def stats(self) -> dict:
+        return self.cache.stats()
+
+    async def aclose(self) -> None:
+        """Close the cache (waiting for its transfers) and the worker threads."""
+        await self._run(self.cache.close)
+        self._pool.shutdown(wait=True)
+
+    async def __aenter__(self) -> AsyncTierCache:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
