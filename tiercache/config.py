@@ -87,8 +87,10 @@ class CacheConfig:
         io_threads: file I/O threads (tiercache's POSIX pool and kvikio's), 1..256.
         capacity_bytes: bytes the file tier may use on disk (0: no byte limit; ``file_slots``
             still applies). Least recently used blocks are deleted beyond it.
-        direct_io: open block files with O_DIRECT on the POSIX path (bypasses the page cache;
-            blocks whose size is not a multiple of 4096 use buffered I/O).
+        direct_io: open block files with O_DIRECT on the POSIX path (the default: cold reads
+            measured 97% of raw with it, 80% without; spills do not evict the page cache).
+            Blocks whose size is not a multiple of 4096, and filesystems without O_DIRECT
+            (tmpfs), use buffered I/O.
         kvikio_task_size: bytes per kvikio task (None: kvikio's default, 4 MiB).
         kvikio_gds_threshold: I/O smaller than this skips cuFile in kvikio (None: default).
         device_id: CUDA device ordinal of the device tier.
@@ -115,7 +117,7 @@ class CacheConfig:
     verify_checksums: bool = True
     io_threads: int = 8
     capacity_bytes: int = 0
-    direct_io: bool = False
+    direct_io: bool = True
     kvikio_task_size: int | None = None
     kvikio_gds_threshold: int | None = None
     device_id: int = 0
