@@ -44,15 +44,24 @@ def read(eng, tier, slot, pool, key=None):
     return out[pool.name][0]
 
 
+def race(eng, first, second, file_delay: bool = False) -> None:
+    """Run ``first`` (a copy kept in flight by a debug delay), then ``second`` at once; wait."""
+    if file_delay:
+        eng.debug_file_delay_s = 0.3
+    else:
+        eng.debug_delay_ns = DELAY_NS
+    first()
+    eng.debug_delay_ns, eng.debug_file_delay_s = 0, 0.0
+    second()
+    eng.synchronize()
+
+
 @pytest.mark.parametrize("ordering", [True, False])
 def test_hazard_two_offloads_into_one_host_slot(tmp_path, rng, pool, ordering):
     eng = make_engine(tmp_path, (pool,), ordering=ordering)
     x, y = fill(eng, "device", 0, rng, pool), fill(eng, "device", 1, rng, pool)
-    eng.debug_delay_ns = DELAY_NS
-    eng.copy("device", [0], "host", [5])   # first offload, slow
-    eng.debug_delay_ns = 0
-    eng.copy("device", [1], "host", [5])   # second offload into the same slot, same step
-    eng.synchronize()
+    race(eng, lambda: eng.copy("device", [0], "host", [5]),   # first offload, slow
+         lambda: eng.copy("device", [1], "host", [5]))        # second offload into the same slot
     got = read(eng, "host", 5, pool)
     assert np.array_equal(got, y) if ordering else np.array_equal(got, x)
 
@@ -62,11 +71,8 @@ def test_hazard_onboard_from_slot_still_being_written(tmp_path, rng, pool, order
     eng = make_engine(tmp_path, (pool,), ordering=ordering)
     x = fill(eng, "device", 0, rng, pool)
     stale = fill(eng, "host", 5, rng, pool)
-    eng.debug_delay_ns = DELAY_NS
-    eng.copy("device", [0], "host", [5])   # offload in flight
-    eng.debug_delay_ns = 0
-    eng.copy("host", [5], "device", [3])   # onboard from the slot being written
-    eng.synchronize()
+    race(eng, lambda: eng.copy("device", [0], "host", [5]),   # offload in flight
+         lambda: eng.copy("host", [5], "device", [3]))        # onboard from the slot being written
     got = read(eng, "device", 3, pool)
     assert np.array_equal(got, x) if ordering else np.array_equal(got, stale)
 
@@ -77,11 +83,8 @@ def test_hazard_partial_copy_from_block_being_onboarded(tmp_path, rng, pool, ord
     x = fill(eng, "host", 5, rng, pool)
     stale = fill(eng, "device", 2, rng, pool)
     dst_before = fill(eng, "device", 7, rng, pool)
-    eng.debug_delay_ns = DELAY_NS
-    eng.copy("host", [5], "device", [2])                 # onboard in flight
-    eng.debug_delay_ns = 0
-    eng.copy("device", [2], "device", [7], num_tokens=5)  # partial reuse of the onboarded block
-    eng.synchronize()
+    race(eng, lambda: eng.copy("host", [5], "device", [2]),                   # onboard in flight
+         lambda: eng.copy("device", [2], "device", [7], num_tokens=5))       # partial reuse of it
     got = read(eng, "device", 7, pool).view(np.uint16).reshape(pool.block_shape)
     src = (x if ordering else stale).view(np.uint16).reshape(pool.block_shape)
     assert np.array_equal(got[:, :, :, :5], src[:, :, :, :5])
@@ -93,11 +96,8 @@ def test_hazard_evicting_host_slot_a_file_write_reads(tmp_path, rng, pool, order
     eng = make_engine(tmp_path, (pool,), ordering=ordering)
     x = fill(eng, "host", 5, rng, pool)
     y = fill(eng, "device", 1, rng, pool)
-    eng.debug_file_delay_s = 0.3
-    eng.copy("host", [5], "file", [0], keys=[1234])   # file write reading host slot 5
-    eng.debug_file_delay_s = 0.0
-    eng.copy("device", [1], "host", [5])              # slot 5 evicted and refilled at once
-    eng.synchronize()
+    race(eng, lambda: eng.copy("host", [5], "file", [0], keys=[1234]),   # file write reading host slot 5
+         lambda: eng.copy("device", [1], "host", [5]), file_delay=True)  # slot 5 evicted, refilled at once
     got = read(eng, "file", 0, pool, key=1234)
     assert np.array_equal(got, x) if ordering else np.array_equal(got, y)
 

@@ -138,13 +138,8 @@ def run_file_bench(root: Path, pool: PoolSpec, blocks: int = 256, io_threads: in
             files = [ft.path(k, pool.name) for k in keys]
             out, _o = alloc_host(nbytes)
             outs = out.reshape(blocks, pool.block_nbytes)
-            for verify in (True, False):
-                ft.verify = verify
-                drop_cache(files)
-                t = time.perf_counter()
-                errs = ft.read([(k, {pool.name: outs[k]}) for k in keys])
-                dt = time.perf_counter() - t
-                assert not any(errs.values()) and np.array_equal(out, host), "bytes differ"
+            for verify, dt in _cold_reads(ft, files, keys, pool, outs,
+                                          lambda: np.array_equal(out, host)):
                 add(f"block files cold read{' O_DIRECT' if direct else ''}{'' if verify else ' no-verify'}",
                     "POSIX pool", dt)
                 results[(direct, verify)] = dt
@@ -174,6 +169,23 @@ def run_file_bench(root: Path, pool: PoolSpec, blocks: int = 256, io_threads: in
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rep
+
+
+def _cold_reads(ft: FileTier, files, keys, pool: PoolSpec, rows, same) -> list[tuple[bool, float]]:
+    """Cold reads of every block into ``rows`` with checksum verification on, then off;
+    ``same()`` checks the bytes read. Returns ``[(verify, seconds)]``."""
+    out = []
+    for verify in (True, False):
+        ft.verify = verify
+        drop_cache(files)
+        t = time.perf_counter()
+        errs = ft.read([(k, {pool.name: rows[k]}) for k in keys])
+        dt = time.perf_counter() - t
+        if any(errs.values()) or not same():
+            raise AssertionError(f"cold read returned wrong bytes or errors: {errs}")
+        out.append((verify, dt))
+    ft.verify = True
+    return out
 
 
 def _gpu_stages(work, pool, blocks, host, io_threads, io_mode, add, rep) -> None:
@@ -208,13 +220,8 @@ def _gpu_stages(work, pool, blocks, host, io_threads, io_mode, add, rep) -> None
     files = [ft.path(k, pool.name) for k in keys]
     dev2 = cupy.empty_like(dev)
     rows2 = dev2.reshape(blocks, pool.block_nbytes)
-    for verify in (True, False):
-        ft.verify = verify
-        drop_cache(files)
-        t = time.perf_counter()
-        errs = ft.read([(k, {pool.name: rows2[k]}) for k in keys])
-        add(f"block files cold read into VRAM{'' if verify else ' no-verify'}", path.label, time.perf_counter() - t)
-        assert not any(errs.values()) and bool((dev2 == dev).all())
+    for verify, dt in _cold_reads(ft, files, keys, pool, rows2, lambda: bool((dev2 == dev).all())):
+        add(f"block files cold read into VRAM{'' if verify else ' no-verify'}", path.label, dt)
     ft.close()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .dtypes import numpy_dtype
-from .errors import SlotRangeError, UnknownPoolError
+from .errors import UnknownPoolError
 from .geometry import PoolSpec
 from .hostmem import alloc_host
 
@@ -69,25 +69,6 @@ class MemoryTier:
             if dt is None:
                 return raw
         return raw.view(dt).reshape((self.num_slots, *spec.block_shape))
-
-    def check_slots(self, slots, *, unique: bool = False) -> np.ndarray:
-        """``slots`` as an ``int64`` array, every value in ``[0, num_slots)``.
-
-        Raises:
-            SlotRangeError: a slot out of range, or a repeated slot when ``unique``.
-        """
-        arr = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.num_slots:
-                bad = lo if lo < 0 else hi
-                raise SlotRangeError(f"{self.name} slot {bad} outside [0, {self.num_slots})")
-            if unique and np.unique(arr).size != arr.size:
-                vals, counts = np.unique(arr, return_counts=True)
-                raise SlotRangeError(
-                    f"{self.name} slot {int(vals[counts > 1][0])} appears twice as a destination"
-                )
-        return arr
 
     @property
     def nbytes(self) -> int:

@@ -61,30 +61,24 @@ def _open(path, flags: int, direct: bool, mode: int = FILE_MODE) -> tuple[int, b
     return os.open(path, flags, mode), False
 
 
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of a vector of buffers (after a short read or write)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
+
+
 def pwrite_all(fd: int, buffers: list, offset: int) -> None:
     """Write every byte of ``buffers`` at ``offset``, retrying short writes."""
-    views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
     while views:
         n = os.pwritev(fd, views, offset)
         if n <= 0:
             raise OSError("pwritev wrote 0 bytes")
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def pread_into(fd: int, buf, offset: int) -> None:
-    """Fill ``buf`` (writable buffer) from ``offset``; a short file raises ``EOFError``."""
-    view = memoryview(buf).cast("B")
-    while len(view):
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise EOFError(f"file ends {len(view)} bytes early")
-        offset += n
-        view = view[n:]
+        _advance(views, n)
 
 
 def _preadv_all(fd: int, buffers: list) -> int:
@@ -96,11 +90,7 @@ def _preadv_all(fd: int, buffers: list) -> int:
         if n == 0:
             break
         total += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return total
 
 
