@@ -25,9 +25,14 @@ app = typer.Typer(
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+from .common import DEFAULT_CONFIG
+from .common import fail as _fail
+from .inspect_cmd import inspect
+from .purge_cmd import purge
+from .verify_cmd import verify
 
 
 class OutputFormat(str, Enum):
@@ -57,14 +62,14 @@ def _default_config() -> Path:
     return Path(str(files("tiercache").joinpath("configs/default.toml")))
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"tiercache: error: {message}", err=True)
-    raise typer.Exit(code)
-
-
 @app.callback()
 def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log tiercache's decisions.")] = False) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s", stream=sys.stderr)
+
+
+app.command()(inspect)
+app.command()(purge)
+app.command()(verify)
 
 
 @app.command()

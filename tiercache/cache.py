@@ -577,6 +577,7 @@ class TierCache:
             if todo:
                 self._copy_into(todo, "file", set(todo))
             self.counters["flushed_blocks"] += len(todo)
+            self._write_stats_snapshot()
             return len(todo)
 
     def evict(self, keys, tier: str | None = None) -> None:
@@ -655,12 +656,32 @@ class TierCache:
         with self._lock:
             if self._closed:
                 return
+            self._write_stats_snapshot()
             self._closed = True
             self.engine.shutdown()
             ft = self.tiers.get("file")
             if ft is not None:
                 ft.close()
             self.tiers.clear()
+
+    def _write_stats_snapshot(self) -> None:
+        """``<root>/.tiercache-root.stats.json``: the latest stats, for ``tiercache inspect``
+        (written atomically on flush and close; best effort)."""
+        ft = self.tiers.get("file")
+        if ft is None:
+            return
+        import json
+        import os
+
+        from .survey import STATS
+
+        snap = {**self.stats(), "pid": os.getpid(), "time": time.time()}
+        tmp = ft.root / f".tmp.stats.{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps(snap))
+            os.replace(tmp, ft.root / STATS)
+        except OSError:
+            pass
 
     def __enter__(self) -> TierCache:
         return self

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import kvikio_io, posix_io
-from .blockfile import TMP_PREFIX, block_filename, parse_filename
+from .blockfile import block_filename, parse_filename
 from .errors import CorruptBlockError
-from .rootdir import DIR_MODE, OWN_NAMES, QUARANTINE, RootLock, open_root
+from .rootdir import DIR_MODE, QUARANTINE, RootLock, open_root
+from .survey import classify
 from .geometry import PoolSpec
 from .iopath import IOPath
 from .keys import Key, key_text
@@ -96,14 +97,15 @@ class FileTier:
         result = ScanResult()
         found: dict[Key, dict[str, os.DirEntry]] = {}
         for entry in os.scandir(self.root):
-            if entry.name.startswith(TMP_PREFIX):
+            kind = classify(entry.name)
+            if kind == "temporary":  # left by a writer that died (this process holds the lock)
                 try:
                     os.unlink(entry.path)
                     result.removed_tmp += 1
                 except FileNotFoundError:
                     pass
                 continue
-            if entry.name in OWN_NAMES or entry.name.startswith(".tiercache-root"):
+            if kind == "own":
                 continue
             parsed = parse_filename(entry.name)
             if parsed is None or parsed[1] not in self.pools or not entry.is_file():

@@ -24,7 +24,6 @@ MARKER = ".tiercache-root"
 LOCK = ".tiercache-root.lock"
 QUARANTINE = "quarantine"
 DIR_MODE = 0o700
-OWN_NAMES = (MARKER, LOCK, QUARANTINE)
 
 
 def is_root(path: Path) -> bool:

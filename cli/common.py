@@ -1,0 +1,54 @@
+"""Helpers shared by the CLI commands: errors without tracebacks, sizes and durations."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+
+EXIT_OK, EXIT_FINDING, EXIT_USAGE = 0, 1, 2
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> None:
+    """Print ``tiercache: error: message`` to stderr and exit with ``code`` (no traceback)."""
+    typer.echo(f"tiercache: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: a number with an optional unit s, m, h, d or w (``30m``, ``7d``).
+
+    Raises:
+        typer.BadParameter: anything else.
+    """
+    m = _DURATION.match(text)
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not a duration: use a number with s, m, h, d or w (e.g. 30m, 7d)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
+
+
+def resolve_root(root: Path | None, config: Path | None) -> Path:
+    """The root named by ``--root``, else by ``--config`` (default config if neither)."""
+    if root is not None:
+        return root
+    from tiercache.config import load_config
+    from tiercache.errors import TierCacheError
+
+    try:
+        return load_config(config or DEFAULT_CONFIG).root
+    except TierCacheError as exc:
+        fail(str(exc))

@@ -1,0 +1,69 @@
+"""``tiercache verify``: check every block file's header, size and checksum."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import Progress
+
+from tiercache.errors import RootError
+from tiercache.rootdir import DIR_MODE, QUARANTINE, RootLock, is_root
+from tiercache.survey import survey, verify_file
+
+from .common import EXIT_FINDING, fail, resolve_root
+
+
+def verify(
+    root: Annotated[Optional[Path], typer.Option(help="The file-tier root (default: the config's).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Take the root from this config.")] = None,
+    quarantine: Annotated[bool, typer.Option("--quarantine", help="Move bad files to quarantine/ (needs the root free).")] = False,
+    threads: Annotated[int, typer.Option(help="Files checked in parallel.", min=1, max=256)] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Check every block file (header, name, size, XXH3-64 checksum of the data). Exit code 1 if
+    any is bad, listing them."""
+    root = resolve_root(root, config)
+    if not root.is_dir():
+        fail(f"root {str(root)!r} does not exist or is not a directory")
+    if not is_root(root):
+        fail(f"{str(root)!r} is not a tiercache root (no .tiercache-root marker)")
+    lock = None
+    if quarantine:
+        try:
+            lock = RootLock(root)
+        except RootError as exc:
+            fail(str(exc))
+    try:
+        files = [root / e.name for e in survey(root).blocks]
+        bad: list[tuple[str, str]] = []
+        with Progress(transient=True, disable=as_json) as progress, ThreadPoolExecutor(threads) as pool:
+            task = progress.add_task("verifying", total=len(files))
+            for path, problem in zip(files, pool.map(verify_file, files)):
+                if problem:
+                    bad.append((path.name, problem))
+                progress.advance(task)
+        moved = 0
+        if quarantine and bad:
+            qdir = root / QUARANTINE
+            qdir.mkdir(mode=DIR_MODE, exist_ok=True)
+            for name, _ in bad:
+                os.replace(root / name, qdir / name)
+                moved += 1
+    finally:
+        if lock is not None:
+            lock.release()
+    if as_json:
+        typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p in bad],
+                               "quarantined": moved}, indent=2))
+    else:
+        for name, problem in bad:
+            typer.echo(f"BAD {problem}")
+        typer.echo(f"checked {len(files)} block file(s) in {root}: {len(bad)} bad"
+                   + (f", {moved} moved to quarantine/" if moved else ""))
+    if bad:
+        raise typer.Exit(EXIT_FINDING)

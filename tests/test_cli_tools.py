@@ -1,0 +1,139 @@
+"""`tiercache inspect | purge | verify`: every command and its error paths, through typer's
+runner and as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from conftest import random_keys
+from helpers import put_random
+from tiercache import TierCache
+from tiercache.blockfile import block_filename
+from tiercache.cli import app
+from tiercache.rootdir import RootLock
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def populated(make_config, rng):
+    """A closed root with 6 flushed blocks in two pools, one temporary leftover, one foreign file."""
+    cfg = make_config(host_slots=8)
+    with TierCache(cfg) as c:
+        keys = random_keys(rng, 6, "int")
+        put_random(c, keys, rng)
+        c.flush()
+    (cfg.root / ".tmp.block_9_pool_kv.bin.1.abcd").write_bytes(b"x" * 100)
+    (cfg.root / "notes.txt").write_text("keep me")
+    return cfg, keys
+
+
+def test_inspect_json(populated):
+    cfg, keys = populated
+    res = runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)["root"]
+    assert r["tiercache_root"] and r["locked_by_pid"] is None
+    assert r["blocks"] == 6 and r["block_files"]["files"] == 12
+    assert set(r["pools"]) == {"kv", "act"} and r["pools"]["kv"]["files"] == 6
+    assert r["temporary"] == {"files": 1, "bytes": 100}
+    assert r["foreign"] == ["notes.txt"]
+    assert r["live_stats"]["counters"]["flushed_blocks"] == 6  # saved by the cache on flush/close
+
+
+def test_inspect_normal_shows_live_cache(make_config, rng):
+    cfg = make_config()
+    with TierCache(cfg) as c:
+        put_random(c, [1], rng)
+        c.flush()
+        res = runner.invoke(app, ["inspect", "--root", str(cfg.root)])
+        assert res.exit_code == 0, res.output
+        assert f"in use by pid {os.getpid()}" in res.output and "blocks (keys)" in res.output
+
+
+def test_purge_refusals(tmp_path, populated):
+    cfg, _ = populated
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "block_1_pool_kv.bin").write_text("not ours")
+    res = runner.invoke(app, ["purge", "--root", str(foreign), "--yes"])
+    assert res.exit_code == 2 and "no .tiercache-root marker" in res.output
+    assert (foreign / "block_1_pool_kv.bin").exists()
+    res = runner.invoke(app, ["purge", "--root", str(tmp_path / "nope"), "--yes"])
+    assert res.exit_code == 2 and "does not exist" in res.output
+    with TierCache(cfg):
+        res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--yes"])
+        assert res.exit_code == 2 and "in use by process" in res.output
+    res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--keys", "zz", "--yes"])
+    assert res.exit_code == 2 and "not a key text" in res.output
+    res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--older-than", "soon", "--yes"])
+    assert res.exit_code == 2 and "not a duration" in res.output
+    assert len(list(cfg.root.glob("block_*"))) == 12
+
+
+def test_purge_filters_confirm_and_dry_run(populated):
+    cfg, keys = populated
+    res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--pool", "act", "--dry-run"])
+    assert res.exit_code == 0 and "would delete 6 file(s)" in res.output
+    assert len(list(cfg.root.glob("block_*"))) == 12
+    res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--keys", str(keys[0])], input="n\n")
+    assert res.exit_code == 2 and "nothing deleted" in res.output
+    res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--keys", str(keys[0])], input="y\n")
+    assert res.exit_code == 0 and "deleted 2 file(s)" in res.output
+    assert not list(cfg.root.glob(block_filename(keys[0], "*")))
+    res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--older-than", "1h", "--yes"])
+    assert res.exit_code == 0 and "nothing to purge" in res.output
+    old = time.time() - 7200
+    for p in cfg.root.glob(block_filename(keys[1], "*")):
+        os.utime(p, (old, old))
+    res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--older-than", "1h", "--yes"])
+    assert res.exit_code == 0 and "deleted 2 file(s)" in res.output
+    res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--yes"])  # everything tiercache wrote
+    assert res.exit_code == 0 and "deleted 9 file(s)" in res.output  # 8 block files + the leftover
+    assert (cfg.root / "notes.txt").read_text() == "keep me"
+    assert (cfg.root / ".tiercache-root").exists()
+    with TierCache(cfg) as c:  # the root is still usable
+        assert len(c) == 0
+
+
+def test_verify(populated, rng):
+    cfg, keys = populated
+    res = runner.invoke(app, ["verify", "--root", str(cfg.root)])
+    assert res.exit_code == 0 and "checked 12 block file(s)" in res.output and ": 0 bad" in res.output
+    bad = cfg.root / block_filename(keys[2], "kv")
+    with open(bad, "r+b") as f:
+        f.seek(4096 + 7)
+        f.write(b"\x00\x01\x02")
+    os.truncate(cfg.root / block_filename(keys[3], "act"), 5000)
+    res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--json"])
+    assert res.exit_code == 1
+    r = json.loads(res.stdout)
+    assert r["checked"] == 12 and {b["file"] for b in r["bad"]} == {bad.name, block_filename(keys[3], "act")}
+    assert any("checksum mismatch" in b["problem"] for b in r["bad"]) and any("truncated" in b["problem"] for b in r["bad"])
+    lock = RootLock(cfg.root)  # as a running cache holds it (opening one would quarantine on scan)
+    res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--quarantine"])
+    lock.release()
+    assert res.exit_code == 2 and "in use by another process" in res.output
+    res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--quarantine"])
+    assert res.exit_code == 1 and "2 moved to quarantine/" in res.output
+    assert (cfg.root / "quarantine" / bad.name).exists()
+    res = runner.invoke(app, ["verify", "--root", str(cfg.root)])
+    assert res.exit_code == 0
+
+
+def test_tools_as_subprocess(populated):
+    cfg, _ = populated
+    for args, code in ((["inspect", "--root", str(cfg.root), "--json"], 0), (["verify", "--root", str(cfg.root)], 0),
+                       (["purge", "--root", str(cfg.root), "--dry-run"], 0), (["purge", "--root", "/proc"], 2),
+                       (["verify", "--root", "/nonexistent"], 2)):
+        res = subprocess.run([sys.executable, "-m", "tiercache.cli.app", *args], capture_output=True, text=True)
+        assert res.returncode == code, (args, res.stdout, res.stderr)
+        assert "Traceback" not in res.stderr
