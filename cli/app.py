@@ -74,6 +74,7 @@ app.command()(verify)
 
 @app.command()
 def bench(
+    jobfiles: Annotated[Optional[list[Path]], typer.Argument(help="fio-style job files (INI or TOML) to run.")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config (default: configs/default.toml).")] = None,
     output_format: Annotated[OutputFormat, typer.Option("--output-format", help="normal or json.")] = OutputFormat.normal,
     batch: Annotated[int, typer.Option(help="Blocks per request.", min=1, max=4096)] = 32,
@@ -86,13 +87,39 @@ def bench(
                                           "benchmark against cudaMemcpyAsync baselines (GPU); file: block files "
                                           "against dd / raw O_DIRECT / kvikio on the root's disk.")] = Job.main,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy job).")] = False,
+    rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
+                                                           "(read = onboard, write = offload).", rich_help_panel="fio job")] = None,
+    bs: Annotated[Optional[str], typer.Option("--bs", help="Block size (16k, 2m; default: the config's pool).", rich_help_panel="fio job")] = None,
+    size: Annotated[Optional[str], typer.Option("--size", help="Bytes per job (e.g. 256m).", rich_help_panel="fio job")] = None,
+    nblocks: Annotated[Optional[int], typer.Option("--nblocks", help="Blocks per job (instead of --size).", rich_help_panel="fio job")] = None,
+    iodepth: Annotated[Optional[int], typer.Option("--iodepth", help="Blocks in flight per job.", rich_help_panel="fio job")] = None,
+    iodepth_batch: Annotated[Optional[int], typer.Option("--iodepth_batch", "--iodepth-batch", help="Blocks per engine request (default: iodepth).", rich_help_panel="fio job")] = None,
+    numjobs: Annotated[Optional[int], typer.Option("--numjobs", help="Jobs (threads) running at once.", rich_help_panel="fio job")] = None,
+    runtime: Annotated[Optional[float], typer.Option("--runtime", help="Seconds to run.", rich_help_panel="fio job")] = None,
+    time_based: Annotated[bool, typer.Option("--time_based", "--time-based", help="Loop over the blocks until --runtime.", rich_help_panel="fio job")] = False,
+    direct: Annotated[Optional[int], typer.Option("--direct", help="1: O_DIRECT block files.", min=0, max=1, rich_help_panel="fio job")] = None,
+    tiers: Annotated[Optional[str], typer.Option("--tiers", help="device:host | host:file | device:file.", rich_help_panel="fio job")] = None,
+    verify: Annotated[Optional[int], typer.Option("--verify", help="1: check every block's bytes after the run.", min=0, max=1, rich_help_panel="fio job")] = None,
+    baseline: Annotated[Optional[bool], typer.Option("--baseline/--no-baseline", help="Also run the naive way on the same bytes and print the ratio.", rich_help_panel="fio job")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of bandwidth vs baseline and latency percentiles (needs matplotlib).", rich_help_panel="fio job")] = None,
 ) -> None:
-    """Run the main job: fill the top tier with random blocks, offload them through every
-    tier to files, reopen, onboard them back, and verify every byte.
+    """Benchmarks. With no fio options: the main job (fill the top tier with random blocks,
+    offload them through every tier to files, reopen, onboard them back, verify every byte;
+    exit 0 only if every byte verified), or --job copy / --job file.
 
-    Prints a fio-like summary per stage (GB/s, blocks/s, request latency p50/p99, I/O path).
-    Exit code 0 only if every byte verified.
+    With fio options (--rw, --bs, --iodepth, ...) or job files: fio-style jobs on a tier pair,
+    printed like fio (IOPS, bandwidth, completion-latency percentiles) or as fio-style JSON,
+    each with its naive baseline on the same bytes and the ratio.
     """
+    fio_opts = {"rw": rw, "bs": bs, "size": size, "nblocks": nblocks, "iodepth": iodepth, "iodepth_batch": iodepth_batch,
+                "numjobs": numjobs, "runtime": runtime, "direct": direct, "tiers": tiers, "verify": verify,
+                "baseline": baseline, "io": io.value if io else None, "time_based": time_based or None}
+    fio_opts = {k: v for k, v in fio_opts.items() if v is not None}
+    if jobfiles or (set(fio_opts) - {"io"}) or plot_path is not None:
+        from .fio_cmd import run_fio
+
+        run_fio(jobfiles or [], fio_opts, config, root, output_format is OutputFormat.json, plot_path)
+        return
     if job is Job.copy:
         _copy_job(config, output_format, quick)
         return

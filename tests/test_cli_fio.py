@@ -1,0 +1,188 @@
+"""`tiercache bench` as fio: options, job files (INI and TOML), fio-style JSON that parses and
+adds up, the baseline, and every error path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from tiercache.cli import app
+from tiercache.cuda import cuda_status
+from tiercache.fiospec import load_job_file
+
+runner = CliRunner()
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.fixture
+def root_args(tmp_path):
+    return ["--root", str(tmp_path / "root")]
+
+
+def check_record(rec: dict, op: str, blocks: int, bs: int) -> None:
+    d = rec[op]
+    assert d["total_ios"] == blocks and d["io_bytes"] == blocks * bs
+    secs = d["runtime"] / 1000
+    assert secs > 0
+    tol = 1 / d["runtime"] + 0.01  # runtime is whole milliseconds, as in fio
+    assert d["bw_bytes"] == pytest.approx(d["io_bytes"] / secs, rel=tol)
+    assert d["iops"] == pytest.approx(d["total_ios"] / secs, rel=tol)
+    c = d["clat_ns"]
+    p = c["percentile"]
+    assert c["N"] == blocks and 0 < c["min"] <= p["50.000000"] <= p["99.000000"] <= c["max"]
+    assert c["mean"] <= secs * 1e9
+
+
+def test_write_then_json_adds_up(root_args):
+    t = time.perf_counter()
+    res = runner.invoke(app, ["bench", "--rw", "randwrite", "--bs", "64k", "--nblocks", "40", "--iodepth", "8",
+                              "--tiers", "host:file", "--output-format", "json", *root_args])
+    wall = time.perf_counter() - t
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    (rec,) = doc["jobs"]
+    check_record(rec, "write", 40, 65536)
+    assert rec["read"]["total_ios"] == 0
+    assert rec["write"]["runtime"] / 1000 <= wall  # no longer than the command itself took
+    tc = rec["tiercache"]
+    assert tc["tiers"] == "host:file" and tc["verified_blocks"] == 80 and "POSIX" in tc["path"]
+    b = tc["baseline"]
+    assert b["op"] == "write" and b["bw_bytes"] > 0 and b["ratio"] == pytest.approx(rec["write"]["bw_bytes"] / b["bw_bytes"], rel=0.01)
+    assert rec["job options"]["iodepth"] == "8" and rec["job options"]["iodepth_batch"] == "2"
+
+
+def test_separate_timing_agrees(root_args, tmp_path):
+    """The job's bandwidth is that of the same writes timed on their own, within disk noise."""
+    from tiercache import PoolSpec
+    from tiercache.file_tier import FileTier
+    from tiercache.iopath import IOPath
+
+    res = runner.invoke(app, ["bench", "--rw", "write", "--bs", "256k", "--nblocks", "64", "--iodepth", "32",
+                              "--iodepth_batch", "32", "--no-baseline", "--tiers", "host:file", "--output-format", "json",
+                              *root_args])
+    assert res.exit_code == 0, res.output
+    fio_bw = json.loads(res.stdout)["jobs"][0]["write"]["bw_bytes"]
+    pool = PoolSpec("bench", (256 * 1024,), "uint8")
+    ft = FileTier(tmp_path / "sep", (pool,), 64, IOPath("posix", "t"), fsync="data", direct_io=True)
+    data = np.random.default_rng(0).integers(0, 256, (64, pool.block_nbytes), dtype=np.uint8)
+    t = time.perf_counter()
+    ft.write([(k, {"bench": data[k]}) for k in range(64)])
+    sep_bw = 64 * pool.block_nbytes / (time.perf_counter() - t)
+    ft.close()
+    assert 0.25 < fio_bw / sep_bw < 4, (fio_bw, sep_bw)
+
+
+def test_read_and_mixed(root_args):
+    res = runner.invoke(app, ["bench", "--rw", "randrw", "--bs", "16k", "--nblocks", "64", "--iodepth", "4",
+                              "--numjobs", "2", "--tiers", "host:file", "--output-format", "json", *root_args])
+    assert res.exit_code == 0, res.output
+    (rec,) = json.loads(res.stdout)["jobs"]
+    assert rec["read"]["total_ios"] + rec["write"]["total_ios"] == 128
+    assert rec["read"]["total_ios"] > 0 and rec["write"]["total_ios"] > 0
+    assert rec["tiercache"]["verified_blocks"] == 256
+
+
+def test_time_based(root_args):
+    res = runner.invoke(app, ["bench", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--iodepth", "4",
+                              "--runtime", "0.5", "--time_based", "--tiers", "host:file", "--no-baseline",
+                              "--output-format", "json", *root_args])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)["jobs"][0]["read"]
+    assert d["total_ios"] > 8 and 400 <= d["runtime"] <= 5000  # looped over the 8 blocks for ~0.5 s
+
+
+def test_job_files_ini_and_toml(tmp_path, root_args):
+    ini = tmp_path / "two.ini"
+    ini.write_text("[global]\ntiers=host:file\nbs=32k\nnblocks=16\niodepth=4\n\n[w]\nrw=write\n\n[r]\nrw=randread\n")
+    toml = tmp_path / "one.toml"
+    toml.write_text('[global]\ntiers = "host:file"\nbs = "32k"\n[jobs.t]\nrw = "read"\nnblocks = 8\n')
+    res = runner.invoke(app, ["bench", str(ini), str(toml), "--output-format", "json", *root_args])
+    assert res.exit_code == 0, res.output
+    jobs = json.loads(res.stdout)["jobs"]
+    assert [j["jobname"] for j in jobs] == ["w", "r", "t"]
+    check_record(jobs[0], "write", 16, 32768)
+    check_record(jobs[1], "read", 16, 32768)
+    check_record(jobs[2], "read", 8, 32768)
+    res = runner.invoke(app, ["bench", str(ini), *root_args])  # normal output reads like fio
+    assert res.exit_code == 0
+    assert "w: (g=0): rw=write, bs=32KiB" in res.output and "IOPS=" in res.output and "clat percentiles (usec)" in res.output
+    assert "tiercache/baseline =" in res.output
+
+
+def test_shipped_job_files_parse():
+    files = sorted((CONFIGS / "jobs").iterdir())
+    assert len(files) >= 4
+    for f in files:
+        jobs = load_job_file(f)
+        assert jobs and all(j.rw and j.tiers for j in jobs)
+    jobs = load_job_file(CONFIGS / "jobs" / "mixed.ini")
+    assert jobs[0].numjobs == 2 and jobs[0].rwmixread == 70 and jobs[0].bs == 256 * 1024
+
+
+def test_shipped_job_file_runs(root_args):
+    res = runner.invoke(app, ["bench", str(CONFIGS / "jobs" / "randread-4k-aligned.ini"), "--size", "2m",
+                              "--output-format", "json", *root_args])
+    assert res.exit_code == 0, res.output
+    assert [j["jobname"] for j in json.loads(res.stdout)["jobs"]] == ["randread-64k", "randread-2m"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--rw", "sideways", "--tiers", "host:file"], "rw = 'sideways'"),
+    (["--rw", "read", "--bs", "12q"], "bs = '12q' is not a size"),
+    (["--rw", "read", "--tiers", "host:tape"], "tiers = 'host:tape'"),
+    (["--rw", "read", "--iodepth", "0"], "iodepth = 0"),
+    (["--rw", "read", "--iodepth", "4", "--iodepth_batch", "8"], "iodepth_batch = 8"),
+    (["--rw", "read", "--time_based"], "time_based needs runtime"),
+    (["/nonexistent/jobs.ini"], "does not exist"),
+])
+def test_fio_usage_errors(args, fragment, root_args):
+    res = runner.invoke(app, ["bench", *args, *root_args])
+    assert res.exit_code == 2, res.output
+    assert fragment in res.output and "Traceback" not in res.output
+
+
+def test_bad_job_files(tmp_path, root_args):
+    cases = {"syntax.ini": ("[global\nbs=4k\n", "not a valid fio job file"),
+             "unknown.ini": ("[j]\nrw=read\nfrobnicate=3\n", "unknown option 'frobnicate'"),
+             "empty.ini": ("[global]\nbs=4k\n", "no jobs"),
+             "bad.toml": ("[global]\nbs = \n", "not valid TOML"),
+             "table.toml": ("[job.x]\nrw='read'\n", "unknown table")}
+    for name, (text, fragment) in cases.items():
+        p = tmp_path / name
+        p.write_text(text)
+        res = runner.invoke(app, ["bench", str(p), *root_args])
+        assert res.exit_code == 2 and fragment in res.output, (name, res.output)
+
+
+@pytest.mark.skipif(cuda_status().available, reason="checks the no-GPU error")
+def test_device_tiers_without_gpu(root_args):
+    res = runner.invoke(app, ["bench", "--rw", "read", "--tiers", "device:host", *root_args])
+    assert res.exit_code == 2 and "needs a GPU" in res.output
+
+
+def test_plot(tmp_path, root_args):
+    out = tmp_path / "p.png"
+    res = runner.invoke(app, ["bench", "--rw", "write", "--bs", "16k", "--nblocks", "8", "--tiers", "host:file",
+                              "--plot", str(out), *root_args])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert res.exit_code == 2 and "needs matplotlib" in res.output
+        return
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fio_subprocess(root_args):
+    res = subprocess.run([sys.executable, "-m", "tiercache.cli.app", "bench", "--rw", "read", "--bs", "16k",
+                          "--nblocks", "8", "--tiers", "host:file", "--output-format", "json", *root_args],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["jobs"][0]["read"]["total_ios"] == 8
