@@ -197,13 +197,20 @@ class TransferEngine:
             covers: list[Job] = []
             if self.ordering:
                 raw, war = self._ledger.dependencies(src, s, dst, d)
+                waited_host = False
                 for dep in (self._job(i) for i in sorted(set(raw) | set(war))):
                     if dep is None:
                         continue
                     if dep.futures or any(not c.on_gpu for c in dep.covers):
                         dep.wait_host()  # threaded job: no device handle
+                        waited_host = True
                     dep.make_stream_wait(stream)
-                self._inherit_failures(job, src, s)
+                if waited_host:  # only threaded (file) jobs fail per block; GPU copies do not
+                    self._inherit_failures(job, src, s)
+                elif src in self.tiers:
+                    bad = self._ledger.invalid(src, s)
+                    if bad.size:
+                        self._inherit_failures(job, src, s)
                 covers = [j for j in (self._job(i) for i in self._ledger.previous_readers(src, s, gpu=True))
                           if j is not None and j.stream is not stream]
             job.start_event = self._events.get()

@@ -93,6 +93,11 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
         for t in tiers:
             eng.copy("caller", np.arange(total), t, np.arange(total), keys=keys if t == "file" else None,
                      src_arrays={pool.name: src_rows}).wait()
+        # ramp (fio's ramp_time): one untimed request each way, so one-time costs (module loads,
+        # first launches, thread start-up) stay out of the numbers
+        ramp = np.arange(min(total, job.batch))
+        for src, dst in ((job.upper, job.lower), (job.lower, job.upper)):
+            eng.copy(src, ramp, dst, ramp, keys=[int(k) for k in ramp] if "file" in (src, dst) else None).wait()
         stats = {"read": _Dir(), "write": _Dir()}
         t0 = time.perf_counter()
         errors: list[BaseException] = []

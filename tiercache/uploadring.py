@@ -35,6 +35,7 @@ class UploadRing:
         self._head = 0
         self._busy: deque[tuple[int, int, object]] = deque()  # (start, end, event) in allocation order
         self._open: list[tuple[int, int]] = []  # regions uploaded but not yet released
+        self._spare: list = []  # events of released regions, reused
         self._lock = threading.Lock()
 
     def upload(self, arr: np.ndarray, stream):
@@ -51,7 +52,10 @@ class UploadRing:
                 self._head = 0
             start, end = self._head, self._head + n
             while self._busy and self._overlaps(start, end):  # oldest first
-                self._busy.popleft()[2].synchronize()
+                ev = self._busy.popleft()[2]
+                ev.synchronize()
+                if not any(e is ev for *_, e in self._busy):
+                    self._spare.append(ev)
             self.host[start:start + raw.size] = raw
             cupy.cuda.runtime.memcpyAsync(self.dev.data.ptr + start, self.host.ctypes.data + start, raw.size,
                                           MEMCPY_DEFAULT, stream.ptr)
@@ -64,8 +68,11 @@ class UploadRing:
 
     def release(self, stream) -> None:
         """The regions uploaded since the last release are free once ``stream`` gets here."""
+        import cupy
+
         with self._lock:
-            ev = stream.record()
+            ev = self._spare.pop() if self._spare else cupy.cuda.Event(disable_timing=True)
+            ev.record(stream)
             for s, e in self._open:
                 self._busy.append((s, e, ev))
             self._open.clear()
