@@ -206,12 +206,12 @@ def _baseline(job: FioJob, pool: PoolSpec, tiers: dict, src_rows: np.ndarray, wo
     """The naive way, same blocks, same direction mix (read if the job read, else write)."""
     op = "read" if rec["read"]["total_ios"] >= rec["write"]["total_ios"] else "write"
     total, bs = src_rows.shape
+    order = np.random.default_rng(3).permutation(total) if job.rw.startswith("rand") else np.arange(total)
     t = time.perf_counter()
     if job.tiers == "device:host":
         import cupy
 
         dev, host = tiers["device"].arrays[pool.name], tiers["host"].arrays[pool.name]
-        order = np.random.default_rng(3).permutation(total) if job.rw.startswith("rand") else np.arange(total)
         stream = cupy.cuda.Stream(non_blocking=True)
         t = time.perf_counter()
         for r in order.tolist():
@@ -233,7 +233,7 @@ def _baseline(job: FioJob, pool: PoolSpec, tiers: dict, src_rows: np.ndarray, wo
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             t = time.perf_counter()
-            for r in range(total):
+            for r in order.tolist():  # the job's order (random for rand* jobs)
                 if op == "read":
                     os.preadv(fd, [data[r * bs:(r + 1) * bs]], r * bs)
                 else:
@@ -252,7 +252,7 @@ def _baseline(job: FioJob, pool: PoolSpec, tiers: dict, src_rows: np.ndarray, wo
             f.pwrite(dev.reshape(-1)).get()
         t = time.perf_counter()
         with kvikio.CuFile(raw, "r" if op == "read" else "r+") as f:
-            futs = [(f.pread if op == "read" else f.pwrite)(dev[r], bs, r * bs) for r in range(total)]
+            futs = [(f.pread if op == "read" else f.pwrite)(dev[r], bs, r * bs) for r in order.tolist()]
             for fu in futs:
                 fu.get()
         name = "kvikio pread/pwrite per block of one file"
