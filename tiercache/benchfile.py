@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .blockfile import DATA_OFFSET, block_filename
+from .blockfile import DATA_OFFSET
 from .file_tier import FileTier
 from .geometry import PoolSpec
 from .hostmem import alloc_host
@@ -118,7 +118,7 @@ def run_file_bench(root: Path, pool: PoolSpec, blocks: int = 256, io_threads: in
         # raw baselines
         add("raw write (O_DIRECT, fsync)", "pwrite", _raw_write(big, host))
         drop_cache([big])
-        add("raw cold read (O_DIRECT)", "pread", _raw_read(big, np.empty_like(host) if False else alloc_host(nbytes)[0]))
+        add("raw cold read (O_DIRECT)", "pread", _raw_read(big, alloc_host(nbytes)[0]))
         count = max(1, nbytes // CHUNK)
         add("dd write (oflag=direct,fsync)", "dd", _dd([f"if={big}", f"of={work / 'dd.bin'}", f"bs={CHUNK}",
                                                        f"count={count}", "oflag=direct", "conv=fsync"]))

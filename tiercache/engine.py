@@ -38,7 +38,6 @@ from .errors import SlotRangeError, TierUnavailableError
 from .file_tier import FileTier
 from .geometry import PoolSpec
 from .jobs import Job, JobResult
-from .memory_tier import MemoryTier
 from .ordering import SlotLedger
 from .streams import EventPool, StreamPool, as_cupy_stream
 

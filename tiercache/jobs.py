@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .errors import TransferError
-from .keys import Key, key_text
+from .keys import key_text
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,8 @@ class Job:
     def make_stream_wait(self, stream) -> None:
         """Make CuPy ``stream`` wait for this job: on the device for GPU jobs; threaded jobs
         have no device-side handle, so the host waits for them (unavoidable)."""
-        if self.futures or self.covers and any(not j.on_gpu for j in self.covers):
+        threaded = bool(self.futures) or any(not j.on_gpu for j in self.covers)
+        if threaded:
             self.wait_host()
         if self.on_gpu:
             stream.wait_event(self.end_event)

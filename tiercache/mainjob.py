@@ -181,7 +181,7 @@ def format_report(rep: dict) -> str:
     lines = [
         f"tiercache main job: {rep['blocks']} blocks x {rep['block_nbytes'] / 2**20:.2f} MiB "
         f"(pools: {pools}); requests of {rep['batch']} blocks; seed {rep['seed']}",
-        f"  tiers: " + ", ".join(f"{t} {v['slots']} slots" for t, v in rep["tiers"].items()),
+        "  tiers: " + ", ".join(f"{t} {v['slots']} slots" for t, v in rep["tiers"].items()),
         f"  I/O path: {rep['io_path']['label']} ({rep['io_path']['reason']})",
         "",
         f"  {'stage':<24}{'path':<17}{'blocks':>7}{'MiB':>10}{'GB/s':>8}{'blocks/s':>10}"

@@ -8,7 +8,6 @@ the array library has that dtype.
 
 from __future__ import annotations
 
-import numpy as np
 
 from .dtypes import numpy_dtype
 from .errors import UnknownPoolError
