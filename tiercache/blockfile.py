@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -81,12 +81,15 @@ class BlockHeader:
     nbytes: int
     checksum: int
     version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)  # what the cache stores beside the bytes
 
 
-def encode_header(key: Key, pool: PoolSpec, data_checksum: int) -> bytes:
-    """The 4096-byte header of a block of ``pool`` with key ``key``."""
+def encode_header(key: Key, pool: PoolSpec, data_checksum: int, extra: dict | None = None) -> bytes:
+    """The 4096-byte header of a block of ``pool`` with key ``key``; ``extra`` (JSON-ready)
+    is kept with it (e.g. which device blocks a larger host block holds)."""
     meta = json.dumps(
         {
+            **({"extra": extra} if extra else {}),
             "key": key_text(key),
             "pool": pool.name,
             "dtype": pool.dtype,
@@ -133,6 +136,7 @@ def decode_header(buf: bytes, where: str = "block file") -> BlockHeader:
             nbytes=int(d["nbytes"]),
             checksum=int(d["checksum"], 16),
             version=version,
+            extra=dict(d.get("extra") or {}),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptBlockError(f"{where}: malformed header metadata ({exc})") from None

@@ -24,6 +24,7 @@ from .cuda import cuda_status
 from .errors import (
     ArrayMismatchError,
     ClosedError,
+    ConfigError,
     CorruptBlockError,
     InvalidKeyError,
     KeyNotFoundError,
@@ -38,6 +39,7 @@ from .keys import Key, key_text, normalize_keys
 from .memory_tier import MemoryTier, make_device_tier, make_host_tier
 from .placement import TIER_ORDER, Placement
 from .engine import TransferEngine
+from .engineslots import EngineSlots
 
 log = logging.getLogger("tiercache")
 _logged_no_cuda = False
@@ -48,7 +50,7 @@ def _fmt_keys(keys: list[Key], limit: int = 5) -> str:
     return text + (f", ... ({len(keys)} keys)" if len(keys) > limit else "")
 
 
-class TierCache:
+class TierCache(EngineSlots):
     """A tiered block cache over VRAM, pinned DRAM and files.
 
     Create it from a :class:`~tiercache.config.CacheConfig` or a TOML path
@@ -64,13 +66,28 @@ class TierCache:
     Without a usable GPU the device tier is off (one log line) and the same API runs over the
     host and file tiers.
 
+    Engines that own their KV-cache tensors register them as the device tier
+    (:meth:`for_engine` with :class:`~tiercache.devicepools.DevicePools`); the device tier is
+    then theirs to allocate, and blocks move with :meth:`offload_slots` / :meth:`onboard_slots`
+    by the engine's block ids.
+
+    Args:
+        config: the configuration.
+        device_pools: the engine's tensors as the device tier (``config.pools`` must be
+            ``device_pools.host_specs(blocks_per_host_block)``; :meth:`for_engine` builds it).
+        blocks_per_host_block: device blocks per host/file block (>= 1; > 1 needs a host tier).
+
     Raises (constructor):
         ConfigError: invalid configuration.
         RootError: unusable file-tier root.
         IOPathError: ``io_mode`` ``gds``/``compat`` that cannot run here.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, device_pools=None, blocks_per_host_block: int = 1) -> None:
+        self._check_engine_args(config, device_pools, blocks_per_host_block)
+        self.device_pools = device_pools
+        self.blocks_per_host_block = blocks_per_host_block
+        self._sub_masks: dict = {}  # key -> positions filled, for partial host blocks (k > 1)
         self.config = config
         self._lock = threading.RLock()
         self._closed = False
@@ -79,7 +96,9 @@ class TierCache:
         self.io_path: IOPath = select_io_path(config.io_mode, cuda) if config.file_slots else IOPath("posix", "no file tier")
         self._log_no_cuda(cuda)
         self.tiers: dict[str, MemoryTier | FileTier] = {}
-        if config.device_slots and cuda.available:
+        if device_pools is not None:
+            self.tiers["device"] = device_pools.memory_tier()
+        elif config.device_slots and cuda.available:
             self.tiers["device"] = make_device_tier(config.device_slots, config.pools, config.device_id)
         if config.host_slots:
             self.tiers["host"] = make_host_tier(config.host_slots, config.pools)
@@ -92,7 +111,9 @@ class TierCache:
             )
         if not self.tiers:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
-        self.placement = Placement({name: self._capacity(name) for name in self.tiers})
+        # the engine allocates its own device blocks: tiercache never places keys there
+        self.placement = Placement({name: self._capacity(name) for name in self.tiers
+                                    if not (name == "device" and device_pools is not None)})
         self.engine = TransferEngine(
             self.tiers, config.pools, config.device_id, streams_per_direction=config.streams_per_direction,
             copy_kernel_sms=config.copy_kernel_sms, memcpy_min_bytes=config.memcpy_min_bytes,
@@ -103,6 +124,41 @@ class TierCache:
             self._rebuild_file_index()
 
     # -- construction helpers -------------------------------------------------------------
+    @classmethod
+    def for_engine(cls, device_pools, *, host_slots: int = 0, file_slots: int = 0, blocks_per_host_block: int = 1,
+                   **options) -> TierCache:
+        """A cache over the engine's own tensors (:class:`~tiercache.devicepools.DevicePools`)
+        with ``host_slots`` host blocks and ``file_slots`` file blocks of
+        ``blocks_per_host_block`` device blocks each; ``options`` are other
+        :class:`CacheConfig` fields (``root``, ``fsync``, ``io_threads``...).
+
+        Raises:
+            ConfigError: bad options, or ``blocks_per_host_block`` out of range.
+        """
+        k = blocks_per_host_block
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
+            raise ConfigError(f"blocks_per_host_block = {k!r} must be an integer in [1, 64]")
+        config = CacheConfig(pools=device_pools.host_specs(k), host_slots=host_slots, file_slots=file_slots,
+                             device_id=device_pools.device_id or 0, **options)
+        return cls(config, device_pools=device_pools, blocks_per_host_block=k)
+
+    @staticmethod
+    def _check_engine_args(config: CacheConfig, device_pools, k: int) -> None:
+        if device_pools is None:
+            if k != 1:
+                raise ConfigError(f"blocks_per_host_block = {k} needs device_pools (the engine's tensors)")
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
+            raise ConfigError(f"blocks_per_host_block = {k!r} must be an integer in [1, 64]")
+        want = device_pools.host_specs(k)
+        if tuple(config.pools) != want:
+            raise ConfigError(f"config pools {[p.describe() for p in config.pools]} do not match the registered "
+                              f"tensors {[p.describe() for p in want]}; use TierCache.for_engine")
+        if k > 1 and not config.host_slots:
+            raise ConfigError(f"blocks_per_host_block = {k} needs a host tier (host_slots > 0)")
+        if config.device_slots:
+            raise ConfigError("device_slots must be 0 with registered device pools (the tensors set it)")
+
     @classmethod
     def open(cls, config: CacheConfig | str | Path, **overrides) -> TierCache:
         """A cache from a config object or a TOML file path, with keyword ``overrides``
@@ -135,6 +191,10 @@ class TierCache:
             self.counters["evicted_blocks"] += extra
             blocks = blocks[extra:]
         self.placement.tiers["file"].add([k for k, _ in blocks])
+        for k, extra in self.scan.extra.items():
+            if "positions" in extra and self.blocks_per_host_block > 1:
+                self._sub_masks[k] = int(extra["positions"])
+                ft.block_meta[k] = {"positions": int(extra["positions"])}
         self.counters["quarantined_files"] += len(self.scan.quarantined)
         if self.scan.quarantined or self.scan.removed_tmp:
             log.warning("tiercache: reopened %s: %d block(s), %d temporary file(s) removed, %d file(s) quarantined",
@@ -159,6 +219,9 @@ class TierCache:
         name = default if tier is None else tier
         if name not in TIER_ORDER:
             raise TierUnavailableError(f"unknown tier {name!r}; tiers: {', '.join(TIER_ORDER)}")
+        if name == "device" and self.device_pools is not None:
+            raise TierUnavailableError("the device tier is the engine's own tensors: move blocks to and from it "
+                                       "with offload_slots / onboard_slots (by block id)")
         if name not in self.tiers:
             why = {"device": f"no usable CUDA device ({cuda_status().reason})" if not cuda_status().available
                    else "device_slots = 0"}.get(name, f"{name}_slots = 0")
@@ -179,8 +242,10 @@ class TierCache:
         Raises:
             TierUnavailableError: no device tier. UnknownPoolError: no such pool.
         """
-        t = self._memory_tier("device")
         name = self._pool_name(pool)
+        if self.device_pools is not None:
+            return self.device_pools.tensor(name) if typed else self.device_pools.raw(name)
+        t = self._memory_tier("device")
         return t.typed(name) if typed else t.array(name)
 
     def host_array(self, pool: str | None = None, typed: bool = True):
@@ -293,6 +358,15 @@ class TierCache:
         self.counters[f"bytes_{src}_to_{dst}"] += (len(keys) - len(failed)) * block
         self.counters["failed_transfers"] += len(failed)
         return failed
+
+    def _forget_masks(self, ks: list[Key]) -> None:
+        """Keys whose host blocks are now whole (or gone): no partial-position record."""
+        if self._sub_masks:
+            ft = self.tiers.get("file")
+            for k in ks:
+                self._sub_masks.pop(k, None)
+                if ft is not None:
+                    ft.block_meta.pop(k, None)
 
     def _handle_bad_reads(self, failed: dict[Key, BaseException]) -> None:
         ft: FileTier = self.tiers["file"]
@@ -412,6 +486,7 @@ class TierCache:
             if failed:
                 ts.remove([k for k in failed if k in new])
             ok = [k for k in ks if k not in failed]
+            self._forget_masks(ok)
             for t in self.placement.order:
                 if t != name:
                     drop = [k for k in ok if k in self.placement.tiers[t]]
@@ -599,6 +674,8 @@ class TierCache:
                 if missing:
                     raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not in the {tiers[0]} tier")
             self._require_unpinned(ks, "evict")
+            if tier is None:
+                self._forget_masks(ks)
             for t in tiers:
                 self.placement.tiers[t].remove(ks)
                 if t == "file":
@@ -611,6 +688,11 @@ class TierCache:
         PyTorch, ``__cuda_stream__`` or int handle; None: CuPy's current stream). Call it before
         offloading blocks your kernels just wrote on a side stream."""
         self.engine.wait_for_stream(stream)
+
+    def get_finished(self) -> list:
+        """Results (:class:`~tiercache.jobs.JobResult`) of the transfers finished since the
+        last call; never blocks (for engines that poll)."""
+        return self.engine.get_finished()
 
     def make_stream_wait(self, stream=None) -> None:
         """``stream`` waits (on the device) for every onboard still in flight before running

@@ -39,6 +39,7 @@ from .file_tier import FileTier
 from .geometry import PoolSpec
 from .jobs import Job, JobResult
 from .ordering import SlotLedger
+from .rowcopy import RowCopy
 from .streams import EventPool, StreamPool, as_cupy_stream
 
 TIER_RANK = {"device": 0, "host": 1, "file": 2}
@@ -129,7 +130,8 @@ class TransferEngine:
                 self._finished.append(res)
                 del self._pending[jid]
                 if job.on_gpu:
-                    self._events.put(job.start_event, job.end_event)
+                    self._events.put(job.start_event, *job.group_events)
+                job.retired = True
 
     def _arrays(self, tier: str, given: dict | None, pools: list[str]) -> dict:
         if given is not None:
@@ -169,23 +171,55 @@ class TransferEngine:
                     raise SlotRangeError("partial (num_tokens) copies are for memory tiers; files hold whole blocks")
             self._reap()
             direction = _direction(src, dst)
-            nbytes = s.size * sum(sg.nbytes for sg in segs.values())
-            jid = next(self._ids)
             if "file" in (src, dst):
-                job = self._file_job(jid, direction, src, s, dst, d, list(keys), pool_names, src_arrays, dst_arrays, nbytes)
-            else:
-                sa = self._arrays(src, src_arrays, pool_names)
-                da = self._arrays(dst, dst_arrays, pool_names)
-                on_gpu = self.gpu and any(not isinstance(a, np.ndarray) for a in (*sa.values(), *da.values()))
-                if on_gpu:
-                    job = self._gpu_job(jid, direction, src, s, dst, d, sa, da, segs, nbytes)
-                else:
-                    job = self._cpu_job(jid, direction, src, s, dst, d, sa, da, segs, nbytes)
-            self._pending[job.id] = job
-            return job
+                nbytes = s.size * sum(sg.nbytes for sg in segs.values())
+                job = self._file_job(next(self._ids), direction, src, s, dst, d, list(keys), pool_names,
+                                     src_arrays, dst_arrays, nbytes)
+                self._pending[job.id] = job
+                return job
+            sa = self._arrays(src, src_arrays, pool_names)
+            da = self._arrays(dst, dst_arrays, pool_names)
+            group = [RowCopy(sa[p], s, da[p], d, segs[p]) for p in pool_names]
+            return self._memory_job(direction, src, s, dst, d, [group])
+
+    def copy_rows(self, src: str, src_slots, dst: str, dst_slots, groups: list[list[RowCopy]],
+                  direction: str | None = None) -> Job:
+        """Enqueue row copies between memory tiers as one job, in ``groups`` whose completions
+        can be waited on one by one (layer-wise onboarding: one group per layer).
+
+        ``src_slots``/``dst_slots`` (equal length, one pair per copied unit) are the tier slots
+        the ledger orders on; each :class:`RowCopy` names the array rows it moves (views of the
+        tiers' arrays, e.g. one layer of each block, or one device block inside a larger host
+        block). Destination slots may repeat (several units of one host block); destination
+        rows may not, within a :class:`RowCopy`.
+
+        Raises:
+            SlotRangeError: a slot or row out of range, repeated destination rows, or
+                mismatched lengths (nothing is enqueued).
+        """
+        with self._lock:
+            s = self._slots(src, src_slots, None, "source", unique=False)
+            d = self._slots(dst, dst_slots, s.size, "destination", unique=False)
+            for g in groups:
+                for rc in g:
+                    rc.validate()
+            self._reap()
+            return self._memory_job(direction or _direction(src, dst), src, s, dst, d, groups)
+
+    def _memory_job(self, direction, src, s, dst, d, groups: list[list[RowCopy]]) -> Job:
+        nbytes = sum(rc.nbytes for g in groups for rc in g)
+        arrays = [a for g in groups for rc in g for a in (rc.src, rc.dst)]
+        on_gpu = self.gpu and any(not isinstance(a, np.ndarray) for a in arrays)
+        jid = next(self._ids)
+        if on_gpu:
+            job = self._gpu_job(jid, direction, src, s, dst, d, groups, nbytes)
+        else:
+            job = self._cpu_job(jid, direction, src, s, dst, d, groups, nbytes)
+        self._pending[job.id] = job
+        return job
 
     # -- GPU copies ---------------------------------------------------------------------------
-    def _gpu_job(self, jid, direction, src, s, dst, d, sa, da, segs, nbytes) -> Job:
+    def _gpu_job(self, jid, direction, src, s, dst, d, groups, nbytes) -> Job:
         import cupy
 
         stream = self._streams.next(direction if direction in ("offload", "onboard") else "copy")
@@ -219,13 +253,21 @@ class TransferEngine:
                 self.launcher.spin(stream, self.debug_delay_ns)
             # the kernel reaches host memory only when it is pinned (mapped into the GPU's
             # address space); caller arrays in pageable memory go through cudaMemcpyAsync
-            force = None if all(self._gpu_reachable(a) for a in (*sa.values(), *da.values())) else "memcpy"
             paths = set()
-            for p, seg in segs.items():
-                paths.add(self.launcher.launch(sa[p], s, da[p], d, seg, stream, force=force))
+            job.num_groups = len(groups)
+            for gi, group in enumerate(groups):
+                for rc in group:
+                    force = None if self._gpu_reachable(rc.src) and self._gpu_reachable(rc.dst) else "memcpy"
+                    paths.add(self.launcher.launch(rc.src, rc.src_rows, rc.dst, rc.dst_rows, rc.seg, stream,
+                                                   force=force))
+                if gi < len(groups) - 1:
+                    ev = self._events.get()
+                    ev.record(stream)
+                    job.group_events.append(ev)
             for c in covers:
                 stream.wait_event(c.end_event)
             job.end_event.record(stream)
+            job.group_events.append(job.end_event)
             job.path = "+".join(sorted(x for x in paths if x != "none")) or "none"
             if self.ordering:
                 self._ledger.record(job, src, s, dst, d, gpu=True)
@@ -268,7 +310,7 @@ class TransferEngine:
         return check
 
     # -- CPU copies ---------------------------------------------------------------------------
-    def _cpu_job(self, jid, direction, src, s, dst, d, sa, da, segs, nbytes) -> Job:
+    def _cpu_job(self, jid, direction, src, s, dst, d, groups, nbytes) -> Job:
         job = Job(jid, direction, src, dst, s.size, nbytes, "cpu")
         job.dst_slots = d
         if self.ordering:
@@ -278,8 +320,10 @@ class TransferEngine:
                 if dep is not None:
                     dep.wait_host()
             self._inherit_failures(job, src, s)
-        for p, seg in segs.items():
-            _cpu_copy(sa[p], s, da[p], d, seg)
+        job.num_groups = len(groups)
+        for group in groups:
+            for rc in group:
+                _cpu_copy(rc.src, rc.src_rows, rc.dst, rc.dst_rows, rc.seg)
         return job
 
     # -- file transfers -------------------------------------------------------------------

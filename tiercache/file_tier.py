@@ -39,6 +39,7 @@ class ScanResult:
         removed_tmp: leftover temporary files deleted.
         quarantined: ``(path, reason)`` of files moved to ``quarantine/``.
         incomplete: keys with files for some pools but not all (left in place).
+        extra: per block, the ``extra`` metadata its files were written with (if any).
         foreign: names in the root that tiercache did not write (left in place).
     """
 
@@ -47,6 +48,7 @@ class ScanResult:
     quarantined: list[tuple[str, str]] = field(default_factory=list)
     incomplete: list[Key] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
 
 
 class FileTier:
@@ -83,6 +85,8 @@ class FileTier:
         self._max_nbytes = max(p.block_nbytes for p in pools)
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercache-io")
+        #: per key, extra header metadata for its next write (set by the cache)
+        self.block_meta: dict[Key, dict] = {}
         if io_path.kvikio:
             kvikio_io.configure(io_threads, kvikio_task_size, kvikio_gds_threshold)
 
@@ -113,8 +117,9 @@ class FileTier:
                 continue
             found.setdefault(parsed[0], {})[parsed[1]] = entry
         checks = [(key, pool, entry) for key, by_pool in found.items() for pool, entry in by_pool.items()]
-        bad = dict(zip(((k, p) for k, p, _ in checks),
-                       self._executor.map(lambda c: self._check_file(*c), checks)))
+        checked = dict(zip(((k, p) for k, p, _ in checks),
+                           self._executor.map(lambda c: self._check_file(*c), checks)))
+        bad = {kp: reason for kp, (reason, _) in checked.items()}
         for key, by_pool in found.items():
             reasons = [bad[(key, p)] for p in by_pool if bad[(key, p)]]
             if reasons:
@@ -127,21 +132,25 @@ class FileTier:
                 continue
             mtime = max(e.stat().st_mtime for e in by_pool.values())
             result.blocks.append((key, mtime))
+            extra = checked[(key, next(iter(by_pool)))][1]
+            if extra:
+                result.extra[key] = extra
         result.blocks.sort(key=lambda kv: kv[1])
         return result
 
-    def _check_file(self, key: Key, pool: str, entry: os.DirEntry) -> str | None:
+    def _check_file(self, key: Key, pool: str, entry: os.DirEntry) -> tuple[str | None, dict]:
+        """``(why the file is bad or None, its header's extra metadata)``."""
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                posix_io.read_header(fd, key, self.pools[pool], entry.name)
+                header = posix_io.read_header(fd, key, self.pools[pool], entry.name)
             finally:
                 os.close(fd)
         except CorruptBlockError as exc:
-            return str(exc)
+            return str(exc), {}
         except OSError as exc:
-            return f"{entry.name}: unreadable ({exc.strerror})"
-        return None
+            return f"{entry.name}: unreadable ({exc.strerror})", {}
+        return None, header.extra
 
     def _quarantine(self, path: Path, reason: str) -> None:
         qdir = self.root / QUARANTINE
@@ -169,19 +178,20 @@ class FileTier:
 
     def _write_one(self, key: Key, pool: PoolSpec, buf) -> None:
         final = self.path(key, pool.name)
+        extra = self.block_meta.get(key)
         if isinstance(buf, memoryview) or hasattr(buf, "ctypes"):  # host memory
-            posix_io.write_block(final, key, pool, buf, self.fsync, self.direct_io)
+            posix_io.write_block(final, key, pool, buf, self.fsync, self.direct_io, extra)
             return
         import cupy
 
         with cupy.cuda.Device(self.device_id):
             staging = self._staging()
             if self.io_path.kvikio:
-                kvikio_io.write_block(final, key, pool, buf, staging, self.fsync)
+                kvikio_io.write_block(final, key, pool, buf, staging, self.fsync, extra)
             else:  # forced POSIX: bounce through pinned staging
                 host = staging[: pool.block_nbytes]
                 copy_sync(host, buf)
-                posix_io.write_block(final, key, pool, host, self.fsync, self.direct_io)
+                posix_io.write_block(final, key, pool, host, self.fsync, self.direct_io, extra)
 
     def _read_one(self, key: Key, pool: PoolSpec, buf) -> None:
         path = self.path(key, pool.name)

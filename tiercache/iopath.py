@@ -5,9 +5,11 @@ path      what moves the bytes between VRAM and a block file
 ========  =====================================================================================
 gds       kvikio ``CuFile`` with cuFile/GPUDirect Storage: DMA between VRAM and NVMe.
 compat    kvikio ``CuFile`` in kvikio's compatibility mode: kvikio's POSIX thread pool through
-          its own pinned bounce buffers (no nvidia-fs driver, or ``io_mode = "compat"``).
-posix     tiercache's own pread/pwrite worker pool through host memory (no CUDA, or
-          ``io_mode = "posix"``).
+          its own pinned bounce buffers (only with ``io_mode = "compat"``).
+posix     tiercache's own pread/pwrite worker pool, O_DIRECT, through pinned staging buffers
+          (one per I/O thread, so block i+1 is on the disk while block i crosses PCIe): no
+          CUDA, no GDS under ``auto`` (it measured faster than kvikio's compat mode, which
+          bounces the bytes a second time), or ``io_mode = "posix"``.
 ========  =====================================================================================
 
 Host-tier <-> file transfers always use the POSIX pool; the choice above decides how device
@@ -96,4 +98,9 @@ def select_io_path(mode: str, cuda: CudaStatus | None = None) -> IOPath:
 
         kvikio.defaults.set("compat_mode", kvikio.CompatMode.ON)
         return IOPath("compat", "io_mode = compat (forced)")
-    return IOPath("gds", why) if gds else IOPath("compat", why)
+    if gds:
+        return IOPath("gds", why)
+    # without GDS, kvikio's compat mode bounces through its own buffers after we already
+    # staged the block on the host for its checksum; tiercache's O_DIRECT path from that pinned
+    # staging buffer measured faster (docs/performance.md); io_mode = "compat" still picks kvikio
+    return IOPath("posix", f"no GDS ({why}): O_DIRECT through pinned staging buffers")

@@ -80,6 +80,9 @@ class Job:
         self._t0 = time.perf_counter()
         self._t1: float | None = None
         self._result: JobResult | None = None
+        self.group_events: list = []  # GPU job: one event per copy group (the last is end_event)
+        self.num_groups = 1
+        self.retired = False  # set by the engine once finished and reaped (its events recycled)
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -88,6 +91,8 @@ class Job:
 
     def done(self) -> bool:
         """True when the job (and every earlier reader it covers) has finished. Never blocks."""
+        if self.retired:
+            return True
         if self.on_gpu and not self.end_event.done:
             return False
         if any(not f.done() for _, f in self.futures):
@@ -115,6 +120,8 @@ class Job:
 
     def wait_host(self, timeout: float | None = None) -> None:
         """Block the calling thread until finished (errors are kept for :meth:`result`)."""
+        if self.retired:
+            return
         deadline = None if timeout is None else time.perf_counter() + timeout
         if self.on_gpu:
             if timeout is None:
@@ -138,14 +145,43 @@ class Job:
     def make_stream_wait(self, stream) -> None:
         """Make CuPy ``stream`` wait for this job: on the device for GPU jobs; threaded jobs
         have no device-side handle, so the host waits for them (unavoidable)."""
+        if self.retired:
+            return
         threaded = bool(self.futures) or any(not j.on_gpu for j in self.covers)
         if threaded:
             self.wait_host()
         if self.on_gpu:
             stream.wait_event(self.end_event)
         for j in self.covers:
-            if j.on_gpu:
+            if j.on_gpu and not j.retired:
                 stream.wait_event(j.end_event)
+
+    # -- copy groups (layer-wise onboarding) --------------------------------------------------
+    def _group_event(self, i: int):
+        if not 0 <= i < self.num_groups:
+            raise IndexError(f"group {i} outside [0, {self.num_groups})")
+        return self.group_events[i] if self.on_gpu and not self.retired else None
+
+    def group_done(self, i: int) -> bool:
+        """True when copy group ``i`` (e.g. layer ``i``) has landed. Never blocks."""
+        ev = self._group_event(i)
+        return self.done() if ev is None else bool(ev.done)
+
+    def make_stream_wait_group(self, i: int, stream) -> None:
+        """CuPy ``stream`` waits (on the device) for copy group ``i`` only."""
+        ev = self._group_event(i)
+        if ev is None:
+            self.make_stream_wait(stream)
+        else:
+            stream.wait_event(ev)
+
+    def wait_group_host(self, i: int) -> None:
+        """Block the calling thread until copy group ``i`` has landed."""
+        ev = self._group_event(i)
+        if ev is None:
+            self.wait_host()
+        else:
+            ev.synchronize()
 
     # -- failures --------------------------------------------------------------------------
     def failed_slots(self) -> set[int]:

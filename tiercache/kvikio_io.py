@@ -36,12 +36,12 @@ def _device_checksum(dev, staging) -> int:
     return checksum(host)
 
 
-def write_block(final: Path, key: Key, pool: PoolSpec, dev, staging, fsync: str) -> None:
+def write_block(final: Path, key: Key, pool: PoolSpec, dev, staging, fsync: str, extra: dict | None = None) -> None:
     """Write device buffer ``dev`` (a 1-D CuPy ``uint8`` array of ``block_nbytes``) to
     ``final`` atomically; ``staging`` is a pinned host buffer for the checksum."""
     import kvikio
 
-    header = encode_header(key, pool, _device_checksum(dev, staging))
+    header = encode_header(key, pool, _device_checksum(dev, staging), extra)
 
     def write_data(_fd: int, tmp: Path) -> None:
         with kvikio.CuFile(tmp, "r+") as f:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 #: cudaMemcpyDefault: direction inferred from the pointers (unified virtual addressing)
 MEMCPY_DEFAULT = 4
+
+_local = threading.local()
 
 
 def data_ptr(arr) -> int:
@@ -25,4 +29,12 @@ def copy_sync(dst, src) -> None:
         return
     import cupy
 
-    cupy.cuda.runtime.memcpy(data_ptr(dst), data_ptr(src), dst.nbytes, MEMCPY_DEFAULT)
+    # a non-blocking stream of this thread: a plain cudaMemcpy would run on the legacy default
+    # stream and wait for every kernel the engine has queued there (PyTorch's default stream)
+    streams = _local.__dict__.setdefault("streams", {})
+    dev = cupy.cuda.Device().id
+    stream = streams.get(dev)
+    if stream is None:
+        stream = streams[dev] = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.runtime.memcpyAsync(data_ptr(dst), data_ptr(src), dst.nbytes, MEMCPY_DEFAULT, stream.ptr)
+    stream.synchronize()

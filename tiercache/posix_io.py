@@ -139,10 +139,12 @@ def atomic_write(final: Path, header: bytes, nbytes: int, fsync: str,
         fsync_dir(final.parent)
 
 
-def write_block(final: Path, key: Key, pool: PoolSpec, data, fsync: str, direct: bool = False) -> None:
+def write_block(final: Path, key: Key, pool: PoolSpec, data, fsync: str, direct: bool = False,
+                extra: dict | None = None) -> None:
     """Write one block from host memory ``data`` (``block_nbytes`` bytes) to ``final``;
-    ``direct`` uses O_DIRECT where ``data`` is page-aligned in address and length."""
-    header = encode_header(key, pool, checksum(data))
+    ``direct`` uses O_DIRECT where ``data`` is page-aligned in address and length; ``extra``
+    goes into the header."""
+    header = encode_header(key, pool, checksum(data), extra)
     atomic_write(final, header, pool.block_nbytes, fsync,
                  lambda fd, _tmp: pwrite_all(fd, [data], DATA_OFFSET), direct=direct and direct_ok(data))
 
