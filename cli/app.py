@@ -44,6 +44,7 @@ class Job(str, Enum):
     main = "main"
     copy = "copy"
     file = "file"
+    layerwise = "layerwise"
 
 
 class IOMode(str, Enum):
@@ -85,7 +86,8 @@ def bench(
     keep: Annotated[bool, typer.Option(help="Keep the job's block files.")] = False,
     job: Annotated[Job, typer.Option(help="main: every tier and back, verified; copy: host<->device copy "
                                           "benchmark against cudaMemcpyAsync baselines (GPU); file: block files "
-                                          "against dd / raw O_DIRECT / kvikio on the root's disk.")] = Job.main,
+                                          "against dd / raw O_DIRECT / kvikio on the root's disk; layerwise: layer-wise "
+                                          "onboarding into engine tensors against onboarding all first (GPU).")] = Job.main,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy job).")] = False,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
                                                            "(read = onboard, write = offload).", rich_help_panel="fio job")] = None,
@@ -126,6 +128,9 @@ def bench(
     if job is Job.file:
         _file_job(config, output_format, root, blocks, io)
         return
+    if job is Job.layerwise:
+        _layerwise_job(output_format, root, blocks, quick)
+        return
     try:
         cfg = load_config(config or _default_config(), root=root, io_mode=io.value if io else None)
         progress = None if output_format is OutputFormat.json else (lambda s: typer.echo(f"  ... {s}", err=True))
@@ -164,6 +169,19 @@ def _file_job(config: Path | None, output_format: OutputFormat, root: Path | Non
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_file_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _layerwise_job(output_format: OutputFormat, root: Path | None, blocks: int | None, quick: bool) -> None:
+    from tiercache.benchlayer import format_layerwise_report, run_layerwise_bench
+    from tiercache.cuda import cuda_status
+
+    if not cuda_status().available:
+        _fail(f"--job layerwise needs a CUDA GPU: {cuda_status().reason}")
+    log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+    kw = dict(num_layers=8, num_blocks=128, matmul_n=1024, repeats=2) if quick else {}
+    rep = run_layerwise_bench(blocks=blocks or (64 if quick else 256), root=root, log=log, **kw)
+    typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_layerwise_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
 
 

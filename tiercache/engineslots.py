@@ -31,7 +31,7 @@ class EngineSlots:
     def _engine_stream(self, stream):
         """The stream the engine computes on: ``stream``, else PyTorch's current stream for
         PyTorch tensors, else CuPy's current stream."""
-        if stream is not None:
+        if stream is not None or not self.device_pools.on_device:
             return stream
         if self.device_pools.is_torch:
             import torch
@@ -217,7 +217,7 @@ class EngineSlots:
                 self.counters["bytes_host_to_device"] += job.nbytes
                 handle = OnboardHandle(job, ks, lambda: self._engine_stream(stream), len(groups))
             self.counters["onboarded_blocks"] += len(ks)
-        if not layerwise and self.engine.gpu:
+        if not layerwise and self.engine.gpu and self.device_pools.on_device:
             handle.wait(engine_stream)
         return handle
 

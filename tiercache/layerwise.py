@@ -43,13 +43,21 @@ class OnboardHandle:
             IndexError: ``layer`` outside ``[0, num_layers)``.
         """
         self._check(layer)
-        if self.job is not None:
-            self.job.make_stream_wait_group(layer, self._stream(stream))
+        if self.job is None:
+            return
+        if not self.job.on_gpu:  # host-memory pools: the copy runs on the CPU
+            self.job.wait_host()
+            return
+        self.job.make_stream_wait_group(layer, self._stream(stream))
 
     def wait(self, stream=None) -> None:
         """``stream`` waits, on the device, for every layer."""
-        if self.job is not None:
-            self.job.make_stream_wait(self._stream(stream))
+        if self.job is None:
+            return
+        if not self.job.on_gpu:
+            self.job.wait_host()
+            return
+        self.job.make_stream_wait(self._stream(stream))
 
     def layer_done(self, layer: int) -> bool:
         """True once layer ``layer`` has landed. Never blocks."""

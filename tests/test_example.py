@@ -1,0 +1,22 @@
+"""The Hugging Face example runs and generates identical tokens with and without tiercache
+(where PyTorch and transformers are installed; on the GPU machine, or on the CPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_kv_offload.py"
+
+
+def test_hf_example_tokens_identical(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "12", "--root", str(tmp_path / "root")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "identical tokens: yes" in run.stdout
+    assert "MiB written to files" in run.stdout
