@@ -70,3 +70,40 @@ def test_loop_not_blocked_and_cancel_is_consistent(make_config, rng, monkeypatch
         assert_bytes(ac.cache, {k: {p: data[p][i] for p in data} for i, k in enumerate(keys)})
         await ac.aclose()
     asyncio.run(main())
+
+
+def test_await_engine_slots_and_cancel(tmp_path, rng, monkeypatch):
+    from layouts import make_pools, snapshot
+
+    pools = make_pools("fastdeploy", rng, nb=16)
+    before = snapshot(pools)
+    real = posix_io.read_block
+
+    def slow(*args):
+        time.sleep(0.02)
+        return real(*args)
+
+    async def main():
+        cache = TierCache.for_engine(pools, host_slots=4, file_slots=32, blocks_per_host_block=2,
+                                     root=tmp_path / "root", fsync="none", io_threads=1)
+        async with AsyncTierCache(cache) as ac:
+            keys = random_keys(rng, 4)
+            dev = rng.permutation(16)[:8].reshape(4, 2)
+            await ac.offload_slots(keys, dev, to="file")
+            assert all(set(ac.lookup(k)) == {"file"} for k in keys)
+            monkeypatch.setattr(posix_io, "read_block", slow)
+            task = asyncio.create_task(ac.onboard_slots(keys, dev[::-1].copy(), layerwise=True))
+            await asyncio.sleep(0.03)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            monkeypatch.setattr(posix_io, "read_block", real)
+            h = await ac.onboard_slots(keys, dev[::-1].copy())  # queued behind the cancelled one
+            assert h.done()
+            await ac.wait_layer(h, 0)
+            now = snapshot(pools)
+            for i, j in np.ndindex(4, 2):
+                a, b = dev[i, j], dev[::-1][i, j]
+                for name in now:
+                    assert np.array_equal(now[name][b], before[name][a])
+    asyncio.run(main())

@@ -57,6 +57,32 @@ class AsyncTierCache:
     async def evict(self, keys, tier=None):
         return await self._run(self.cache.evict, keys, tier)
 
+    async def offload_slots(self, keys, device_slots, to=None, *, num_tokens=None, stream=None):
+        """Await :meth:`TierCache.offload_slots` until the bytes are in place. ``stream``
+        defaults to the engine's current stream *in the calling thread* (PyTorch's current
+        stream is per thread). A cancelled await leaves the copy running to completion; the
+        keys are then registered with their bytes."""
+        stream = self.cache._engine_stream(stream) if self.cache.device_pools is not None else stream
+        job = await self._run(self.cache.offload_slots, keys, device_slots, to, num_tokens=num_tokens, stream=stream)
+        if job is not None:
+            await self._run(job.wait)
+        return job
+
+    async def onboard_slots(self, keys, device_slots, *, layerwise=False, num_tokens=None, stream=None):
+        """Await :meth:`TierCache.onboard_slots`; returns its
+        :class:`~tiercache.layerwise.OnboardHandle` once every layer has landed (use
+        :meth:`wait_layer` on a handle from the cache itself to await layers one by one)."""
+        stream = self.cache._engine_stream(stream) if self.cache.device_pools is not None else stream
+        handle = await self._run(self.cache.onboard_slots, keys, device_slots, layerwise=layerwise,
+                                 num_tokens=num_tokens, stream=stream)
+        await self._run(handle.synchronize)
+        return handle
+
+    async def wait_layer(self, handle, layer: int) -> None:
+        """Await layer ``layer`` of an :class:`~tiercache.layerwise.OnboardHandle` (host-side;
+        the engine's stream can instead wait on the device with ``handle.wait_layer``)."""
+        await self._run(handle.synchronize_layer, layer)
+
     async def wait_job(self, job, timeout: float | None = None):
         """Await an engine :class:`~tiercache.jobs.Job` (result, or TransferError)."""
         return await self._run(job.wait, timeout)
