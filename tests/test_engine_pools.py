@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import random_keys
-from layouts import LAYOUTS, expected_partial, make_pools, raw_host, scramble, snapshot
+from layouts import LAYOUTS, expected_partial, make_pools, scramble, snapshot
 from tiercache import ArrayMismatchError, ConfigError, KeyNotFoundError, SlotRangeError, TierCache, TierUnavailableError
 from tiercache.devicepools import DevicePools
 

@@ -127,6 +127,9 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                 def kernel():
                     launcher.launch(src, s, dst, d, seg, stream, force="kernel")
 
+                def bulk():
+                    launcher.launch(src, s, dst, d, seg, stream, force="bulk")
+
                 res["contiguous_gbps"] = nbytes / _time(contiguous, stream, reps) / 1e9
                 res["naive_gbps"] = nbytes / _time(naive, stream, max(3, reps // 2), warmup=1) / 1e9
                 if batch.available:
@@ -139,13 +142,15 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                 res["tiercache_gbps"] = nbytes / _time(ours, stream, reps) / 1e9
                 res["tiercache_path"] = path[-1]
                 res["kernel_gbps"] = nbytes / _time(kernel, stream, reps) / 1e9
+                if launcher._bulk is not None:
+                    res["bulk_gbps"] = nbytes / _time(bulk, stream, reps) / 1e9
                 # correctness of the timed path
                 stream.synchronize()
                 check = rng.choice(n, size=min(n, 16), replace=False)
                 got = dst[d[check]] if isinstance(dst, np.ndarray) else dst[d[check]].get()
                 want = src[s[check]] if isinstance(src, np.ndarray) else src[s[check]].get()
                 res["verified"] = bool(np.array_equal(got, want))
-                for k in ("naive", "batch", "tiercache", "kernel"):
+                for k in ("naive", "batch", "tiercache", "kernel", "bulk"):
                     if f"{k}_gbps" in res:
                         res[f"{k}_ratio"] = res[f"{k}_gbps"] / res["contiguous_gbps"]
                 rows.append(res)
@@ -222,7 +227,7 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
     return res
 
 
-def bench_overlap(sms_list=(6, 8, 10, 12), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
+def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
                   iters: int = 20, device_id: int = 0, log=print, launcher_kw: dict | None = None) -> dict:
     """A bf16 matrix product alone, then beside a stream of scattered 16 KiB host -> device
     transfers (kernel with each SM bound, and cuMemcpyBatchAsync): product slowdown and
@@ -267,21 +272,21 @@ def bench_overlap(sms_list=(6, 8, 10, 12), block: int = 16 * KiB, blocks: int = 
             f"({res['product_tflops']:.0f} TFLOP/s); contiguous h2d {res['contiguous_gbps']:.1f} GB/s")
         seg = Segments(1, block, block)
         methods = [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))) for k in sms_list]
+        methods += [(f"bulk_{k}sm", ("bulk", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))))
+                    for k in sms_list]
         batch = BatchCopy()
         if batch.available:
             methods.append(("batch", None))
         host_runs = (rng.permutation(blocks // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
         methods.append(("staged_16sm", ("staged", CopyLauncher(device_id, max_sms=16, **(launcher_kw or {})))))
-        from .streams import copy_stream
-
-        hi = copy_stream("high")
-        for k in sms_list:
-            methods.append((f"kernel_{k}sm_hi", ("hi", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {})))))
         for name, launcher in methods:
-            ts = hi if isinstance(launcher, tuple) and launcher[0] == "hi" else ts_normal
-            if isinstance(launcher, tuple) and launcher[0] == "hi":
+            ts = ts_normal
+            if isinstance(launcher, tuple) and launcher[0] == "bulk":
+                if launcher[1]._bulk is None:
+                    continue
+
                 def xfer(launcher=launcher[1], ts=ts):
-                    launcher.launch(host, s, dev, d, seg, ts, force="kernel")
+                    launcher.launch(host, s, dev, d, seg, ts, force="bulk")
             elif isinstance(launcher, tuple):
                 def xfer(launcher=launcher[1], ts=ts):
                     launcher.launch(host, host_runs, dev, d, seg, ts, force="staged")
@@ -382,11 +387,12 @@ def format_copy_report(rep: dict) -> str:
     """The copy benchmark as tables."""
     out = [f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'})", "",
            f"  {'block':>8} {'dir':>4} {'host side':>10} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'path':>7} {'kernel':>7} "
-           f"{'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} {'ratio':>6}"]
+           f"{'ratio':>6} {'bulk':>7} {'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} {'ratio':>6}"]
     for r in rep["scattered"]:
         out.append(f"  {r['block_bytes'] // KiB:>5} KiB {r['direction']:>4} {r['layout']:>10} {r['contiguous_gbps']:>12.1f} "
                    f"{r['tiercache_gbps']:>10.1f} {r['tiercache_ratio']:>6.0%} {r['tiercache_path']:>7} "
-                   f"{r['kernel_gbps']:>7.1f} {r['kernel_ratio']:>6.0%} {r['naive_gbps']:>7.1f} "
+                   f"{r['kernel_gbps']:>7.1f} {r['kernel_ratio']:>6.0%} {r.get('bulk_gbps', float('nan')):>7.1f} "
+                   f"{r.get('bulk_ratio', float('nan')):>6.0%} {r['naive_gbps']:>7.1f} "
                    f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} {r.get('batch_ratio', float('nan')):>6.0%}")
     out += ["", f"  {'partial':>12} {'dir':>4} {'segment B':>10} {'GB/s':>7} {'contig':>7} {'ratio':>6}"]
     for r in rep["partial"]:
