@@ -140,9 +140,10 @@ def test_path_choice_and_bounded_sms(tmp_path, rng):
     assert eng.launcher.max_sms == 2
     data = rng.integers(0, 256, size=(8, pool.block_nbytes), dtype=np.uint8)
     eng.copy("caller", np.arange(8), "host", np.arange(8), src_arrays={"blk": data}).wait()
+    sm = "bulk" if eng.launcher.bulk_available else "kernel"  # TMA bulk copies on sm_90+
     assert eng.copy("host", [0, 1, 2], "device", [4, 5, 6]).wait().path == "memcpy"     # one 3 MiB run
-    assert eng.copy("host", [7, 3], "device", [0, 2]).wait().path == "kernel"           # scattered 1 MiB blocks
-    assert eng.copy("host", [0, 1, 5], "device", [1, 2, 7]).wait().path == "kernel+memcpy"
+    assert eng.copy("host", [7, 3], "device", [0, 2]).wait().path == sm                 # scattered 1 MiB blocks
+    assert eng.copy("host", [0, 1, 5], "device", [1, 2, 7]).wait().path == f"{sm}+memcpy"
     out = {"blk": np.empty((8, pool.block_nbytes), np.uint8)}
     eng.copy("device", np.arange(8), "caller", np.arange(8), dst_arrays=out).wait()
     exp = {4: 0, 5: 1, 6: 2, 0: 7, 1: 0, 2: 1, 7: 5}  # the third copy overwrote slot 2
@@ -256,3 +257,36 @@ def test_upload_ring_wraps_without_clobbering(rng):
     stream.synchronize()
     for out, want in zip(outs, wants):
         assert np.array_equal(out.get(), want)
+
+
+@pytest.mark.parametrize("force", ["bulk", "kernel"])
+@pytest.mark.parametrize("nbytes", [16, 4096 + 48, 16384, 16384 * 3 + 512, 40_002])
+def test_bulk_and_sm_kernels_byte_exact(rng, force, nbytes):
+    """Both SM-driven paths (TMA bulk copies, the gather/scatter kernel) move random scattered
+    blocks host -> device -> device -> host exactly, including sizes that are not whole
+    multiples of the bulk piece (16 KiB) or of 16 bytes (those fall back to the kernel)."""
+    import cupy
+
+    from tiercache.copykernels import CopyLauncher, Segments
+    from tiercache.hostmem import alloc_host
+
+    la = CopyLauncher(0, max_sms=3)
+    if force == "bulk" and not la.bulk_available:
+        pytest.skip("bulk copies need compute capability 9.0")
+    n = 37
+    src, _o1 = alloc_host(n * nbytes, pinned=True)
+    src = src.reshape(n, nbytes)
+    src[:] = rng.integers(1, 256, size=src.shape, dtype=np.uint8)
+    back, _o2 = alloc_host(n * nbytes, pinned=True)
+    back = back.reshape(n, nbytes)
+    back[:] = 0
+    dev, dev2 = cupy.zeros((n, nbytes), cupy.uint8), cupy.zeros((n, nbytes), cupy.uint8)
+    p1, p2, p3, p4 = (rng.permutation(n) for _ in range(4))
+    seg = Segments(1, nbytes, nbytes)
+    st = cupy.cuda.Stream(non_blocking=True)
+    paths = {la.launch(src, p1, dev, p2, seg, st, force=force), la.launch(dev, p2, dev2, p3, seg, st, force=force),
+             la.launch(dev2, p3, back, p4, seg, st, force=force)}
+    st.synchronize()
+    assert np.array_equal(back[p4], src[p1])
+    want = "bulk" if force == "bulk" and nbytes % 16 == 0 else "kernel"
+    assert paths == {want}

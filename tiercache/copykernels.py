@@ -145,6 +145,11 @@ class CopyLauncher:
         self.staged = StagedCopier(self)
         self.ring = UploadRing(device_id)
 
+    @property
+    def bulk_available(self) -> bool:
+        """True when whole aligned blocks go through the bulk-copy (TMA) kernel."""
+        return self._bulk is not None
+
     def spin(self, stream, ns: int) -> None:
         """Debug: occupy ``stream`` for ``ns`` nanoseconds (one thread)."""
         self._spin((1,), (1,), (np.int64(ns),), stream=stream)
