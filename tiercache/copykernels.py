@@ -109,7 +109,7 @@ class CopyLauncher:
     BULK_STAGES = 4
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
-                 unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 1 << 20,
+                 unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10,
                  staged_min_run_bytes: int = 0, bulk: bool = True) -> None:
         import cupy
 

@@ -74,7 +74,7 @@ class TransferEngine:
 
     def __init__(self, tiers: dict, pools: tuple[PoolSpec, ...], device_id: int = 0, *,
                  streams_per_direction: int = 2, ordering: bool = True, copy_kernel_sms: int | None = None,
-                 memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 1 << 20,
+                 memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10,
                  keep_finished: int = 100_000) -> None:
         self.tiers = tiers
         self.pools = {p.name: p for p in pools}
