@@ -111,7 +111,8 @@ def test_verify(populated, rng):
     with open(bad, "r+b") as f:
         f.seek(4096 + 7)
         f.write(b"\x00\x01\x02")
-    os.truncate(cfg.root / block_filename(keys[3], "act"), 5000)
+    act = next(p for p in cfg.pools if p.name == "act")
+    os.truncate(cfg.root / block_filename(keys[3], "act"), 4096 + act.block_nbytes // 2)  # cut into the data
     res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--json"])
     assert res.exit_code == 1
     r = json.loads(res.stdout)
