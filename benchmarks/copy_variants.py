@@ -10,12 +10,11 @@ object per line and a summary. Usage: python benchmarks/copy_variants.py [--quic
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import numpy as np
 
-from tiercache.benchcopy import _bufs, _time, scattered_slots
+from tiercache.benchcopy import _bufs, _time, run_beside, scattered_slots
 from tiercache.copykernels import CopyLauncher, Segments
 from tiercache.kernels.loader import KERNEL_DIR
 from tiercache.memcopy import MEMCPY_DEFAULT
@@ -156,25 +155,9 @@ def overlap(sms, bulk, launcher8, quick) -> None:
                                                                      np.int64(chunk)), stream=ts, shared_mem=4 * chunk))
     for name, xfer in methods.items():
         t_alone = _time(xfer, ts, 5)
-        n_x = max(2, int(round(t_prod / t_alone)))
-        prods, spans = [], []
-        for _ in range(3):
-            ev = [cupy.cuda.Event() for _ in range(4)]
-            cupy.cuda.Device().synchronize()
-            ev[0].record(cs)
-            ev[2].record(ts)
-            product()
-            for _ in range(n_x):
-                xfer()
-            ev[1].record(cs)
-            ev[3].record(ts)
-            ev[1].synchronize()
-            ev[3].synchronize()
-            prods.append(cupy.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3)
-            spans.append(cupy.cuda.get_elapsed_time(ev[2], ev[3]) / 1e3)
+        n_x, t_with, span = run_beside(product, cs, xfer, ts, t_prod / t_alone)
         row = {"overlap": name, "alone_gbps": nbytes / t_alone / 1e9, "alone_ratio": nbytes / t_alone / 1e9 / contig,
-               "beside_gbps": n_x * nbytes / statistics.median(spans) / 1e9,
-               "product_slowdown": statistics.median(prods) / t_prod - 1, "contig": contig}
+               "beside_gbps": n_x * nbytes / span / 1e9, "product_slowdown": t_with / t_prod - 1, "contig": contig}
         row["beside_ratio"] = row["beside_gbps"] / contig
         print(json.dumps(row))
         print(f"  overlap {name:<18} alone {row['alone_ratio']:5.0%}  beside {row['beside_ratio']:5.0%}  "

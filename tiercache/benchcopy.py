@@ -309,25 +309,7 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
                 def xfer(launcher=launcher, ts=ts):
                     launcher.launch(host, s, dev, d, seg, ts, force="kernel")
             t_alone = _time(xfer, ts, 5)
-            # together: the products on their stream, and enough transfers queued up front (no
-            # host syncs in between) to span them; median of three such runs
-            n_x = max(2, int(round(t_product / t_alone)))
-            prods, spans = [], []
-            for _ in range(3):
-                ev = [cupy.cuda.Event() for _ in range(4)]
-                cupy.cuda.Device(device_id).synchronize()
-                ev[0].record(cs)
-                ev[2].record(ts)
-                product()
-                for _ in range(n_x):
-                    xfer()
-                ev[1].record(cs)
-                ev[3].record(ts)
-                ev[1].synchronize()
-                ev[3].synchronize()
-                prods.append(cupy.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3)
-                spans.append(cupy.cuda.get_elapsed_time(ev[2], ev[3]) / 1e3)
-            t_prod_with, t_x = statistics.median(prods), statistics.median(spans)
+            n_x, t_prod_with, t_x = run_beside(product, cs, xfer, ts, t_product / t_alone)
             row = {"method": name, "transfer_alone_gbps": nbytes / t_alone / 1e9, "batches": n_x,
                    "transfer_during_gbps": n_x * nbytes / t_x / 1e9,
                    "product_with_s": t_prod_with, "product_slowdown": t_prod_with / t_product - 1}
@@ -337,6 +319,31 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
                 f"{row['transfer_during_gbps']:.1f} GB/s ({row['transfer_during_ratio']:.0%} of contiguous); "
                 f"product slowed {row['product_slowdown']:+.1%}")
     return res
+
+
+def run_beside(product, cs, xfer, ts, ratio: float) -> tuple[int, float, float]:
+    """``product()`` on stream ``cs`` and, together, enough ``xfer()`` calls on ``ts`` queued up
+    front (no host syncs in between) to span it (``ratio`` = product time / transfer time).
+    Returns ``(transfers, product seconds, transfers' span seconds)``, medians of three runs."""
+    import cupy
+
+    n_x = max(2, int(round(ratio)))
+    prods, spans = [], []
+    for _ in range(3):
+        ev = [cupy.cuda.Event() for _ in range(4)]
+        cupy.cuda.Device().synchronize()
+        ev[0].record(cs)
+        ev[2].record(ts)
+        product()
+        for _ in range(n_x):
+            xfer()
+        ev[1].record(cs)
+        ev[3].record(ts)
+        ev[1].synchronize()
+        ev[3].synchronize()
+        prods.append(cupy.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3)
+        spans.append(cupy.cuda.get_elapsed_time(ev[2], ev[3]) / 1e3)
+    return n_x, statistics.median(prods), statistics.median(spans)
 
 
 def bench_shapes(block: int = 16 * KiB, total: int = 128 * MiB, reps: int = 5, device_id: int = 0, log=print) -> list[dict]:
