@@ -89,6 +89,7 @@ def bench(
                                           "against dd / raw O_DIRECT / kvikio on the root's disk; layerwise: layer-wise "
                                           "onboarding into engine tensors against onboarding all first (GPU).")] = Job.main,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy job).")] = False,
+    repeat: Annotated[int, typer.Option(help="Passes of the file job (medians, ratios per pass).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
                                                            "(read = onboard, write = offload).", rich_help_panel="fio job")] = None,
     bs: Annotated[Optional[str], typer.Option("--bs", help="Block size (16k, 2m; default: the config's pool).", rich_help_panel="fio job")] = None,
@@ -126,7 +127,7 @@ def bench(
         _copy_job(config, output_format, quick)
         return
     if job is Job.file:
-        _file_job(config, output_format, root, blocks, io)
+        _file_job(config, output_format, root, blocks, io, repeat)
         return
     if job is Job.layerwise:
         _layerwise_job(output_format, root, blocks, quick)
@@ -158,14 +159,14 @@ def _copy_job(config: Path | None, output_format: OutputFormat, quick: bool) -> 
 
 
 def _file_job(config: Path | None, output_format: OutputFormat, root: Path | None, blocks: int | None,
-              io: IOMode | None) -> None:
-    from tiercache.benchfile import format_file_report, run_file_bench
+              io: IOMode | None, repeat: int = 1) -> None:
+    from tiercache.benchfile import format_file_report, run_file_bench_repeated
 
     try:
         cfg = load_config(config or _default_config(), root=root)
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
-        rep = run_file_bench(cfg.root, cfg.pools[0], blocks=blocks or 256, io_threads=cfg.io_threads,
-                             io_mode=io.value if io else cfg.io_mode, log=log)
+        rep = run_file_bench_repeated(cfg.root, cfg.pools[0], repeat, blocks=blocks or 256, io_threads=cfg.io_threads,
+                                      io_mode=io.value if io else cfg.io_mode, log=log)
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_file_report(rep))

@@ -145,3 +145,17 @@ def test_file_bench_json(small_config):
     assert 0 < stages["block files cold read"]["ratio_to_raw"]
     assert rep["bytes"] == 8 * rep["block_bytes"]
     assert not list((small_config.parent / "root").glob("filebench-*"))
+
+
+def test_file_bench_repeat_takes_medians(small_config):
+    res = CliRunner().invoke(app, ["bench", "--job", "file", "--config", str(small_config), "--blocks", "4",
+                                   "--repeat", "3", "--output-format", "json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["repeats"] == 3 and len(rep["passes"]) == 3
+    for j, stage in enumerate(rep["stages"]):
+        per_pass = sorted(p["stages"][j]["gb_per_s"] for p in rep["passes"])
+        assert stage["gb_per_s"] == per_pass[1], stage["stage"]
+        if "ratio_to_raw" in stage:
+            lo, hi = stage["ratio_range"]
+            assert lo <= stage["ratio_to_raw"] <= hi
