@@ -175,3 +175,19 @@ def test_registration_errors(rng):
         TierCache.for_engine(DevicePools.vllm([good], host_ok=True), host_slots=2, blocks_per_host_block=0)
     with pytest.raises(ConfigError, match="needs a host tier"):
         TierCache.for_engine(DevicePools.vllm([good], host_ok=True), file_slots=2, blocks_per_host_block=2)
+
+
+def test_no_host_tier_goes_straight_to_files(tmp_path, rng, backend):
+    pools = make_pools("mla", rng, backend, nb=12)
+    before = snapshot(pools)
+    keys = random_keys(rng, 5)
+    dev = rng.permutation(12)[:5].astype(np.int64)
+    with TierCache.for_engine(pools, file_slots=16, root=tmp_path / "root", fsync="none") as c:
+        assert c.offload_slots(keys, dev) is None  # done when it returns
+        assert all(set(c.lookup(k)) == {"file"} for k in keys)
+        scramble(pools, rng)
+        dst = rng.permutation(12)[:5].astype(np.int64)
+        c.onboard_slots(keys, dst).synchronize()
+        _check_onboarded(pools, before, dev.reshape(-1, 1), dst.reshape(-1, 1))
+        with pytest.raises(TierUnavailableError, match="host tier"):
+            c.onboard_slots(keys[:1], dst[:1], num_tokens=2)
