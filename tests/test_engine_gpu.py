@@ -290,3 +290,47 @@ def test_bulk_and_sm_kernels_byte_exact(rng, force, nbytes):
     assert np.array_equal(back[p4], src[p1])
     want = "bulk" if force == "bulk" and nbytes % 16 == 0 else "kernel"
     assert paths == {want}
+
+
+@pytest.mark.parametrize("row", [4096, 48, 256 * 1024])
+def test_launch_many_merges_pools_into_one_launch(rng, row):
+    """Several pools' row copies go out as one launch (absolute addresses) and land exactly;
+    mixed row sizes fall back to one launch per pool."""
+    import cupy
+
+    from tiercache.copykernels import CopyLauncher, Segments
+    from tiercache.hostmem import alloc_host
+    from tiercache.rowcopy import RowCopy
+
+    la = CopyLauncher(0, max_sms=4)
+    n, pools = 24, 3
+    hosts = []
+    for _ in range(pools):
+        h, owner = alloc_host(n * row, pinned=True)
+        h = h.reshape(n, row)
+        h[:] = rng.integers(1, 256, size=h.shape, dtype=np.uint8)
+        hosts.append((h, owner))
+    devs = [cupy.zeros((n, row), cupy.uint8) for _ in range(pools)]
+    seg = Segments(1, row, row)
+    perms = [(rng.permutation(n)[:16], rng.permutation(n)[:16]) for _ in range(pools)]
+    copies = [RowCopy(h, s, d, t, seg) for (h, _), d, (s, t) in zip(hosts, devs, perms)]
+    st = cupy.cuda.Stream(non_blocking=True)
+    path = la.launch_many(copies, st)
+    st.synchronize()
+    for (h, _), d, (s, t) in zip(hosts, devs, perms):
+        assert np.array_equal(d[t].get(), h[s])
+    want = "batch" if row >= la.batch_min_bytes and la.batch.available else (
+        "bulk" if la.bulk_available and row % 16 == 0 else "kernel")
+    assert path == want
+    # another row size: no merge (one launch per pool), still exact
+    h2, _o = alloc_host(n * (row + 16), pinned=True)
+    h2 = h2.reshape(n, row + 16)
+    h2[:] = rng.integers(1, 256, size=h2.shape, dtype=np.uint8)
+    odd = cupy.zeros((n, row + 16), cupy.uint8)
+    for d in devs:
+        d[...] = 0
+    s2, t2 = rng.permutation(n)[:10], rng.permutation(n)[:10]
+    la.launch_many([copies[0], RowCopy(h2, s2, odd, t2, Segments(1, row + 16, row + 16))], st)
+    st.synchronize()
+    (h, _), (s, t) = hosts[0], perms[0]
+    assert np.array_equal(devs[0][t].get(), h[s]) and np.array_equal(odd[t2].get(), h2[s2])

@@ -198,44 +198,78 @@ class CopyLauncher:
             self.staged.copy(src, src_slots[kernel_idx], dst, dst_slots[kernel_idx], stream)
             used.add("staged")
             kernel_idx = kernel_idx[:0]
-        use_batch = whole and kernel_idx.size and (
-            force == "batch" or (force is None and row_src >= self.batch_min_bytes))
-        if use_batch:
-            srcs = sp + src_slots[kernel_idx].astype(np.uint64) * np.uint64(row_src)
-            dsts = dp + dst_slots[kernel_idx].astype(np.uint64) * np.uint64(row_dst)
+        if kernel_idx.size:
+            src_off = src_slots[kernel_idx].astype(np.int64) * row_src
+            dst_off = dst_slots[kernel_idx].astype(np.int64) * row_dst
+            self._launch_offsets(sp, src_off, dp, dst_off, row_src, seg, stream, force, used,
+                                 _vector_bytes(sp, dp, row_src, row_dst, seg.seg_stride, seg.seg_bytes))
+        return "+".join(sorted(used))
+
+    def _launch_offsets(self, sp: int, src_off: np.ndarray, dp: int, dst_off: np.ndarray, row: int, seg: Segments,
+                        stream, force: str | None, used: set, vec: int) -> None:
+        """Copy block ``i`` from ``sp + src_off[i]`` to ``dp + dst_off[i]`` (``int64`` byte offsets;
+        with bases 0 they are addresses) by the batched driver copy, the bulk kernel or the
+        gather/scatter kernel, whichever applies; adds the path to ``used``."""
+        import cupy
+
+        n = src_off.size
+        whole = seg.segs == 1 and seg.seg_bytes == row
+        if whole and (force == "batch" or (force is None and row >= self.batch_min_bytes)):
+            srcs = np.uint64(sp) + src_off.astype(np.uint64)
+            dsts = np.uint64(dp) + dst_off.astype(np.uint64)
             if self.batch.available:
-                self._keep = self.batch.prepare(dsts, srcs, np.full(kernel_idx.size, row_src, dtype=np.uint64))
+                self._keep = self.batch.prepare(dsts, srcs, np.full(n, row, dtype=np.uint64))
                 self.batch.launch(self._keep, stream.ptr)
                 used.add("batch")
             else:
                 for a, b in zip(srcs.tolist(), dsts.tolist()):
-                    cupy.cuda.runtime.memcpyAsync(b, a, row_src, MEMCPY_DEFAULT, stream.ptr)
+                    cupy.cuda.runtime.memcpyAsync(b, a, row, MEMCPY_DEFAULT, stream.ptr)
                 used.add("memcpy")
-            kernel_idx = kernel_idx[:0]
-        if kernel_idx.size:
-            src_off = src_slots[kernel_idx].astype(np.int64) * row_src
-            dst_off = dst_slots[kernel_idx].astype(np.int64) * row_dst
-            vec = _vector_bytes(sp, dp, row_src, row_dst, seg.seg_stride, seg.seg_bytes)
-            if whole and vec == 16 and self._bulk is not None and force in (None, "bulk"):
-                offs = self.ring.upload(np.stack([src_off, dst_off]), stream)
-                self._bulk(
-                    (self.max_sms,), (32,),
-                    (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(kernel_idx.size), np.int64(row_src),
-                     np.int64(self.BULK_CHUNK)),
-                    stream=stream, shared_mem=self.BULK_STAGES * self.BULK_CHUNK,
-                )
-                self.ring.release(stream)
-                used.add("bulk")
-                return "+".join(sorted(used))
-            chunks = kernel_idx.size * seg.segs * (seg.seg_bytes // vec)
+            return
+        offs = self.ring.upload(np.stack([src_off, dst_off]), stream)  # async, from pinned memory
+        if whole and vec == 16 and self._bulk is not None and force in (None, "bulk"):
+            self._bulk((self.max_sms,), (32,),
+                       (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(n), np.int64(row),
+                        np.int64(self.BULK_CHUNK)),
+                       stream=stream, shared_mem=self.BULK_STAGES * self.BULK_CHUNK)
+            used.add("bulk")
+        else:
+            chunks = n * seg.segs * (seg.seg_bytes // vec)
             grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), self.max_sms * self.ctas_per_sm))
-            offs = self.ring.upload(np.stack([src_off, dst_off]), stream)  # async, from pinned memory
-            self._kernels[vec](
-                (grid,), (self.threads,),
-                (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(kernel_idx.size),
-                 np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
-                stream=stream,
-            )
-            self.ring.release(stream)
+            self._kernels[vec]((grid,), (self.threads,),
+                               (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(n),
+                                np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
+                               stream=stream)
             used.add("kernel")
+        self.ring.release(stream)
+
+    def launch_many(self, copies: list, stream) -> str:
+        """Enqueue several :class:`~tiercache.rowcopy.RowCopy` (e.g. one per layer's pool) on
+        ``stream``. When they all move whole rows of one size and none has a run of consecutive
+        slots long enough for ``cudaMemcpyAsync``, they go out as one launch (absolute
+        addresses: one offsets upload, one kernel or driver call for all pools); otherwise one
+        :meth:`launch` each. Returns the paths used."""
+        rows = {(c.src.shape[1], c.dst.shape[1], c.seg) for c in copies}
+        mergeable = len(copies) > 1 and len(rows) == 1 and not self.staged_min_run_bytes
+        if mergeable:
+            row_src, row_dst, seg = rows.pop()
+            mergeable = row_src == row_dst and seg.segs == 1 and seg.seg_bytes == row_src
+        if mergeable:
+            for c in copies:
+                runs = contiguous_runs(c.src_rows, c.dst_rows)
+                if (runs.length * row_src >= self.memcpy_min_bytes).any():
+                    mergeable = False
+                    break
+        if not mergeable:
+            return "+".join(sorted({p for c in copies
+                                    for p in [self.launch(c.src, c.src_rows, c.dst, c.dst_rows, c.seg, stream)]
+                                    if p != "none"})) or "none"
+        src_addr = np.concatenate([data_ptr(c.src) + c.src_rows.astype(np.int64) * row_src for c in copies])
+        dst_addr = np.concatenate([data_ptr(c.dst) + c.dst_rows.astype(np.int64) * row_src for c in copies])
+        if src_addr.size == 0 or row_src == 0:
+            return "none"
+        bases = {data_ptr(c.src) for c in copies} | {data_ptr(c.dst) for c in copies}
+        used: set = set()
+        self._launch_offsets(0, src_addr, 0, dst_addr, row_src, seg, stream, None, used,
+                             _vector_bytes(row_src, *bases))
         return "+".join(sorted(used))

@@ -256,10 +256,12 @@ class TransferEngine:
             paths = set()
             job.num_groups = len(groups)
             for gi, group in enumerate(groups):
-                for rc in group:
-                    force = None if self._gpu_reachable(rc.src) and self._gpu_reachable(rc.dst) else "memcpy"
-                    paths.add(self.launcher.launch(rc.src, rc.src_rows, rc.dst, rc.dst_rows, rc.seg, stream,
-                                                   force=force))
+                if all(self._gpu_reachable(rc.src) and self._gpu_reachable(rc.dst) for rc in group):
+                    paths.update(self.launcher.launch_many(group, stream).split("+"))
+                else:  # pageable caller memory: the kernels cannot reach it, copy engines can
+                    for rc in group:
+                        paths.add(self.launcher.launch(rc.src, rc.src_rows, rc.dst, rc.dst_rows, rc.seg, stream,
+                                                       force="memcpy"))
                 if gi < len(groups) - 1:
                     ev = self._events.get()
                     ev.record(stream)
