@@ -287,6 +287,11 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
         methods = [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))) for k in sms_list]
         methods += [(f"bulk_{k}sm", ("bulk", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))))
                     for k in sms_list]
+        # the engine spreads requests over streams_per_direction (2) streams: the next request's
+        # kernel is already queued when an SM frees up
+        methods += [(f"bulk_{k}sm_2str", ("bulk2", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))))
+                    for k in sms_list]
+        ts2, dev2 = copy_stream(priority), cupy.empty_like(dev)
         batch = BatchCopy()
         if batch.available:
             methods.append(("batch", None))
@@ -294,7 +299,22 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
         methods.append(("staged_16sm", ("staged", CopyLauncher(device_id, max_sms=16, **(launcher_kw or {})))))
         for name, launcher in methods:
             ts = ts_normal
-            if isinstance(launcher, tuple) and launcher[0] == "bulk":
+            finish = None
+            if isinstance(launcher, tuple) and launcher[0] == "bulk2":
+                if launcher[1]._bulk is None:
+                    continue
+                turn = [0]
+
+                def xfer(launcher=launcher[1]):
+                    turn[0] += 1
+                    st, out = (ts, dev) if turn[0] % 2 else (ts2, dev2)
+                    launcher.launch(host, s, out, d, seg, st, force="bulk")
+
+                def finish():
+                    ev = cupy.cuda.Event(disable_timing=True)
+                    ev.record(ts2)
+                    ts.wait_event(ev)
+            elif isinstance(launcher, tuple) and launcher[0] == "bulk":
                 if launcher[1]._bulk is None:
                     continue
 
@@ -312,8 +332,11 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
             else:
                 def xfer(launcher=launcher, ts=ts):
                     launcher.launch(host, s, dev, d, seg, ts, force="kernel")
-            t_alone = _time(xfer, ts, 5)
-            n_x, t_prod_with, t_x = run_beside(product, cs, xfer, ts, t_product / t_alone)
+            if finish is None:
+                t_alone = _time(xfer, ts, 5)
+            else:  # alone, two streams: time a pair of requests joined back into ts
+                t_alone = _time(lambda: (xfer(), xfer(), finish()), ts, 5) / 2
+            n_x, t_prod_with, t_x = run_beside(product, cs, xfer, ts, t_product / t_alone, finish)
             row = {"method": name, "transfer_alone_gbps": nbytes / t_alone / 1e9, "batches": n_x,
                    "transfer_during_gbps": n_x * nbytes / t_x / 1e9,
                    "product_with_s": t_prod_with, "product_slowdown": t_prod_with / t_product - 1}
@@ -325,9 +348,10 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
     return res
 
 
-def run_beside(product, cs, xfer, ts, ratio: float) -> tuple[int, float, float]:
+def run_beside(product, cs, xfer, ts, ratio: float, finish=None) -> tuple[int, float, float]:
     """``product()`` on stream ``cs`` and, together, enough ``xfer()`` calls on ``ts`` queued up
-    front (no host syncs in between) to span it (``ratio`` = product time / transfer time).
+    front (no host syncs in between) to span it (``ratio`` = product time / transfer time);
+    ``finish()`` then joins any other stream the transfers used into ``ts``.
     Returns ``(transfers, product seconds, transfers' span seconds)``, medians of three runs."""
     import cupy
 
@@ -341,6 +365,8 @@ def run_beside(product, cs, xfer, ts, ratio: float) -> tuple[int, float, float]:
         product()
         for _ in range(n_x):
             xfer()
+        if finish is not None:
+            finish()
         ev[1].record(cs)
         ev[3].record(ts)
         ev[1].synchronize()
