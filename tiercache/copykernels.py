@@ -261,9 +261,8 @@ class CopyLauncher:
                     mergeable = False
                     break
         if not mergeable:
-            return "+".join(sorted({p for c in copies
-                                    for p in [self.launch(c.src, c.src_rows, c.dst, c.dst_rows, c.seg, stream)]
-                                    if p != "none"})) or "none"
+            paths = {self.launch(c.src, c.src_rows, c.dst, c.dst_rows, c.seg, stream) for c in copies} - {"none"}
+            return "+".join(sorted(paths)) or "none"
         src_addr = np.concatenate([data_ptr(c.src) + c.src_rows.astype(np.int64) * row_src for c in copies])
         dst_addr = np.concatenate([data_ptr(c.dst) + c.dst_rows.astype(np.int64) * row_src for c in copies])
         if src_addr.size == 0 or row_src == 0:
