@@ -1,133 +1,63 @@
-"""Experiment: SM-driven copy variants for scattered 16/64 KiB host <-> device blocks.
+"""Experiment: shapes of the bulk-copy (TMA) kernel, partial copies, and copies beside compute.
 
-Compares, in one run on the same bytes: one contiguous cudaMemcpyAsync (the ceiling), the
-shipped gather/scatter kernel (copy_blocks.cu), the same loads with an L2 256-byte prefetch
-hint, and TMA bulk copies (copy_bulk.cu) in several grid/chunk shapes; then, beside a bf16
-matrix product, the shipped kernel at 8 SMs against bulk copies with few CTAs. Prints one JSON
-object per line and a summary. Usage: python benchmarks/copy_variants.py [--quick]
+Measured in one run on the same bytes, every figure against one contiguous cudaMemcpyAsync
+timed in the same run:
+
+1. ``gemm``: which cuBLAS kernel an 8192^3 bf16 product runs (grid, block, registers, shared
+   memory per CTA, from the PyTorch profiler), to see what room it leaves on an SM.
+2. ``probe``: whether small CTAs start beside that product: a kernel of G CTAs x T threads
+   with S bytes of shared memory that only reads the clock, launched while the product runs.
+   Its duration says whether its CTAs waited for the product's to finish.
+3. ``whole``: scattered 16 KiB blocks host <-> device with the bulk kernel's shapes (small
+   CTAs that fit beside the product's, large ones) and CTAs per SM, alone and beside it.
+4. ``partial``: the first 1 or 4 of 16 tokens of layer-major KV blocks, with the
+   gather/scatter kernel and with the bulk kernel (lanes issue one bulk copy per segment),
+   and the copy engines' 2-D copy of the same segments (host side in one run).
+5. ``batch``: cuMemcpyBatchAsync split over one, two or four streams at 64 and 256 KiB.
+
+Prints one JSON object per line. Usage: python benchmarks/copy_variants.py [sections...]
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import numpy as np
 
+from tiercache.batchcopy import BatchCopy
 from tiercache.benchcopy import _bufs, _time, run_beside, scattered_slots
-from tiercache.copykernels import CopyLauncher, Segments
-from tiercache.kernels.loader import KERNEL_DIR
+from tiercache.copykernels import CopyLauncher, Segments, segments_for
+from tiercache.geometry import PoolSpec
+from tiercache.memcopy import data_ptr as ptr
 from tiercache.memcopy import MEMCPY_DEFAULT
+from tiercache.streams import copy_stream
 
-HINT_SRC = r"""
-extern "C" __global__ void hint_copy(const unsigned char* src_base, unsigned char* dst_base,
-                                     const long long* src_off, const long long* dst_off,
-                                     long long n_blocks, long long block_bytes) {
-    const long long cpb = block_bytes / 16, total = cpb * n_blocks;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += stride * 8) {
-        uint4 v[8]; uint4* d[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const long long c = g + u * stride; d[u] = nullptr;
-            if (c < total) {
-                const long long blk = c / cpb, off = (c - blk * cpb) * 16;
-                const uint4* p = reinterpret_cast<const uint4*>(src_base + src_off[blk] + off);
-                asm volatile("ld.global.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(p));
-                d[u] = reinterpret_cast<uint4*>(dst_base + dst_off[blk] + off);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u) if (d[u]) *d[u] = v[u];
-    }
+KiB = 1024
+PROBE_SRC = r"""
+extern "C" __global__ void probe(long long ns, unsigned long long* out) {
+    unsigned long long t0, t1;
+    unsigned smid;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)); } while ((long long)(t1 - t0) < ns);
+    if (threadIdx.x == 0) { out[3 * blockIdx.x] = smid; out[3 * blockIdx.x + 1] = t0; out[3 * blockIdx.x + 2] = t1; }
 }
 """
 
 
-def main(quick: bool = False) -> None:
-    import cupy
-
-    dev_id = 0
-    sms = cupy.cuda.Device(dev_id).attributes["MultiProcessorCount"]
-    bulk = cupy.RawModule(code=(KERNEL_DIR / "copy_bulk.cu").read_text(), options=("-std=c++17",)).get_function("tc_bulk_copy")
-    hint = cupy.RawModule(code=HINT_SRC, options=("-std=c++17",)).get_function("hint_copy")
-    bulk.max_dynamic_shared_size_bytes = 4 * 32768
-    launcher = CopyLauncher(dev_id, max_sms=None)
-    launcher8 = CopyLauncher(dev_id, max_sms=8)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    rng = np.random.default_rng(0)
-    rows = []
-    reps = 3 if quick else 7
-    for block in (16384, 65536):
-        n = (128 << 20) // block
-        host, _o, dev = _bufs(n, block, dev_id, host_rows=2 * n)
-        hs = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
-        ds = scattered_slots(rng, n)
-        nbytes = n * block
-        for direction in ("h2d", "d2h"):
-            s, d = (hs, ds) if direction == "h2d" else (ds, hs)
-            src, dst = (host, dev) if direction == "h2d" else (dev, host)
-            sp = src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr
-            dp = dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr
-            so, do = cupy.asarray(s * block), cupy.asarray(d * block)
-            seg = Segments(1, block, block)
-            contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, stream.ptr),
-                                    stream, reps) / 1e9
-            variants = {
-                "kernel_all": lambda: launcher.launch(src, s, dst, d, seg, stream, force="kernel"),
-                "kernel_8sm": lambda: launcher8.launch(src, s, dst, d, seg, stream, force="kernel"),
-                "hint_all": lambda: hint((sms * 2,), (256,), (np.uint64(sp), np.uint64(dp), so, do, np.int64(n),
-                                                             np.int64(block)), stream=stream),
-            }
-            for ctas in (1, 2, 4):
-                for chunk in (8192, 16384, 32768):
-                    if chunk > block:
-                        continue
-                    def run(ctas=ctas, chunk=chunk):
-                        bulk((sms * ctas,), (32,), (np.uint64(sp), np.uint64(dp), so, do, np.int64(n), np.int64(block),
-                                                    np.int64(chunk)), stream=stream, shared_mem=4 * chunk)
-                    variants[f"bulk_{ctas}x{sms}_c{chunk // 1024}k"] = run
-            for ctas in (8, 16, 32):
-                def run_few(ctas=ctas):
-                    bulk((ctas,), (32,), (np.uint64(sp), np.uint64(dp), so, do, np.int64(n), np.int64(block),
-                                          np.int64(16384)), stream=stream, shared_mem=4 * 16384)
-                variants[f"bulk_{ctas}cta_c16k"] = run_few
-            for name, fn in variants.items():
-                if isinstance(dst, np.ndarray):
-                    dst[d] = 0
-                else:
-                    dst[cupy.asarray(d)] = 0
-                try:
-                    t = _time(fn, stream, reps)
-                except Exception as exc:  # a variant that faults: report and go on
-                    print(json.dumps({"block": block, "dir": direction, "variant": name, "error": str(exc)}))
-                    sys.stdout.flush()
-                    raise
-                stream.synchronize()
-                got = dst[d] if isinstance(dst, np.ndarray) else dst[cupy.asarray(d)].get()
-                want = src[s] if isinstance(src, np.ndarray) else src[cupy.asarray(s)].get()
-                row = {"block": block, "dir": direction, "variant": name, "gbps": nbytes / t / 1e9, "contig": contig,
-                       "ratio": nbytes / t / 1e9 / contig, "ok": bool(np.array_equal(got, want))}
-                rows.append(row)
-                print(json.dumps(row))
-                sys.stdout.flush()
-        del host, dev
-    overlap(sms, bulk, launcher8, quick)
-    print("SUMMARY")
-    for r in rows:
-        print(f"  {r['block'] // 1024:>3} KiB {r['dir']} {r['variant']:<22} {r['gbps']:6.1f} GB/s {r['ratio']:5.0%} "
-              f"{'ok' if r['ok'] else 'WRONG'}")
+def emit(**row) -> None:
+    print(json.dumps(row, default=str))
+    sys.stdout.flush()
 
 
-def overlap(sms, bulk, launcher8, quick) -> None:
-    """bf16 product alone and beside 16 KiB h2d transfers (shipped kernel at 8 SMs, bulk with few CTAs)."""
+def product_fn(iters: int = 20, m: int = 8192):
     import cupy
     import torch
 
-    block, blocks, mm, iters = 16384, 8192, 8192, 20
-    a = torch.randn((mm, mm), device="cuda", dtype=torch.bfloat16)
-    b = torch.randn((mm, mm), device="cuda", dtype=torch.bfloat16)
+    a = torch.randn((m, m), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((m, m), device="cuda", dtype=torch.bfloat16)
     cst = torch.cuda.Stream()
     cs = cupy.cuda.ExternalStream(cst.cuda_stream)
 
@@ -135,35 +65,216 @@ def overlap(sms, bulk, launcher8, quick) -> None:
         with torch.cuda.stream(cst):
             for _ in range(iters):
                 torch.matmul(a, b)
+    return product, cs, (a, b)
 
-    rng = np.random.default_rng(3)
-    host, _o, dev = _bufs(blocks, block, 0)
-    s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
-    so, do = cupy.asarray(s * block), cupy.asarray(d * block)
-    nbytes = blocks * block
-    ts = cupy.cuda.Stream(non_blocking=True)
+
+def gemm_info() -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
+    torch.matmul(a, a)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.matmul(a, a)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace("/tmp/gemm_trace.json")
+    for e in json.load(open("/tmp/gemm_trace.json"))["traceEvents"]:
+        if e.get("cat") == "kernel":
+            emit(section="gemm", name=e["name"][:160], dur_us=e.get("dur"), args=e.get("args"))
+
+
+def probe() -> None:
+    import cupy
+
+    fn = cupy.RawModule(code=PROBE_SRC).get_function("probe")
+    fn.max_dynamic_shared_size_bytes = 160 * KiB
+    product, cs, _keep = product_fn()
+    ts = copy_stream("high")
+    for grid, threads, smem in ((132, 32, 0), (132, 32, 8 * KiB), (132, 32, 16 * KiB), (132, 32, 32 * KiB),
+                                (132, 32, 64 * KiB), (132, 128, 0), (132, 256, 0), (8, 32, 16 * KiB),
+                                (8, 32, 64 * KiB), (264, 32, 16 * KiB)):
+        out = cupy.zeros(3 * grid, dtype=cupy.uint64)
+        res = {}
+        for beside in (False, True):
+            cupy.cuda.Device().synchronize()
+            if beside:
+                product()
+                time.sleep(0.005)
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(ts)
+            fn((grid,), (threads,), (np.int64(20_000), out), stream=ts, shared_mem=smem)
+            b.record(ts)
+            b.synchronize()
+            o = out.get().reshape(grid, 3)
+            res["beside" if beside else "alone"] = {
+                "dur_us": cupy.cuda.get_elapsed_time(a, b) * 1e3,
+                "start_spread_us": float(o[:, 1].max() - o[:, 1].min()) / 1e3, "sms": int(np.unique(o[:, 0]).size)}
+            cupy.cuda.Device().synchronize()
+        emit(section="probe", grid=grid, threads=threads, smem=smem, **res)
+
+
+def shipped_shapes() -> dict:
+    """CopyLauncher bulk shapes to compare (name -> launcher)."""
+    out = {}
+    for shape, per_sm, sms in (("small", 1, None), ("small", 2, None), ("small", 4, None), ("large", 1, None),
+                               ("large", 1, 8), ("small", 1, 66)):
+        la = CopyLauncher(0, max_sms=sms, bulk_shape=shape, bulk_ctas_per_sm=per_sm)
+        out[f"{shape}_x{per_sm}_sms{la.max_sms}"] = la
+        emit(section="regs", shape=shape, num_regs=la._bulk.num_regs, local=la._bulk.local_size_bytes,
+             static_smem=la._bulk.shared_size_bytes)
+    la = CopyLauncher(0, bulk_shape="small")
+    try:
+        la._bulk.preferred_shared_memory_carveout = -1  # the driver's default
+        out["small_x1_default_carveout"] = la
+    except Exception as exc:  # noqa: BLE001
+        emit(section="regs", carveout_error=repr(exc))
+    return out
+
+
+def whole(reps: int = 7) -> None:
+    import cupy
+
+    rng = np.random.default_rng(0)
+    block, n = 16 * KiB, 8192
+    host, _o, dev = _bufs(n, block, 0, host_rows=2 * n)
+    hs = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
+    ds = scattered_slots(rng, n)
+    nbytes = n * block
+    stream = copy_stream("high")
+    launcher8 = CopyLauncher(0, max_sms=8)
+    shipped = shipped_shapes()
+    product, cs, _keep = product_fn()
     t_prod = _time(product, cs, 5)
-    contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes,
-                                                                   MEMCPY_DEFAULT, ts.ptr), ts, 5) / 1e9
-    seg = Segments(1, block, block)
-    methods = {"kernel_8sm": lambda: launcher8.launch(host, s, dev, d, seg, ts, force="kernel")}
-    for ctas in (8, 16, 32, 64):
-        for chunk in (16384, 32768):
-            methods[f"bulk_{ctas}cta_c{chunk // 1024}k"] = (
-                lambda ctas=ctas, chunk=chunk: bulk((ctas,), (32,), (np.uint64(host.ctypes.data), np.uint64(dev.data.ptr),
-                                                                     so, do, np.int64(blocks), np.int64(block),
-                                                                     np.int64(chunk)), stream=ts, shared_mem=4 * chunk))
-    for name, xfer in methods.items():
-        t_alone = _time(xfer, ts, 5)
-        n_x, t_with, span = run_beside(product, cs, xfer, ts, t_prod / t_alone)
-        row = {"overlap": name, "alone_gbps": nbytes / t_alone / 1e9, "alone_ratio": nbytes / t_alone / 1e9 / contig,
-               "beside_gbps": n_x * nbytes / span / 1e9, "product_slowdown": t_with / t_prod - 1, "contig": contig}
-        row["beside_ratio"] = row["beside_gbps"] / contig
-        print(json.dumps(row))
-        print(f"  overlap {name:<18} alone {row['alone_ratio']:5.0%}  beside {row['beside_ratio']:5.0%}  "
-              f"product {row['product_slowdown']:+.1%}")
-        sys.stdout.flush()
+    emit(section="whole", product_ms=t_prod * 1e3)
+    for direction in ("h2d", "d2h"):
+        s, d = (hs, ds) if direction == "h2d" else (ds, hs)
+        src, dst = (host, dev) if direction == "h2d" else (dev, host)
+        sp, dp = ptr(src), ptr(dst)
+        contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, stream.ptr),
+                                stream, reps, back_to_back=4) / 1e9
+        seg = Segments(1, block, block)
+        variants = {"kernel_8sm": lambda: launcher8.launch(src, s, dst, d, seg, stream, force="kernel")}
+        for vname, la in shipped.items():
+            variants[vname] = lambda la=la: la.launch(src, s, dst, d, seg, stream, force="bulk")
+        for name, fn in variants.items():
+            if isinstance(dst, np.ndarray):
+                dst[d] = 0
+            else:
+                dst[cupy.asarray(d)] = 0
+            t = _time(fn, stream, reps, back_to_back=4)
+            stream.synchronize()
+            got = dst[d] if isinstance(dst, np.ndarray) else dst[cupy.asarray(d)].get()
+            want = src[s] if isinstance(src, np.ndarray) else src[cupy.asarray(s)].get()
+            row = {"section": "whole", "dir": direction, "variant": name, "gbps": nbytes / t / 1e9, "contig": contig,
+                   "ratio": nbytes / t / 1e9 / contig, "ok": bool(np.array_equal(got, want))}
+            if direction == "h2d":
+                n_x, t_with, span = run_beside(product, cs, fn, stream, t_prod / t)
+                row.update(beside_ratio=n_x * nbytes / span / 1e9 / contig, product=t_with / t_prod - 1)
+            emit(**row)
+    del host, dev
+
+
+def partial(reps: int = 7) -> None:
+    import cupy
+
+    pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8, tokens_per_block=16, head_dim=128,
+                       dtype="bfloat16")
+    rng = np.random.default_rng(1)
+    blocks, row = 512, pool.block_nbytes
+    host, _o, dev = _bufs(blocks, row, 0)
+    s_, d_ = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
+    stream = copy_stream("high")
+    launcher = CopyLauncher(0)
+    shipped = shipped_shapes()
+    for n_tok in (1, 4):
+        seg = segments_for(pool, n_tok)
+        moved = blocks * seg.nbytes
+        for direction in ("h2d", "d2h"):
+            s, d = s_, d_
+            src, dst = (host, dev) if direction == "h2d" else (dev, host)
+            sp, dp = ptr(src), ptr(dst)
+            contig = moved / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, moved, MEMCPY_DEFAULT, stream.ptr),
+                                   stream, reps, back_to_back=4) / 1e9
+            variants = {"kernel_all": lambda: launcher.launch(src, s, dst, d, seg, stream, force="kernel")}
+            for vname, la in shipped.items():
+                variants[vname] = lambda la=la: la.launch(src, s, dst, d, seg, stream, force="bulk")
+            # the copy engines' 2-D copy of the same segments from/to one host run (staging packed)
+            rows2d = blocks * seg.segs
+            if direction == "h2d":
+                variants["ce_2d_run"] = lambda: cupy.cuda.runtime.memcpy2DAsync(
+                    dp, seg.seg_bytes, sp, seg.seg_stride, seg.seg_bytes, rows2d, MEMCPY_DEFAULT, stream.ptr)
+            else:
+                variants["ce_2d_run"] = lambda: cupy.cuda.runtime.memcpy2DAsync(
+                    dp, seg.seg_stride, sp, seg.seg_bytes, seg.seg_bytes, rows2d, MEMCPY_DEFAULT, stream.ptr)
+            sub = rng.choice(blocks, size=32, replace=False)
+            for name, fn in variants.items():
+                if isinstance(dst, np.ndarray):
+                    dst[d[sub]] = 7
+                else:
+                    dst[cupy.asarray(d[sub])] = 7
+                t = _time(fn, stream, reps, back_to_back=4)
+                stream.synchronize()
+                ok = None
+                if name != "ce_2d_run":
+                    g = dst[d[sub]] if isinstance(dst, np.ndarray) else dst[cupy.asarray(d[sub])].get()
+                    w = src[s[sub]] if isinstance(src, np.ndarray) else src[cupy.asarray(s[sub])].get()
+                    ok = bool(np.array_equal(g.reshape(32, seg.segs, -1)[:, :, :seg.seg_bytes],
+                                             w.reshape(32, seg.segs, -1)[:, :, :seg.seg_bytes]))
+                emit(section="partial", tokens=n_tok, dir=direction, variant=name, gbps=moved / t / 1e9, contig=contig,
+                     ratio=moved / t / 1e9 / contig, ok=ok)
+    del host, dev
+
+
+def batch_split(reps: int = 7) -> None:
+    import cupy
+
+    batch = BatchCopy()
+    if not batch.available:
+        emit(section="batch", error="no cuMemcpyBatchAsync")
+        return
+    rng = np.random.default_rng(2)
+    for block in (64 * KiB, 256 * KiB):
+        n = (256 << 20) // block
+        host, _o, dev = _bufs(n, block, 0, host_rows=2 * n)
+        hs = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
+        ds = scattered_slots(rng, n)
+        streams = [copy_stream("high") for _ in range(4)]
+        for direction in ("h2d", "d2h"):
+            s, d = (hs, ds) if direction == "h2d" else (ds, hs)
+            src, dst = (host, dev) if direction == "h2d" else (dev, host)
+            sp, dp = ptr(src), ptr(dst)
+            nbytes = n * block
+            contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, streams[0].ptr),
+                                    streams[0], reps, back_to_back=4) / 1e9
+            for k in (1, 2, 4):
+                parts = np.array_split(np.arange(n), k)
+                args = [batch.prepare(dp + d[p].astype(np.uint64) * block, sp + s[p].astype(np.uint64) * block,
+                                      np.full(p.size, block, dtype=np.uint64)) for p in parts]
+
+                def fn(args=args, k=k):
+                    for i in range(1, k):
+                        streams[i].wait_event(streams[0].record())
+                    for i in range(k):
+                        batch.launch(args[i], streams[i].ptr)
+                    for i in range(1, k):
+                        streams[0].wait_event(streams[i].record())
+                t = _time(fn, streams[0], reps, back_to_back=4)
+                emit(section="batch", block=block, dir=direction, streams=k, gbps=nbytes / t / 1e9, contig=contig,
+                     ratio=nbytes / t / 1e9 / contig)
+        del host, dev
+
+
+def main(sections) -> None:
+    funcs = {"gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split}
+    if sections and sections[0] == "--repeat":  # run the listed sections again under a new name
+        sections = sections[1:]
+    for name in sections or list(funcs):
+        try:
+            funcs[name]()
+        except Exception as exc:  # report and go on to the next section
+            emit(section=name, error=repr(exc))
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    main(sys.argv[1:])

@@ -1,20 +1,39 @@
-// tiercache bulk-copy kernel (sm_90+): whole-block gather/scatter through the Tensor Memory
-// Accelerator's non-tensor bulk copies (cp.async.bulk), global -> shared -> global.
+// tiercache bulk-copy kernel (sm_90+): gather/scatter of whole blocks or of the first tokens of
+// each block through the Tensor Memory Accelerator's non-tensor bulk copies (cp.async.bulk),
+// global -> shared -> global. Either side may be pinned host memory (unified addressing).
 //
-// One thread per CTA drives a ring of STAGES shared-memory buffers of `chunk` bytes: it issues a
-// bulk load of piece k+STAGES-1 while the bulk store of piece k drains, so each SM keeps
-// STAGES * chunk bytes in flight with one instruction per piece instead of one 16-byte load per
-// thread. Work items are (block, piece) pairs, flattened; CTA c takes items c, c + gridDim.x, ...
-// Block i is read at src_base + src_off[i] and written at dst_base + dst_off[i]; sizes and
-// addresses must be multiples of 16 bytes (the host checks). Either side may be pinned host
-// memory (unified addressing).
+// Block i is read at src_base + src_off[i] and written at dst_base + dst_off[i]. Each block is
+// `segs` segments of `seg_bytes` bytes, segment r at byte offset r * seg_stride (whole blocks:
+// segs = 1; the partial copies of copy_blocks.cu: one segment per (layer, kv, head)).
+// Segments longer than `chunk` are cut into pieces of `chunk` bytes; shorter ones are packed
+// `chunk / seg_bytes` to a piece. Every size, offset and address is a multiple of 16 bytes (the
+// host checks).
+//
+// One warp per CTA drives a ring of STAGES shared-memory buffers of `chunk` bytes, each with an
+// mbarrier: the loads of group k + AHEAD are in flight while group k is stored. The 32 lanes
+// issue the bulk copies of a group's units between them, so short segments (256 bytes for one
+// token of one head) still keep STAGES * chunk bytes in flight per CTA.
+//
+// Reuse of a buffer: bulk async-groups are per thread, so before group k reloads buffer
+// k % STAGES every lane waits until its stores of group k - STAGES have finished reading shared
+// memory (cp.async.bulk.wait_group.read with the count of store groups committed since), then
+// the warp syncs.
 
-#define TC_STAGES 4
+// Two shapes are compiled (the host picks one per launch):
+//   tc_bulk_copy        8 buffers of `chunk` bytes (8 KiB: 64 KiB of shared memory), loads 7
+//                       groups ahead: the most bytes in flight per SM, for copies that run alone;
+//   tc_bulk_copy_small  2 buffers of `chunk` bytes (2 KiB), at most 32 registers per thread:
+//                       a CTA small enough to sit beside a compute kernel's CTAs on the same SM
+//                       (cuBLAS's bf16 GEMM on an H100 leaves 1024 registers and ~6 KiB of shared
+//                       memory per SM), so the copy neither waits for SMs nor takes them.
+// Groups are claimed from a counter (`claim`, zero before the launch) instead of dealt by CTA
+// index, so CTAs that start late (their SM was busy) find the work done by others and exit.
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
     unsigned done = 0;
     while (!done) {
@@ -23,56 +42,137 @@ __device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
             : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     }
 }
+#endif
 
-extern "C" __global__ void tc_bulk_copy(const unsigned char* src_base, unsigned char* dst_base,
-                                        const long long* src_off, const long long* dst_off,
-                                        long long n_blocks, long long block_bytes, long long chunk) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ __align__(8) unsigned long long bars[TC_STAGES];
-    if (threadIdx.x != 0) return;
-    for (int s = 0; s < TC_STAGES; ++s) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&bars[s])) : "memory");
+struct Units {
+    long long unit;  // bytes per unit (a whole segment, or a piece of a long one)
+    long long ups;   // units per segment
+    long long per;   // units per group (one shared-memory buffer)
+    long long segs, seg_stride, seg_bytes;
+
+    // byte offset of unit u inside its block and its length
+    __device__ __forceinline__ void locate(long long u, long long& blk, long long& off, unsigned& bytes) const {
+        const long long q = u / ups, piece = u - q * ups;
+        blk = q / segs;
+        const long long r = q - blk * segs;
+        off = r * seg_stride + piece * unit;
+        const long long left = seg_bytes - piece * unit;
+        bytes = (unsigned)(left < unit ? left : unit);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    const long long pieces = (block_bytes + chunk - 1) / chunk;
-    const long long items = pieces * n_blocks;
-    // my items: blockIdx.x + k * gridDim.x, k = 0 .. mine-1
-    const long long first = blockIdx.x;
-    const long long mine = first < items ? (items - first + gridDim.x - 1) / gridDim.x : 0;
-    for (long long k = 0; k < mine + TC_STAGES - 1; ++k) {
-        if (k < mine) {  // load piece k into stage k % STAGES
-            const int s = (int)(k % TC_STAGES);
-            if (k >= TC_STAGES) {  // stage s was stored from at step k - STAGES: let that store read it
-                asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(TC_STAGES - 1) : "memory");
-            }
-            const long long item = first + k * gridDim.x;
-            const long long blk = item / pieces, piece = item - blk * pieces;
-            const long long off = piece * chunk;
-            const unsigned bytes = (unsigned)min(chunk, block_bytes - off);
-            const unsigned bar = smem_addr(&bars[s]);
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                :: "r"(smem_addr(smem + s * chunk)), "l"(src_base + src_off[blk] + off), "r"(bytes), "r"(bar)
-                : "memory");
+};
+
+// STAGES buffers; loads run AHEAD groups ahead of stores (1 <= AHEAD < STAGES)
+template <int STAGES, int AHEAD>
+__device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigned char* dst_base,
+                                          const long long* src_off, const long long* dst_off, long long n_blocks,
+                                          long long segs, long long seg_stride, long long seg_bytes, long long chunk,
+                                          unsigned long long* claim) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(AHEAD >= 1 && AHEAD < STAGES, "AHEAD must be in [1, STAGES)");
+    // store groups committed after the one that last used the buffer being reloaded
+    constexpr int NEWER = STAGES - 1 - AHEAD;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bars[STAGES];
+    __shared__ long long group_of[STAGES];  // the group each buffer holds
+    const int lane = threadIdx.x;
+    if (lane == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&bars[s])) : "memory");
         }
-        const long long j = k - (TC_STAGES - 1);
-        if (j >= 0 && j < mine) {  // store piece j once loaded
-            const int s = (int)(j % TC_STAGES);
-            bar_wait(smem_addr(&bars[s]), (unsigned)((j / TC_STAGES) & 1));
-            const long long item = first + j * gridDim.x;
-            const long long blk = item / pieces, piece = item - blk * pieces;
-            const long long off = piece * chunk;
-            const unsigned bytes = (unsigned)min(chunk, block_bytes - off);
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                         :: "l"(dst_base + dst_off[blk] + off), "r"(smem_addr(smem + s * chunk)), "r"(bytes)
-                         : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+    Units U;
+    U.unit = seg_bytes < chunk ? seg_bytes : chunk;
+    U.ups = (seg_bytes + U.unit - 1) / U.unit;
+    U.per = chunk / U.unit;
+    U.segs = segs;
+    U.seg_stride = seg_stride;
+    U.seg_bytes = seg_bytes;
+    const long long units = n_blocks * segs * U.ups;
+    const long long groups = (units + U.per - 1) / U.per;
+    long long loaded = 0, stored = 0;
+    bool more = true;
+    while (more || stored < loaded) {
+        if (more) {
+            long long g = 0;
+            if (lane == 0) g = (long long)atomicAdd(claim, 1ULL);
+            g = __shfl_sync(0xffffffffu, g, 0);
+            if (g >= groups) {
+                more = false;
+            } else {  // load group g into buffer loaded % STAGES
+                const int s = (int)(loaded % STAGES);
+                if (loaded >= STAGES) {  // the stores of group loaded - STAGES must be done reading it
+                    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(NEWER) : "memory");
+                    __syncwarp();
+                }
+                const long long u0 = g * U.per, u1 = min(u0 + U.per, units);
+                const unsigned bar = smem_addr(&bars[s]);
+                if (lane == 0) {
+                    group_of[s] = g;
+                    long long blk, off;
+                    unsigned bytes;
+                    U.locate(u0, blk, off, bytes);  // the one unit when segments are cut into pieces
+                    const unsigned total = U.ups == 1 ? (unsigned)((u1 - u0) * seg_bytes) : bytes;
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(total)
+                                 : "memory");
+                }
+                __syncwarp();
+                for (long long u = u0 + lane; u < u1; u += 32) {
+                    long long blk, off;
+                    unsigned bytes;
+                    U.locate(u, blk, off, bytes);
+                    asm volatile(
+                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                        :: "r"(smem_addr(smem + s * chunk + (u - u0) * U.unit)), "l"(src_base + src_off[blk] + off),
+                           "r"(bytes), "r"(bar)
+                        : "memory");
+                }
+                ++loaded;
+            }
+        }
+        if (loaded - stored > AHEAD || (!more && stored < loaded)) {  // store the oldest loaded group
+            const int s = (int)(stored % STAGES);
+            bar_wait(smem_addr(&bars[s]), (unsigned)((stored / STAGES) & 1));
+            const long long g = group_of[s];
+            const long long u0 = g * U.per, u1 = min(u0 + U.per, units);
+            for (long long u = u0 + lane; u < u1; u += 32) {
+                long long blk, off;
+                unsigned bytes;
+                U.locate(u, blk, off, bytes);
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                             :: "l"(dst_base + dst_off[blk] + off), "r"(smem_addr(smem + s * chunk + (u - u0) * U.unit)),
+                                "r"(bytes)
+                             : "memory");
+            }
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            ++stored;
         }
     }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 #else
-    __trap();  // bulk copies need sm_90; the host never launches this kernel below it
+    __trap();  // bulk copies need sm_90; the host never launches these kernels below it
 #endif
+}
+
+#define TC_BULK_ARGS                                                                                          \
+    const unsigned char *src_base, unsigned char *dst_base, const long long *src_off, const long long *dst_off, \
+        long long n_blocks, long long segs, long long seg_stride, long long seg_bytes, long long chunk,         \
+        unsigned long long *claim
+#define TC_BULK_PASS src_base, dst_base, src_off, dst_off, n_blocks, segs, seg_stride, seg_bytes, chunk, claim
+
+#ifndef TC_STAGES
+#define TC_STAGES 8
+#endif
+#ifndef TC_AHEAD
+#define TC_AHEAD (TC_STAGES - 1)
+#endif
+
+extern "C" __global__ void __launch_bounds__(32) tc_bulk_copy(TC_BULK_ARGS) {
+    bulk_copy<TC_STAGES, TC_AHEAD>(TC_BULK_PASS);
+}
+
+// 32 threads x at most 32 registers: one warp's share of what a large compute CTA leaves
+extern "C" __global__ void __maxnreg__(32) tc_bulk_copy_small(TC_BULK_ARGS) {
+    bulk_copy<2, 1>(TC_BULK_PASS);
 }

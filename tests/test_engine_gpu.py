@@ -259,18 +259,20 @@ def test_upload_ring_wraps_without_clobbering(rng):
         assert np.array_equal(out.get(), want)
 
 
-@pytest.mark.parametrize("force", ["bulk", "kernel"])
+@pytest.mark.parametrize("force", ["bulk-small", "bulk-large", "kernel"])
 @pytest.mark.parametrize("nbytes", [16, 4096 + 48, 16384, 16384 * 3 + 512, 40_002])
 def test_bulk_and_sm_kernels_byte_exact(rng, force, nbytes):
-    """Both SM-driven paths (TMA bulk copies, the gather/scatter kernel) move random scattered
-    blocks host -> device -> device -> host exactly, including sizes that are not whole
-    multiples of the bulk piece (16 KiB) or of 16 bytes (those fall back to the kernel)."""
+    """Both SM-driven paths (TMA bulk copies in both shapes, the gather/scatter kernel) move
+    random scattered blocks host -> device -> device -> host exactly, including sizes that are
+    not whole multiples of the bulk piece or of 16 bytes (those fall back to the kernel)."""
     import cupy
 
     from tiercache.copykernels import CopyLauncher, Segments
     from tiercache.hostmem import alloc_host
 
-    la = CopyLauncher(0, max_sms=3)
+    shape = force.split("-")[1] if "-" in force else "small"
+    force = force.split("-")[0]
+    la = CopyLauncher(0, max_sms=3, bulk_shape=shape, bulk_ctas_per_sm=2)
     if force == "bulk" and not la.bulk_available:
         pytest.skip("bulk copies need compute capability 9.0")
     n = 37
@@ -290,6 +292,50 @@ def test_bulk_and_sm_kernels_byte_exact(rng, force, nbytes):
     assert np.array_equal(back[p4], src[p1])
     want = "bulk" if force == "bulk" and nbytes % 16 == 0 else "kernel"
     assert paths == {want}
+
+
+@pytest.mark.parametrize("shape", ["small", "large"])
+@pytest.mark.parametrize("segs,seg_stride,seg_bytes", [(64, 4096, 256), (12, 8192, 4096), (5, 16384, 9216),
+                                                       (3, 48, 32), (1, 40_000, 39_984)])
+def test_bulk_segments_match_numpy(rng, shape, segs, seg_stride, seg_bytes):
+    """The bulk kernel's segmented copies (the first tokens of each block: ``segs`` pieces of
+    ``seg_bytes``, ``seg_stride`` apart; short segments packed several to a buffer, long ones
+    cut into pieces) write exactly those bytes of random scattered blocks, host -> device and
+    device -> host, and leave the rest of each destination block untouched."""
+    import cupy
+
+    from tiercache.copykernels import CopyLauncher, Segments
+    from tiercache.hostmem import alloc_host
+
+    la = CopyLauncher(0, max_sms=5, bulk_shape=shape)
+    if not la.bulk_available:
+        pytest.skip("bulk copies need compute capability 9.0")
+    n, row = 29, segs * seg_stride
+    src, _o1 = alloc_host(n * row, pinned=True)
+    src = src.reshape(n, row)
+    src[:] = rng.integers(0, 256, size=src.shape, dtype=np.uint8)
+    back, _o2 = alloc_host(n * row, pinned=True)
+    back = back.reshape(n, row)
+    back[:] = rng.integers(0, 256, size=back.shape, dtype=np.uint8)
+    before = back.copy()
+    dev = cupy.asarray(rng.integers(0, 256, size=(n, row), dtype=np.uint8))
+    dev_before = dev.get()
+    s, d, h = rng.permutation(n)[:23], rng.permutation(n)[:23], rng.permutation(n)[:23]
+    seg = Segments(segs, seg_stride, seg_bytes)
+    st = cupy.cuda.Stream(non_blocking=True)
+    paths = {la.launch(src, s, dev, d, seg, st), la.launch(dev, d, back, h, seg, st)}
+    st.synchronize()
+    assert paths == {"bulk"}
+
+    def head(a):  # [blocks, segs, seg_bytes]
+        return a.reshape(a.shape[0], segs, seg_stride)[:, :, :seg_bytes]
+
+    want_dev = dev_before.copy()
+    head(want_dev)[d] = head(src[s])
+    assert np.array_equal(dev.get(), want_dev)
+    want_back = before.copy()
+    head(want_back)[h] = head(src[s])
+    assert np.array_equal(back, want_back)
 
 
 @pytest.mark.parametrize("row", [4096, 48, 256 * 1024])

@@ -104,13 +104,15 @@ class CopyLauncher:
             has it (compute capability 9.0+).
     """
 
-    #: bytes per bulk-copy piece and pieces in flight per SM (kernels/copy_bulk.cu TC_STAGES)
-    BULK_CHUNK = 16384
-    BULK_STAGES = 4
+    #: bulk-copy kernel shapes (kernels/copy_bulk.cu): kernel name, shared-memory buffers, bytes
+    #: per buffer. ``small`` fits beside a compute kernel's CTAs on the same SM; ``large`` keeps
+    #: more bytes in flight per SM.
+    BULK_SHAPES = {"small": ("tc_bulk_copy_small", 2, 2048), "large": ("tc_bulk_copy", 8, 8192)}
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
                  unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10,
-                 staged_min_run_bytes: int = 0, bulk: bool = True) -> None:
+                 staged_min_run_bytes: int = 0, bulk: bool = True, bulk_shape: str = "small",
+                 bulk_ctas_per_sm: int = 1) -> None:
         import cupy
 
         from tiercache.kernels.loader import get_kernel
@@ -126,10 +128,20 @@ class CopyLauncher:
                              for v in (16, 8, 4, 1)}
             self._spin = get_kernel("copy_blocks.cu", "tc_spin", device_id)
             cc = int(cupy.cuda.Device(device_id).compute_capability)
+            if bulk_shape not in self.BULK_SHAPES:
+                raise ValueError(f"bulk_shape = {bulk_shape!r}: expected one of {sorted(self.BULK_SHAPES)}")
             self._bulk = None
             if bulk and cc >= 90:
-                self._bulk = get_kernel("copy_bulk.cu", "tc_bulk_copy", device_id)
-                self._bulk.max_dynamic_shared_size_bytes = self.BULK_STAGES * self.BULK_CHUNK
+                name, stages, chunk = self.BULK_SHAPES[bulk_shape]
+                self._bulk = get_kernel("copy_bulk.cu", name, device_id)
+                self._bulk.max_dynamic_shared_size_bytes = stages * chunk
+                # keep SMs in their largest shared-memory configuration, which a compute kernel
+                # needs anyway: a copy CTA that lands on an idle SM then does not make the next
+                # compute CTA wait for an L1/shared-memory reconfiguration
+                self._bulk.preferred_shared_memory_carveout = 100
+                self._bulk_smem, self._bulk_chunk = stages * chunk, chunk
+        self.bulk_shape = bulk_shape
+        self.bulk_ctas_per_sm = bulk_ctas_per_sm
         self.max_sms = self.num_sms if max_sms is None else max(1, min(int(max_sms), self.num_sms))
         self.ctas_per_sm = ctas_per_sm
         self.threads = threads
@@ -226,12 +238,17 @@ class CopyLauncher:
                     cupy.cuda.runtime.memcpyAsync(b, a, row, MEMCPY_DEFAULT, stream.ptr)
                 used.add("memcpy")
             return
-        offs = self.ring.upload(np.stack([src_off, dst_off]), stream)  # async, from pinned memory
-        if whole and vec == 16 and self._bulk is not None and force in (None, "bulk"):
-            self._bulk((self.max_sms,), (32,),
-                       (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(n), np.int64(row),
-                        np.int64(self.BULK_CHUNK)),
-                       stream=stream, shared_mem=self.BULK_STAGES * self.BULK_CHUNK)
+        # offsets, plus one zero word: the bulk kernel's work counter
+        table = np.zeros((2, n + 1), dtype=np.int64)
+        table[0, :n], table[1, :n] = src_off, dst_off
+        offs = self.ring.upload(table, stream)  # async, from pinned memory
+        if vec == 16 and self._bulk is not None and force in (None, "bulk"):
+            grid = self.max_sms * self.bulk_ctas_per_sm
+            self._bulk((grid,), (32,),
+                       (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(n), np.int64(seg.segs),
+                        np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(self._bulk_chunk),
+                        np.uint64(offs.data.ptr + n * 8)),
+                       stream=stream, shared_mem=self._bulk_smem)
             used.add("bulk")
         else:
             chunks = n * seg.segs * (seg.seg_bytes // vec)
