@@ -119,8 +119,8 @@ def shipped_shapes() -> dict:
     out = {}
     for shape, per_sm, sms in (("small", 1, None), ("small", 2, None), ("small", 4, None), ("large", 1, None),
                                ("large", 1, 8), ("small", 1, 66)):
-        la = CopyLauncher(0, max_sms=sms, bulk_shape=shape, bulk_ctas_per_sm=per_sm)
-        out[f"{shape}_x{per_sm}_sms{la.max_sms}"] = la
+        la = CopyLauncher(0, bulk_sms=sms, bulk_shape=shape, bulk_ctas_per_sm=per_sm)
+        out[f"{shape}_x{per_sm}_sms{la.bulk_sms}"] = la
         emit(section="regs", shape=shape, num_regs=la._bulk.num_regs, local=la._bulk.local_size_bytes,
              static_smem=la._bulk.shared_size_bytes)
     la = CopyLauncher(0, bulk_shape="small")

@@ -26,8 +26,12 @@
 //                       a CTA small enough to sit beside a compute kernel's CTAs on the same SM
 //                       (cuBLAS's bf16 GEMM on an H100 leaves 1024 registers and ~6 KiB of shared
 //                       memory per SM), so the copy neither waits for SMs nor takes them.
-// Groups are claimed from a counter (`claim`, zero before the launch) instead of dealt by CTA
+// Groups are claimed from a counter (`claim[0]`, zero before the launch) instead of dealt by CTA
 // index, so CTAs that start late (their SM was busy) find the work done by others and exit.
+// `claim[1 + smid]` (zero before the launch, 256 words) counts this launch's CTAs per SM: a CTA
+// that finds `per_sm` already running on its SM exits at once, so the copy never holds more
+// than `per_sm` CTAs' worth of one SM (the scheduler otherwise stacks several small CTAs on one
+// SM, and then a compute CTA that needs that SM's leftover registers cannot start there).
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -66,7 +70,7 @@ template <int STAGES, int AHEAD>
 __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigned char* dst_base,
                                           const long long* src_off, const long long* dst_off, long long n_blocks,
                                           long long segs, long long seg_stride, long long seg_bytes, long long chunk,
-                                          unsigned long long* claim) {
+                                          unsigned long long* claim, int per_sm) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(AHEAD >= 1 && AHEAD < STAGES, "AHEAD must be in [1, STAGES)");
     // store groups committed after the one that last used the buffer being reloaded
@@ -81,7 +85,13 @@ __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigne
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncwarp();
+    int crowded = 0;
+    if (lane == 0 && per_sm > 0) {
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        if (smid < 256) crowded = atomicAdd(&claim[1 + smid], 1ULL) >= (unsigned long long)per_sm;
+    }
+    if (__shfl_sync(0xffffffffu, crowded, 0)) return;
     Units U;
     U.unit = seg_bytes < chunk ? seg_bytes : chunk;
     U.ups = (seg_bytes + U.unit - 1) / U.unit;
@@ -158,8 +168,8 @@ __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigne
 #define TC_BULK_ARGS                                                                                          \
     const unsigned char *src_base, unsigned char *dst_base, const long long *src_off, const long long *dst_off, \
         long long n_blocks, long long segs, long long seg_stride, long long seg_bytes, long long chunk,         \
-        unsigned long long *claim
-#define TC_BULK_PASS src_base, dst_base, src_off, dst_off, n_blocks, segs, seg_stride, seg_bytes, chunk, claim
+        unsigned long long *claim, int per_sm
+#define TC_BULK_PASS src_base, dst_base, src_off, dst_off, n_blocks, segs, seg_stride, seg_bytes, chunk, claim, per_sm
 
 #ifndef TC_STAGES
 #define TC_STAGES 8

@@ -69,6 +69,9 @@ POOL = "[pools.kv]\nnum_layers=2\nkv_factor=2\nnum_kv_heads=1\ntokens_per_block=
         ("[tiers]\nhost_slots = 4\n[pools.'bad name']\nblock_shape=[4]\ndtype='int8'\n", "invalid pool name"),
         ("[tiers]\nhost_slots = 4\n" + POOL + "layout='diagonal'\n", "layout 'diagonal'"),
         ("[tiers\nhost_slots = 4\n", "not valid TOML"),
+        ("[tiers]\nhost_slots = 4\n[transfer]\nbulk_shape = 'tiny'\n" + POOL, "bulk_shape = 'tiny'"),
+        ("[tiers]\nhost_slots = 4\n[transfer]\nbatch_streams = 0\n" + POOL, "batch_streams = 0"),
+        ("[tiers]\nhost_slots = 4\n[transfer]\nbulk_sms = 0\n" + POOL, "bulk_sms = 0"),
     ],
 )
 def test_malformed_configs(tmp_path, text, fragment):

@@ -236,12 +236,13 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
     return res
 
 
-def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
+def bench_overlap(sms_list=(8,), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
                   iters: int = 20, device_id: int = 0, log=print, launcher_kw: dict | None = None,
                   priority: str = "high") -> dict:
     """A bf16 matrix product alone, then beside a stream of scattered 16 KiB host -> device
-    transfers (kernel with each SM bound, and cuMemcpyBatchAsync): product slowdown and
-    transfer bandwidth relative to contiguous."""
+    transfers (the small bulk-copy CTAs on one or two streams, the large ones and the
+    gather/scatter kernel at each SM bound of ``sms_list``, and cuMemcpyBatchAsync): product
+    slowdown and transfer bandwidth relative to contiguous."""
     import cupy
 
     rng = np.random.default_rng(3)
@@ -284,54 +285,37 @@ def bench_overlap(sms_list=(4, 8, 16), block: int = 16 * KiB, blocks: int = 8192
         log(f"  overlap: {matmul}^3 bf16 product x{iters} alone {t_product * 1e3:.1f} ms "
             f"({res['product_tflops']:.0f} TFLOP/s); contiguous h2d {res['contiguous_gbps']:.1f} GB/s")
         seg = Segments(1, block, block)
-        methods = [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))) for k in sms_list]
-        methods += [(f"bulk_{k}sm", ("bulk", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))))
+        kw = launcher_kw or {}
+        # (name, launcher, force, two streams): the engine's default path (the small bulk CTAs,
+        # one per SM, beside compute's), the same over two streams as the engine issues, the
+        # large bulk shape at each SM bound, the gather/scatter kernel at each SM bound, and the
+        # copy engines
+        small = CopyLauncher(device_id, **kw)
+        methods = [("bulk_small", small, "bulk", False), ("bulk_small_2str", small, "bulk", True)]
+        methods += [(f"bulk_large_{k}sm", CopyLauncher(device_id, bulk_shape="large", bulk_sms=k, **kw), "bulk", False)
                     for k in sms_list]
-        # the engine spreads requests over streams_per_direction (2) streams: the next request's
-        # kernel is already queued when an SM frees up
-        methods += [(f"bulk_{k}sm_2str", ("bulk2", CopyLauncher(device_id, max_sms=k, **(launcher_kw or {}))))
-                    for k in sms_list]
+        methods += [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **kw), "kernel", False) for k in sms_list]
+        methods.append(("batch", small, "batch", False))
         ts2, dev2 = copy_stream(priority), cupy.empty_like(dev)
-        batch = BatchCopy()
-        if batch.available:
-            methods.append(("batch", None))
-        host_runs = (rng.permutation(blocks // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
-        methods.append(("staged_16sm", ("staged", CopyLauncher(device_id, max_sms=16, **(launcher_kw or {})))))
-        for name, launcher in methods:
-            ts = ts_normal
-            finish = None
-            if isinstance(launcher, tuple) and launcher[0] == "bulk2":
-                if launcher[1]._bulk is None:
-                    continue
+        for name, launcher, force, two in methods:
+            if force == "bulk" and not launcher.bulk_available or force == "batch" and not launcher.batch.available:
+                continue
+            ts, finish = ts_normal, None
+            if two:
                 turn = [0]
 
-                def xfer(launcher=launcher[1]):
+                def xfer(launcher=launcher, force=force):
                     turn[0] += 1
                     st, out = (ts, dev) if turn[0] % 2 else (ts2, dev2)
-                    launcher.launch(host, s, out, d, seg, st, force="bulk")
+                    launcher.launch(host, s, out, d, seg, st, force=force)
 
                 def finish():
                     ev = cupy.cuda.Event(disable_timing=True)
                     ev.record(ts2)
                     ts.wait_event(ev)
-            elif isinstance(launcher, tuple) and launcher[0] == "bulk":
-                if launcher[1]._bulk is None:
-                    continue
-
-                def xfer(launcher=launcher[1], ts=ts):
-                    launcher.launch(host, s, dev, d, seg, ts, force="bulk")
-            elif isinstance(launcher, tuple):
-                def xfer(launcher=launcher[1], ts=ts):
-                    launcher.launch(host, host_runs, dev, d, seg, ts, force="staged")
-            elif launcher is None:
-                args = batch.prepare(dev.data.ptr + d.astype(np.uint64) * block, host.ctypes.data + s.astype(np.uint64) * block,
-                                     np.full(blocks, block, dtype=np.uint64))
-
-                def xfer(ts=ts):
-                    batch.launch(args, ts.ptr)
             else:
-                def xfer(launcher=launcher, ts=ts):
-                    launcher.launch(host, s, dev, d, seg, ts, force="kernel")
+                def xfer(launcher=launcher, force=force, ts=ts):
+                    launcher.launch(host, s, dev, d, seg, ts, force=force)
             if finish is None:
                 t_alone = _time(xfer, ts, 5)
             else:  # alone, two streams: time a pair of requests joined back into ts

@@ -100,19 +100,32 @@ class CopyLauncher:
         staged_min_run_bytes: host <-> device batches whose host-side runs average at least
             this many bytes take the staged path; 0 (the default) turns it off: on the H100s
             measured it ran at 78-95% of contiguous, below the kernel (see docs/performance.md).
-        bulk: use the bulk-copy (TMA) kernel for whole, 16-byte-aligned blocks where the GPU
-            has it (compute capability 9.0+).
+        bulk: use the bulk-copy (TMA) kernel for 16-byte-aligned blocks and segments where the
+            GPU has it (compute capability 9.0+).
+        bulk_shape: ``small`` (one warp, 4 KiB of shared memory and 32 registers per thread per
+            CTA: fits beside a compute kernel's CTAs) or ``large`` (64 KiB of shared memory per
+            CTA: more bytes in flight per SM, for copies that run alone); see
+            ``kernels/copy_bulk.cu``.
+        bulk_sms: SMs the bulk kernel may use (None: all); its grid is ``bulk_sms *
+            bulk_ctas_per_sm`` and the kernel holds at most ``bulk_ctas_per_sm`` CTAs per SM.
+        batch_streams: streams one ``cuMemcpyBatchAsync`` batch is split over (see
+            :meth:`_launch_batch`).
+
+    Raises:
+        ValueError: ``unroll`` not 4 or 8, or an unknown ``bulk_shape``.
     """
 
     #: bulk-copy kernel shapes (kernels/copy_bulk.cu): kernel name, shared-memory buffers, bytes
     #: per buffer. ``small`` fits beside a compute kernel's CTAs on the same SM; ``large`` keeps
     #: more bytes in flight per SM.
     BULK_SHAPES = {"small": ("tc_bulk_copy_small", 2, 2048), "large": ("tc_bulk_copy", 8, 8192)}
+    #: per-SM counters the bulk kernel may index (by %smid)
+    SM_SLOTS = 256
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
                  unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10,
                  staged_min_run_bytes: int = 0, bulk: bool = True, bulk_shape: str = "small",
-                 bulk_ctas_per_sm: int = 1) -> None:
+                 bulk_sms: int | None = None, bulk_ctas_per_sm: int = 1, batch_streams: int = 2) -> None:
         import cupy
 
         from tiercache.kernels.loader import get_kernel
@@ -141,6 +154,7 @@ class CopyLauncher:
                 self._bulk.preferred_shared_memory_carveout = 100
                 self._bulk_smem, self._bulk_chunk = stages * chunk, chunk
         self.bulk_shape = bulk_shape
+        self.bulk_sms = self.num_sms if bulk_sms is None else max(1, min(int(bulk_sms), self.num_sms))
         self.bulk_ctas_per_sm = bulk_ctas_per_sm
         self.max_sms = self.num_sms if max_sms is None else max(1, min(int(max_sms), self.num_sms))
         self.ctas_per_sm = ctas_per_sm
@@ -150,6 +164,8 @@ class CopyLauncher:
         self.batch_min_bytes = batch_min_bytes
         self.staged_min_run_bytes = staged_min_run_bytes
         self.batch = BatchCopy()
+        self.batch_streams = batch_streams
+        self._aux: list = []  # auxiliary streams of split batched copies
         self._keep = None  # arguments of the last batch call
         from .stagedcopy import StagedCopier
         from .uploadring import UploadRing
@@ -230,35 +246,59 @@ class CopyLauncher:
             srcs = np.uint64(sp) + src_off.astype(np.uint64)
             dsts = np.uint64(dp) + dst_off.astype(np.uint64)
             if self.batch.available:
-                self._keep = self.batch.prepare(dsts, srcs, np.full(n, row, dtype=np.uint64))
-                self.batch.launch(self._keep, stream.ptr)
+                self._launch_batch(dsts, srcs, row, stream)
                 used.add("batch")
             else:
                 for a, b in zip(srcs.tolist(), dsts.tolist()):
                     cupy.cuda.runtime.memcpyAsync(b, a, row, MEMCPY_DEFAULT, stream.ptr)
                 used.add("memcpy")
             return
-        # offsets, plus one zero word: the bulk kernel's work counter
-        table = np.zeros((2, n + 1), dtype=np.int64)
-        table[0, :n], table[1, :n] = src_off, dst_off
+        # offsets, then zero words for the bulk kernel: its work counter and per-SM CTA counts
+        table = np.zeros(2 * n + 1 + self.SM_SLOTS, dtype=np.int64)
+        table[:n], table[n:2 * n] = src_off, dst_off
         offs = self.ring.upload(table, stream)  # async, from pinned memory
+        src_p, dst_p = np.uint64(offs.data.ptr), np.uint64(offs.data.ptr + 8 * n)
         if vec == 16 and self._bulk is not None and force in (None, "bulk"):
-            grid = self.max_sms * self.bulk_ctas_per_sm
-            self._bulk((grid,), (32,),
-                       (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(n), np.int64(seg.segs),
+            self._bulk((self.bulk_sms * self.bulk_ctas_per_sm,), (32,),
+                       (np.uint64(sp), np.uint64(dp), src_p, dst_p, np.int64(n), np.int64(seg.segs),
                         np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(self._bulk_chunk),
-                        np.uint64(offs.data.ptr + n * 8)),
+                        np.uint64(offs.data.ptr + 16 * n), np.int32(self.bulk_ctas_per_sm)),
                        stream=stream, shared_mem=self._bulk_smem)
             used.add("bulk")
         else:
             chunks = n * seg.segs * (seg.seg_bytes // vec)
             grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), self.max_sms * self.ctas_per_sm))
             self._kernels[vec]((grid,), (self.threads,),
-                               (np.uint64(sp), np.uint64(dp), offs[0], offs[1], np.int64(n),
+                               (np.uint64(sp), np.uint64(dp), src_p, dst_p, np.int64(n),
                                 np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
                                stream=stream)
             used.add("kernel")
         self.ring.release(stream)
+
+    def _launch_batch(self, dsts: np.ndarray, srcs: np.ndarray, row: int, stream) -> None:
+        """``cuMemcpyBatchAsync`` of ``row``-byte copies, split over ``batch_streams`` streams
+        (``stream`` and auxiliary ones joined back into it): each stream feeds its own copy
+        engine, which hides the engines' per-copy cost (64 and 256 KiB blocks on an H100: 87% and
+        97% of contiguous on one stream, 95% and 97-100% on two)."""
+        import cupy
+
+        from .streams import copy_stream
+
+        k = max(1, min(self.batch_streams, dsts.size))
+        parts = np.array_split(np.arange(dsts.size), k)
+        self._keep = [self.batch.prepare(dsts[p], srcs[p], np.full(p.size, row, dtype=np.uint64)) for p in parts]
+        with cupy.cuda.Device(self.device_id):
+            while len(self._aux) < k - 1:
+                self._aux.append(copy_stream("high"))
+        aux = self._aux[:k - 1]
+        if aux:
+            start = stream.record()
+            for a in aux:
+                a.wait_event(start)
+        for args, st in zip(self._keep, [stream, *aux]):
+            self.batch.launch(args, st.ptr)
+        for a in aux:
+            stream.wait_event(a.record())
 
     def launch_many(self, copies: list, stream) -> str:
         """Enqueue several :class:`~tiercache.rowcopy.RowCopy` (e.g. one per layer's pool) on
