@@ -265,8 +265,109 @@ def batch_split(reps: int = 7) -> None:
         del host, dev
 
 
+FIT_SRC = r"""
+template <int N>
+__device__ __forceinline__ void hold(long long ns, unsigned long long* out, const unsigned* in) {
+    unsigned v[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = in[i * 32 + threadIdx.x];
+    unsigned long long t0, t1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+#pragma unroll
+        for (int i = 0; i < N; ++i) asm volatile("add.u32 %0, %0, 1;" : "+r"(v[i]));
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    } while ((long long)(t1 - t0) < ns);
+    unsigned acc = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc ^= v[i];
+    if (acc == 0x12345678u) out[0] = acc;
+    if (threadIdx.x == 0) out[1 + blockIdx.x] = t1 - t0;
+}
+extern "C" __global__ void hold4(long long ns, unsigned long long* out, const unsigned* in) { hold<4>(ns, out, in); }
+extern "C" __global__ void hold16(long long ns, unsigned long long* out, const unsigned* in) { hold<16>(ns, out, in); }
+extern "C" __global__ void hold24(long long ns, unsigned long long* out, const unsigned* in) { hold<24>(ns, out, in); }
+
+// the gather/scatter loads with no shared memory and one warp per CTA
+extern "C" __global__ void __maxnreg__(32) small_ld(const unsigned char* src_base, unsigned char* dst_base,
+        const long long* src_off, const long long* dst_off, long long n_blocks, long long block_bytes) {
+    const long long cpb = block_bytes / 16, total = cpb * n_blocks;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += stride * 4) {
+        uint4 v[4]; uint4* d[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const long long c = g + u * stride; d[u] = nullptr;
+            if (c < total) {
+                const long long blk = c / cpb, off = (c - blk * cpb) * 16;
+                v[u] = *reinterpret_cast<const uint4*>(src_base + src_off[blk] + off);
+                d[u] = reinterpret_cast<uint4*>(dst_base + dst_off[blk] + off);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) if (d[u]) *d[u] = v[u];
+    }
+}
+"""
+
+
+def fit() -> None:
+    """Which small CTAs start beside the product, and whether TMA copies slow it."""
+    import cupy
+
+    mod = cupy.RawModule(code=FIT_SRC, options=("-std=c++17",))
+    product, cs, _keep = product_fn()
+    ts = copy_stream("high")
+    inp = cupy.arange(32 * 32, dtype=cupy.uint32)
+    for name in ("hold4", "hold16", "hold24"):
+        fn = mod.get_function(name)
+        fn.max_dynamic_shared_size_bytes = 48 * KiB
+        for smem in ((0, 1024, 2048, 3072, 4096, 5120, 6144) if name == "hold4" else (0, 4096)):
+            out = cupy.zeros(1 + 132, dtype=cupy.uint64)
+            cupy.cuda.Device().synchronize()
+            product()
+            time.sleep(0.005)
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(ts)
+            fn((132,), (32,), (np.int64(20_000), out, inp), stream=ts, shared_mem=smem)
+            b.record(ts)
+            b.synchronize()
+            emit(section="fit", kernel=name, regs=fn.num_regs, smem=smem, beside_us=cupy.cuda.get_elapsed_time(a, b) * 1e3)
+            cupy.cuda.Device().synchronize()
+    # copies beside the product: SM loads (no TMA) vs small bulk CTAs with less shared memory
+    rng = np.random.default_rng(5)
+    block, n = 16 * KiB, 8192
+    host, _o, dev = _bufs(n, block, 0)
+    s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+    nbytes = n * block
+    so, do = cupy.asarray(s * block), cupy.asarray(d * block)
+    t_prod = _time(product, cs, 5)
+    contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, MEMCPY_DEFAULT,
+                                                                   ts.ptr), ts, 5, back_to_back=4) / 1e9
+    small_ld = mod.get_function("small_ld")
+    emit(section="fit", small_ld_regs=small_ld.num_regs)
+    seg = Segments(1, block, block)
+    variants = {}
+    for grid in (132, 264):
+        variants[f"small_ld_g{grid}"] = lambda grid=grid: small_ld(
+            (grid,), (32,), (np.uint64(host.ctypes.data), np.uint64(dev.data.ptr), so, do, np.int64(n), np.int64(block)),
+            stream=ts)
+    for chunk in (256, 512, 1024, 2048):
+        la = CopyLauncher(0, bulk_shape="small")
+        la._bulk_chunk, la._bulk_smem = chunk, 2 * chunk
+        variants[f"bulk_small_c{chunk}"] = lambda la=la: la.launch(host, s, dev, d, seg, ts, force="bulk")
+    for name, fn in variants.items():
+        dev[cupy.asarray(d)] = 0
+        t = _time(fn, ts, 5, back_to_back=4)
+        ts.synchronize()
+        ok = bool(np.array_equal(dev[cupy.asarray(d)].get(), host[s]))
+        n_x, t_with, span = run_beside(product, cs, fn, ts, t_prod / t)
+        emit(section="fit", variant=name, ratio=nbytes / t / 1e9 / contig, beside_ratio=n_x * nbytes / span / 1e9 / contig,
+             product=t_with / t_prod - 1, ok=ok)
+
+
 def main(sections) -> None:
-    funcs = {"gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split}
+    funcs = {"gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split, "fit": fit}
     if sections and sections[0] == "--repeat":  # run the listed sections again under a new name
         sections = sections[1:]
     for name in sections or list(funcs):

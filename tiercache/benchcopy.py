@@ -7,14 +7,14 @@ For each block size (16 KiB, 64 KiB, 256 KiB, 2 MiB by default) and direction (h
 - ``contiguous``: one ``cudaMemcpyAsync`` of all the bytes (the bus's ceiling, the reference);
 - ``naive``: one ``cudaMemcpyAsync`` per block, from a Python loop;
 - ``batch``: the driver's ``cuMemcpyBatchAsync`` (what vLLM uses), where the driver has it;
-- ``tiercache``: the engine's launcher with its own path choice (kernel for small blocks, the
-  batched driver copy from ``batch_min_bytes`` up), and ``kernel``: the kernel forced.
+- ``tiercache``: the engine's launcher with its own path choice; ``kernel``, ``bulk`` and
+  ``staged``: the gather/scatter kernel, the bulk-copy (TMA) kernel and the staged path (copy
+  engines for host runs, bulk-copy scatter in VRAM; host-runs layout only) forced.
 
 Every figure is the median of ``reps`` runs timed with CUDA events, after a warm-up. It then
 measures partial copies (first N tokens of each KV block) against a contiguous copy of the same
 number of bytes, the planning cost per block of a 4096-block batch, and a bf16 matrix product
-running alone and beside a stream of 16 KiB scattered transfers, for several SM bounds of the
-copy kernel.
+running alone and beside a stream of 16 KiB scattered transfers, by each path.
 """
 
 from __future__ import annotations
@@ -152,13 +152,17 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                 res["kernel_gbps"] = nbytes / _time(kernel, stream, reps, back_to_back=4) / 1e9
                 if launcher._bulk is not None:
                     res["bulk_gbps"] = nbytes / _time(bulk, stream, reps, back_to_back=4) / 1e9
+                if layout == "host-runs" and block <= launcher.staged.chunk_bytes:
+                    res["staged_gbps"] = nbytes / _time(
+                        lambda: launcher.launch(src, s, dst, d, seg, stream, force="staged"), stream, reps,
+                        back_to_back=4) / 1e9
                 # correctness of the timed path
                 stream.synchronize()
                 check = rng.choice(n, size=min(n, 16), replace=False)
                 got = dst[d[check]] if isinstance(dst, np.ndarray) else dst[d[check]].get()
                 want = src[s[check]] if isinstance(src, np.ndarray) else src[s[check]].get()
                 res["verified"] = bool(np.array_equal(got, want))
-                for k in ("naive", "batch", "tiercache", "kernel", "bulk"):
+                for k in ("naive", "batch", "tiercache", "kernel", "bulk", "staged"):
                     if f"{k}_gbps" in res:
                         res[f"{k}_ratio"] = res[f"{k}_gbps"] / res["contiguous_gbps"]
                 rows.append(res)
@@ -296,6 +300,9 @@ def bench_overlap(sms_list=(8,), block: int = 16 * KiB, blocks: int = 8192, matm
                     for k in sms_list]
         methods += [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **kw), "kernel", False) for k in sms_list]
         methods.append(("batch", small, "batch", False))
+        # host slots in runs of 64 (what the cache's allocator produces): copy engines + VRAM scatter
+        methods.append(("staged", small, "staged", False))
+        host_runs = (rng.permutation(blocks // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
         ts2, dev2 = copy_stream(priority), cupy.empty_like(dev)
         for name, launcher, force, two in methods:
             if force == "bulk" and not launcher.bulk_available or force == "batch" and not launcher.batch.available:
@@ -314,8 +321,8 @@ def bench_overlap(sms_list=(8,), block: int = 16 * KiB, blocks: int = 8192, matm
                     ev.record(ts2)
                     ts.wait_event(ev)
             else:
-                def xfer(launcher=launcher, force=force, ts=ts):
-                    launcher.launch(host, s, dev, d, seg, ts, force=force)
+                def xfer(launcher=launcher, force=force, ts=ts, hs=host_runs if force == "staged" else s):
+                    launcher.launch(host, hs, dev, d, seg, ts, force=force)
             if finish is None:
                 t_alone = _time(xfer, ts, 5)
             else:  # alone, two streams: time a pair of requests joined back into ts
@@ -360,38 +367,6 @@ def run_beside(product, cs, xfer, ts, ratio: float, finish=None) -> tuple[int, f
     return n_x, statistics.median(prods), statistics.median(spans)
 
 
-def bench_shapes(block: int = 16 * KiB, total: int = 128 * MiB, reps: int = 5, device_id: int = 0, log=print) -> list[dict]:
-    """Kernel launch shapes (SM bound x CTAs per SM x unroll) on scattered 16 KiB blocks, both
-    directions, as a fraction of contiguous: the data behind the defaults."""
-    import cupy
-
-    rng = np.random.default_rng(4)
-    n = total // block
-    rows = []
-    with cupy.cuda.Device(device_id):
-        stream = cupy.cuda.Stream(non_blocking=True)
-        host, _owner, dev = _bufs(n, block, device_id)
-        s, d = scattered_slots(rng, n), scattered_slots(rng, n)
-        seg = Segments(1, block, block)
-        contig = {}
-        for direction, (src, dst) in (("h2d", (host, dev)), ("d2h", (dev, host))):
-            sp = src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr
-            dp = dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr
-            contig[direction] = total / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, total, MEMCPY_DEFAULT, stream.ptr), stream, reps) / 1e9
-        for sms in (8, 16, 32, None):
-            for ctas in (1, 2, 4):
-                for unroll in (4, 8):
-                    la = CopyLauncher(device_id, max_sms=sms, ctas_per_sm=ctas, unroll=unroll)
-                    row = {"sms": sms or la.num_sms, "ctas_per_sm": ctas, "unroll": unroll}
-                    for direction, (src, dst) in (("h2d", (host, dev)), ("d2h", (dev, host))):
-                        t = _time(lambda: la.launch(src, s, dst, d, seg, stream, force="kernel"), stream, reps)
-                        row[direction] = total / t / 1e9 / contig[direction]
-                    rows.append(row)
-        best = max(rows, key=lambda r: min(r["h2d"], r["d2h"]))
-        log(f"  shapes: best {best} of {len(rows)}; contiguous h2d {contig['h2d']:.1f}, d2h {contig['d2h']:.1f} GB/s")
-    return rows
-
-
 def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int | None = None, log=print) -> dict:
     """Every part of the copy benchmark; returns a JSON-ready report."""
     from .cuda import cuda_status
@@ -403,8 +378,6 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
         raise TierUnavailableError(f"the copy benchmark needs a GPU: {st.reason}")
     total = 64 * MiB if quick else 256 * MiB
     rep = {"job": "copy", "device": st.reason, "copy_kernel_sms": copy_kernel_sms}
-    if not quick:
-        rep["shapes"] = bench_shapes(device_id=device_id, log=log)
     rep["scattered"] = bench_scattered(total=total, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
     rep["partial"] = bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
     rep["planning"] = bench_planning(device_id=device_id, log=log)
@@ -417,12 +390,14 @@ def format_copy_report(rep: dict) -> str:
     """The copy benchmark as tables."""
     out = [f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'})", "",
            f"  {'block':>8} {'dir':>4} {'host side':>10} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'path':>7} {'kernel':>7} "
-           f"{'ratio':>6} {'bulk':>7} {'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} {'ratio':>6}"]
+           f"{'ratio':>6} {'bulk':>7} {'ratio':>6} {'staged':>7} {'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} "
+           f"{'ratio':>6}"]
     for r in rep["scattered"]:
         out.append(f"  {r['block_bytes'] // KiB:>5} KiB {r['direction']:>4} {r['layout']:>10} {r['contiguous_gbps']:>12.1f} "
                    f"{r['tiercache_gbps']:>10.1f} {r['tiercache_ratio']:>6.0%} {r['tiercache_path']:>7} "
                    f"{r['kernel_gbps']:>7.1f} {r['kernel_ratio']:>6.0%} {r.get('bulk_gbps', float('nan')):>7.1f} "
-                   f"{r.get('bulk_ratio', float('nan')):>6.0%} {r['naive_gbps']:>7.1f} "
+                   f"{r.get('bulk_ratio', float('nan')):>6.0%} {r.get('staged_gbps', float('nan')):>7.1f} "
+                   f"{r.get('staged_ratio', float('nan')):>6.0%} {r['naive_gbps']:>7.1f} "
                    f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} {r.get('batch_ratio', float('nan')):>6.0%}")
     out += ["", f"  {'partial':>12} {'dir':>4} {'segment B':>10} {'GB/s':>7} {'contig':>7} {'ratio':>6}"]
     for r in rep["partial"]:
@@ -435,11 +410,6 @@ def format_copy_report(rep: dict) -> str:
     out += ["", f"  {o['matmul']}^3 bf16 product x{o['iters']}: {o['product_alone_s'] * 1e3:.1f} ms alone "
                 f"({o['product_tflops']:.0f} TFLOP/s); contiguous h2d {o['contiguous_gbps']:.1f} GB/s",
             f"  {'method':>12} {'alone GB/s':>11} {'beside GB/s':>12} {'of contig':>10} {'product':>8}"]
-    if rep.get("shapes"):
-        best = sorted(rep["shapes"], key=lambda r: -min(r["h2d"], r["d2h"]))[:5]
-        out[2:2] = [f"  kernel shapes, 16 KiB scattered, fraction of contiguous (best 5 of {len(rep['shapes'])}):"] + [
-            f"    sms {r['sms']:>3} ctas/sm {r['ctas_per_sm']} unroll {r['unroll']}: h2d {r['h2d']:.0%} d2h {r['d2h']:.0%}"
-            for r in best] + [""]
     for r in o["runs"]:
         out.append(f"  {r['method']:>12} {r['transfer_alone_gbps']:>11.1f} {r['transfer_during_gbps']:>12.1f} "
                    f"{r['transfer_during_ratio']:>10.0%} {r['product_slowdown']:>+8.1%}")
