@@ -253,27 +253,43 @@ class CopyLauncher:
                     cupy.cuda.runtime.memcpyAsync(b, a, row, MEMCPY_DEFAULT, stream.ptr)
                 used.add("memcpy")
             return
-        # offsets, then zero words for the bulk kernel: its work counter and per-SM CTA counts
-        table = np.zeros(2 * n + 1 + self.SM_SLOTS, dtype=np.int64)
-        table[:n], table[n:2 * n] = src_off, dst_off
+        table = self.offsets_table([src_off], [dst_off])
         offs = self.ring.upload(table, stream)  # async, from pinned memory
-        src_p, dst_p = np.uint64(offs.data.ptr), np.uint64(offs.data.ptr + 8 * n)
+        p = offs.data.ptr
+        used.add(self.launch_table(sp, dp, p, p + 8 * n, n, p + 16 * n, seg, vec, stream, force))
+        self.ring.release(stream)
+
+    def offsets_table(self, src_offs: list, dst_offs: list) -> np.ndarray:
+        """The kernels' argument table for launches of ``len(src_offs)`` lists of blocks: all
+        source offsets, all destination offsets, then one zeroed counter area per launch (the
+        bulk kernel's work counter and per-SM CTA counts, ``1 + SM_SLOTS`` words)."""
+        n = sum(o.size for o in src_offs)
+        table = np.zeros(2 * n + len(src_offs) * (1 + self.SM_SLOTS), dtype=np.int64)
+        if src_offs:
+            table[:n], table[n:2 * n] = np.concatenate(src_offs), np.concatenate(dst_offs)
+        return table
+
+    def launch_table(self, sp: int, dp: int, src_p: int, dst_p: int, n: int, counters_p: int, seg: Segments,
+                     vec: int, stream, force: str | None = None) -> str:
+        """Launch one copy of ``n`` blocks whose ``int64`` offsets are already on the device at
+        ``src_p`` and ``dst_p`` (block ``i``: ``sp + src[i]`` -> ``dp + dst[i]``), by the bulk kernel
+        when the GPU has it, every address is 16-byte aligned (``vec == 16``) and ``force``
+        allows, else by the gather/scatter kernel with ``vec``-byte accesses. ``counters_p``:
+        ``1 + SM_SLOTS`` zeroed words (see :meth:`offsets_table`). Returns the path."""
         if vec == 16 and self._bulk is not None and force in (None, "bulk"):
             self._bulk((self.bulk_sms * self.bulk_ctas_per_sm,), (32,),
-                       (np.uint64(sp), np.uint64(dp), src_p, dst_p, np.int64(n), np.int64(seg.segs),
+                       (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n), np.int64(seg.segs),
                         np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(self._bulk_chunk),
-                        np.uint64(offs.data.ptr + 16 * n), np.int32(self.bulk_ctas_per_sm)),
+                        np.uint64(counters_p), np.int32(self.bulk_ctas_per_sm)),
                        stream=stream, shared_mem=self._bulk_smem)
-            used.add("bulk")
-        else:
-            chunks = n * seg.segs * (seg.seg_bytes // vec)
-            grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), self.max_sms * self.ctas_per_sm))
-            self._kernels[vec]((grid,), (self.threads,),
-                               (np.uint64(sp), np.uint64(dp), src_p, dst_p, np.int64(n),
-                                np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
-                               stream=stream)
-            used.add("kernel")
-        self.ring.release(stream)
+            return "bulk"
+        chunks = n * seg.segs * (seg.seg_bytes // vec)
+        grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), self.max_sms * self.ctas_per_sm))
+        self._kernels[vec]((grid,), (self.threads,),
+                           (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n),
+                            np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
+                           stream=stream)
+        return "kernel"
 
     def _launch_batch(self, dsts: np.ndarray, srcs: np.ndarray, row: int, stream) -> None:
         """``cuMemcpyBatchAsync`` of ``row``-byte copies, split over ``batch_streams`` streams

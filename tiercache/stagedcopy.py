@@ -13,16 +13,18 @@ and the scattered device slots is a device-to-device copy at HBM speed, by the l
 bulk-copy kernel where it has one (small CTAs that fit beside compute and finish quickly, as
 their requests never wait on PCIe), else by its gather/scatter kernel.
 
-The batch is sorted by host slot and processed in chunks through two halves of the staging
-buffer: the copy engines fill one half (``stream``) while the kernel empties the other (an
-auxiliary stream), ordered by events, so the two hops overlap.
+The batch is sorted by host slot and processed in chunks through a ring of staging buffers:
+the copy engines fill one buffer (``stream``) while the kernel empties another (an auxiliary
+stream), ordered by events, so the two hops overlap. With four buffers the copy engines keep
+going while a scatter waits behind its offsets upload (which queues on the copy engines too)
+or for room on the SMs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .copykernels import Segments
+from .copykernels import Segments, _vector_bytes
 from .memcopy import MEMCPY_DEFAULT, data_ptr
 from .streams import copy_stream
 
@@ -33,15 +35,17 @@ class StagedCopier:
     Args:
         launcher: the :class:`~tiercache.copykernels.CopyLauncher` whose kernel does the
             device-side scatter/gather (with its SM bound).
-        chunk_bytes: bytes per staging half (two halves are allocated on first use).
+        chunk_bytes: bytes per staging buffer (``buffers`` of them are allocated on first use).
+        buffers: staging buffers in the ring (>= 2).
     """
 
-    def __init__(self, launcher, chunk_bytes: int = 16 << 20) -> None:
+    def __init__(self, launcher, chunk_bytes: int = 8 << 20, buffers: int = 4) -> None:
         self.launcher = launcher
         self.chunk_bytes = chunk_bytes
         self._buf = None
         self._aux = None
-        self._free = [None, None]  # event: the half's last use finished
+        self.buffers = max(2, buffers)
+        self._free = [None] * self.buffers  # event: the buffer's last use finished
         self._keep: list = []  # arguments of the batched driver copies in flight (kept alive)
 
     def _setup(self):
@@ -49,7 +53,7 @@ class StagedCopier:
 
         if self._buf is None:
             with cupy.cuda.Device(self.launcher.device_id):
-                self._buf = cupy.empty((2, self.chunk_bytes), dtype=cupy.uint8)
+                self._buf = cupy.empty((self.buffers, self.chunk_bytes), dtype=cupy.uint8)
                 self._aux = copy_stream("high")  # its kernels take SMs ahead of compute
         return self._buf, self._aux
 
@@ -73,39 +77,51 @@ class StagedCopier:
         if per_chunk * row > self.chunk_bytes:  # a block larger than a chunk: no staging
             raise ValueError(f"block of {row} bytes exceeds the staging chunk of {self.chunk_bytes}")
         order = np.argsort(hslots, kind="stable")
-        hs, ds = hslots[order], dslots[order]
-        hp, bp = np.uint64(data_ptr(host)), buf.data.ptr
-        seg = Segments(1, row, row)
-        staging = buf.view(np.uint8).reshape(2, self.chunk_bytes)
-        force = "bulk" if self.launcher.bulk_available else "kernel"
+        hs, ds = hslots[order].astype(np.int64), dslots[order].astype(np.int64)
+        la, n = self.launcher, hs.size
         self._keep = []
-        # the device side's first reads and writes come after what the job waited for on `stream`
+        hp, bp, dvp = data_ptr(host), buf.data.ptr, data_ptr(dev)
+        # every address once, vectorized: block i goes through chunk i // per_chunk, in buffer
+        # chunk % buffers; its kernel hop uses absolute addresses (bases 0)
+        chunk_of = np.arange(n) // per_chunk
+        stage_at = bp + (chunk_of % self.buffers) * self.chunk_bytes + (np.arange(n) - chunk_of * per_chunk) * row
+        dev_at = dvp + ds * row
+        n_chunks = int(chunk_of[-1]) + 1
+        cuts = list(range(0, n, per_chunk)) + [n]
+        src_at, dst_at = (stage_at, dev_at) if h2d else (dev_at, stage_at)
+        table = la.offsets_table([src_at[a:b] for a, b in zip(cuts, cuts[1:])],
+                                 [dst_at[a:b] for a, b in zip(cuts, cuts[1:])])
+        offs = la.ring.upload(table, stream)
+        tp = offs.data.ptr
+        # the copy engines' hop: runs of consecutive host slots, cut at chunk boundaries
+        starts = np.flatnonzero(np.concatenate(([True], (np.diff(hs) != 1) | (np.diff(chunk_of) != 0))))
+        sizes = np.diff(np.concatenate((starts, [n]))) * row
+        host_runs, stage_runs = hp + hs[starts] * row, stage_at[starts]
+        run_cut = np.searchsorted(chunk_of[starts], np.arange(n_chunks + 1))
+        seg = Segments(1, row, row)
+        vec = _vector_bytes(bp, dvp, row, self.chunk_bytes)
+        force = "bulk" if la.bulk_available else "kernel"
+        # the device side's first reads and writes come after the upload and what the job waited
+        # for on `stream`
         aux.wait_event(stream.record())
-        for k, i0 in enumerate(range(0, hs.size, per_chunk)):
-            h = k % 2
-            i1 = min(i0 + per_chunk, hs.size)
-            half = staging[h, : (i1 - i0) * row].reshape(i1 - i0, row)
-            local = np.arange(i1 - i0)
-            chunk = hs[i0:i1]
-            brk = np.flatnonzero(np.diff(chunk) != 1) + 1
-            starts = np.concatenate(([0], brk))
-            lens = np.diff(np.concatenate((starts, [chunk.size])))
-            host_at = hp + chunk[starts].astype(np.uint64) * np.uint64(row)
-            stage_at = np.uint64(bp + h * self.chunk_bytes) + starts.astype(np.uint64) * np.uint64(row)
-            sizes = lens.astype(np.uint64) * np.uint64(row)
+        for k in range(n_chunks):
+            h = k % self.buffers
+            i0, i1, r0, r1 = cuts[k], cuts[k + 1], run_cut[k], run_cut[k + 1]
+            counters = tp + 16 * n + k * 8 * (1 + la.SM_SLOTS)
             first_stream = stream if h2d else aux
             if self._free[h] is not None:
                 first_stream.wait_event(self._free[h])
             if h2d:
-                self._pcie(stage_at, host_at, sizes, stream)
+                self._pcie(stage_runs[r0:r1], host_runs[r0:r1], sizes[r0:r1], stream)
                 aux.wait_event(stream.record())
-                self.launcher.launch(half, local, dev, ds[i0:i1], seg, aux, force=force)
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux, force)
                 self._free[h] = aux.record()
             else:
-                self.launcher.launch(dev, ds[i0:i1], half, local, seg, aux, force=force)
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux, force)
                 stream.wait_event(aux.record())
-                self._pcie(host_at, stage_at, sizes, stream)
+                self._pcie(host_runs[r0:r1], stage_runs[r0:r1], sizes[r0:r1], stream)
                 self._free[h] = stream.record()
+        la.ring.release(aux)  # the kernels on aux read the table
         # the job completes on `stream`: it must also wait for the last kernels on `aux`
         stream.wait_event(aux.record())
 
