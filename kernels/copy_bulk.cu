@@ -20,14 +20,16 @@
 // the warp syncs.
 
 // Two shapes are compiled (the host picks one per launch):
-//   tc_bulk_copy        8 buffers of `chunk` bytes (8 KiB: 64 KiB of shared memory), loads 7
-//                       groups ahead: the most bytes in flight per SM, for copies that run alone;
+//   tc_bulk_copy        8 buffers of `chunk` bytes (8 KiB: 64 KiB of shared memory), loads 6
+//                       groups ahead (so one store group may still be reading a buffer while the
+//                       next is reloaded): the most bytes in flight per CTA;
 //   tc_bulk_copy_small  2 buffers of `chunk` bytes (2 KiB), at most 32 registers per thread:
 //                       a CTA small enough to sit beside a compute kernel's CTAs on the same SM
 //                       (cuBLAS's bf16 GEMM on an H100 leaves 1024 registers and ~6 KiB of shared
 //                       memory per SM), so the copy neither waits for SMs nor takes them.
-// Groups are claimed from a counter (`claim[0]`, zero before the launch) instead of dealt by CTA
-// index, so CTAs that start late (their SM was busy) find the work done by others and exit.
+// Groups are claimed from a counter (`claim[0]`, zero before the launch), several consecutive
+// ones per atomic, instead of dealt by CTA index, so CTAs that start late (their SM was busy)
+// find the work done by others and exit.
 // `claim[1 + smid]` (zero before the launch, 256 words) counts this launch's CTAs per SM: a CTA
 // that finds `per_sm` already running on its SM exits at once, so the copy never holds more
 // than `per_sm` CTAs' worth of one SM (the scheduler otherwise stacks several small CTAs on one
@@ -65,8 +67,8 @@ struct Units {
     }
 };
 
-// STAGES buffers; loads run AHEAD groups ahead of stores (1 <= AHEAD < STAGES)
-template <int STAGES, int AHEAD>
+// STAGES buffers; loads run AHEAD groups ahead of stores (1 <= AHEAD < STAGES); TAKE groups per claim
+template <int STAGES, int AHEAD, int TAKE>
 __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigned char* dst_base,
                                           const long long* src_off, const long long* dst_off, long long n_blocks,
                                           long long segs, long long seg_stride, long long seg_bytes, long long chunk,
@@ -102,15 +104,19 @@ __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigne
     const long long units = n_blocks * segs * U.ups;
     const long long groups = (units + U.per - 1) / U.per;
     long long loaded = 0, stored = 0;
+    long long next = 0, last = 0;  // groups [next, last) claimed and not yet loaded
     bool more = true;
     while (more || stored < loaded) {
-        if (more) {
+        if (more && next == last) {  // claim TAKE consecutive groups at a time: one atomic per TAKE loads
             long long g = 0;
-            if (lane == 0) g = (long long)atomicAdd(claim, 1ULL);
-            g = __shfl_sync(0xffffffffu, g, 0);
-            if (g >= groups) {
-                more = false;
-            } else {  // load group g into buffer loaded % STAGES
+            if (lane == 0) g = (long long)atomicAdd(claim, (unsigned long long)TAKE);
+            next = __shfl_sync(0xffffffffu, g, 0);
+            last = min(next + TAKE, groups);
+            more = next < groups;
+        }
+        if (more) {
+            const long long g = next++;
+            {  // load group g into buffer loaded % STAGES
                 const int s = (int)(loaded % STAGES);
                 if (loaded >= STAGES) {  // the stores of group loaded - STAGES must be done reading it
                     asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(NEWER) : "memory");
@@ -175,14 +181,14 @@ __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigne
 #define TC_STAGES 8
 #endif
 #ifndef TC_AHEAD
-#define TC_AHEAD (TC_STAGES - 1)
+#define TC_AHEAD (TC_STAGES - 2)
 #endif
 
 extern "C" __global__ void __launch_bounds__(32) tc_bulk_copy(TC_BULK_ARGS) {
-    bulk_copy<TC_STAGES, TC_AHEAD>(TC_BULK_PASS);
+    bulk_copy<TC_STAGES, TC_AHEAD, TC_STAGES>(TC_BULK_PASS);
 }
 
 // 32 threads x at most 32 registers: one warp's share of what a large compute CTA leaves
 extern "C" __global__ void __maxnreg__(32) tc_bulk_copy_small(TC_BULK_ARGS) {
-    bulk_copy<2, 1>(TC_BULK_PASS);
+    bulk_copy<2, 1, 4>(TC_BULK_PASS);
 }

@@ -294,14 +294,14 @@ def bench_overlap(sms_list=(8,), block: int = 16 * KiB, blocks: int = 8192, matm
         # one per SM, beside compute's), the same over two streams as the engine issues, the
         # large bulk shape at each SM bound, the gather/scatter kernel at each SM bound, and the
         # copy engines
-        small = CopyLauncher(device_id, **kw)
+        small = CopyLauncher(device_id, bulk_shape="small", bulk_sms=1024, **kw)
         methods = [("bulk_small", small, "bulk", False), ("bulk_small_2str", small, "bulk", True)]
         methods += [(f"bulk_large_{k}sm", CopyLauncher(device_id, bulk_shape="large", bulk_sms=k, **kw), "bulk", False)
                     for k in sms_list]
         methods += [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **kw), "kernel", False) for k in sms_list]
         methods.append(("batch", small, "batch", False))
         # host slots in runs of 64 (what the cache's allocator produces): copy engines + VRAM scatter
-        methods.append(("staged", small, "staged", False))
+        methods.append(("staged", CopyLauncher(device_id, **kw), "staged", False))
         host_runs = (rng.permutation(blocks // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
         ts2, dev2 = copy_stream(priority), cupy.empty_like(dev)
         for name, launcher, force, two in methods:

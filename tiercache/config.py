@@ -109,11 +109,12 @@ class CacheConfig:
             over, 1..16; default 2 (256 KiB blocks: 97-100% of contiguous, against 97-102% on one
             stream and 87% at 64 KiB).
         bulk_shape: the bulk-copy (TMA) kernel used for 16-byte-aligned blocks and segments on
-            sm_90+: ``small`` (default: one 32-thread CTA per SM with 4 KiB of shared memory and
-            32 registers per thread, which fits beside a compute kernel's CTAs, so copies run
-            while the engine computes), ``large`` (64 KiB of shared memory per CTA; for copies that
-            run alone), or ``off`` (the gather/scatter kernel only).
-        bulk_sms: SMs the bulk kernel may place a CTA on, 1..1024 (None: all).
+            sm_90+: ``large`` (default: one CTA per SM with 64 KiB of shared memory, on
+            ``bulk_sms`` SMs), ``small`` (one warp, 4 KiB of shared memory and 32 registers per
+            thread per CTA: it fits beside a compute kernel's CTAs, so with ``bulk_sms`` = all
+            it moves 84-92% of contiguous beside a bf16 GEMM, but slows that GEMM by ~45%, see
+            docs/performance.md), or ``off`` (the gather/scatter kernel only).
+        bulk_sms: SMs the bulk kernel may place a CTA on, 1..1024 (None: ``copy_kernel_sms``).
 
     Raises:
         ConfigError: any value out of range (see each attribute).
@@ -138,7 +139,7 @@ class CacheConfig:
     memcpy_min_bytes: int = 4 << 20
     batch_min_bytes: int = 256 << 10
     batch_streams: int = 2
-    bulk_shape: str = "small"
+    bulk_shape: str = "large"
     bulk_sms: int | None = None
 
     def __post_init__(self) -> None:

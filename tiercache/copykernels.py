@@ -106,7 +106,7 @@ class CopyLauncher:
             CTA: fits beside a compute kernel's CTAs) or ``large`` (64 KiB of shared memory per
             CTA: more bytes in flight per SM, for copies that run alone); see
             ``kernels/copy_bulk.cu``.
-        bulk_sms: SMs the bulk kernel may use (None: all); its grid is ``bulk_sms *
+        bulk_sms: SMs the bulk kernel may use (None: ``max_sms``); its grid is ``bulk_sms *
             bulk_ctas_per_sm`` and the kernel holds at most ``bulk_ctas_per_sm`` CTAs per SM.
         batch_streams: streams one ``cuMemcpyBatchAsync`` batch is split over (see
             :meth:`_launch_batch`).
@@ -124,7 +124,7 @@ class CopyLauncher:
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
                  unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10,
-                 staged_min_run_bytes: int = 0, bulk: bool = True, bulk_shape: str = "small",
+                 staged_min_run_bytes: int = 0, bulk: bool = True, bulk_shape: str = "large",
                  bulk_sms: int | None = None, bulk_ctas_per_sm: int = 1, batch_streams: int = 2) -> None:
         import cupy
 
@@ -144,19 +144,21 @@ class CopyLauncher:
             if bulk_shape not in self.BULK_SHAPES:
                 raise ValueError(f"bulk_shape = {bulk_shape!r}: expected one of {sorted(self.BULK_SHAPES)}")
             self._bulk = None
+            self._bulk_kernels = {}  # shape -> (kernel, shared-memory bytes, bytes per buffer)
             if bulk and cc >= 90:
-                name, stages, chunk = self.BULK_SHAPES[bulk_shape]
-                self._bulk = get_kernel("copy_bulk.cu", name, device_id)
-                self._bulk.max_dynamic_shared_size_bytes = stages * chunk
-                # keep SMs in their largest shared-memory configuration, which a compute kernel
-                # needs anyway: a copy CTA that lands on an idle SM then does not make the next
-                # compute CTA wait for an L1/shared-memory reconfiguration
-                self._bulk.preferred_shared_memory_carveout = 100
-                self._bulk_smem, self._bulk_chunk = stages * chunk, chunk
+                for shape, (name, stages, chunk) in self.BULK_SHAPES.items():
+                    fn = get_kernel("copy_bulk.cu", name, device_id)
+                    fn.max_dynamic_shared_size_bytes = stages * chunk
+                    # keep SMs in their largest shared-memory configuration, which a compute
+                    # kernel needs anyway: a copy CTA that lands on an idle SM then does not make
+                    # the next compute CTA wait for an L1/shared-memory reconfiguration
+                    fn.preferred_shared_memory_carveout = 100
+                    self._bulk_kernels[shape] = (fn, stages * chunk, chunk)
+                self._bulk, self._bulk_smem, self._bulk_chunk = self._bulk_kernels[bulk_shape]
         self.bulk_shape = bulk_shape
-        self.bulk_sms = self.num_sms if bulk_sms is None else max(1, min(int(bulk_sms), self.num_sms))
         self.bulk_ctas_per_sm = bulk_ctas_per_sm
         self.max_sms = self.num_sms if max_sms is None else max(1, min(int(max_sms), self.num_sms))
+        self.bulk_sms = self.max_sms if bulk_sms is None else max(1, min(int(bulk_sms), self.num_sms))
         self.ctas_per_sm = ctas_per_sm
         self.threads = threads
         self.unroll = unroll
@@ -270,18 +272,23 @@ class CopyLauncher:
         return table
 
     def launch_table(self, sp: int, dp: int, src_p: int, dst_p: int, n: int, counters_p: int, seg: Segments,
-                     vec: int, stream, force: str | None = None) -> str:
+                     vec: int, stream, force: str | None = None, small_everywhere: bool = False) -> str:
         """Launch one copy of ``n`` blocks whose ``int64`` offsets are already on the device at
         ``src_p`` and ``dst_p`` (block ``i``: ``sp + src[i]`` -> ``dp + dst[i]``), by the bulk kernel
         when the GPU has it, every address is 16-byte aligned (``vec == 16``) and ``force``
         allows, else by the gather/scatter kernel with ``vec``-byte accesses. ``counters_p``:
-        ``1 + SM_SLOTS`` zeroed words (see :meth:`offsets_table`). Returns the path."""
+        ``1 + SM_SLOTS`` zeroed words (see :meth:`offsets_table`). ``small_everywhere``: the
+        small bulk CTAs on every SM, whatever the launcher's shape and bound (device-to-device
+        hops, which fit beside compute and do not slow it). Returns the path."""
         if vec == 16 and self._bulk is not None and force in (None, "bulk"):
-            self._bulk((self.bulk_sms * self.bulk_ctas_per_sm,), (32,),
-                       (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n), np.int64(seg.segs),
-                        np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(self._bulk_chunk),
-                        np.uint64(counters_p), np.int32(self.bulk_ctas_per_sm)),
-                       stream=stream, shared_mem=self._bulk_smem)
+            fn, smem, chunk = self._bulk_kernels["small"] if small_everywhere else (
+                self._bulk, self._bulk_smem, self._bulk_chunk)
+            sms = self.num_sms if small_everywhere else self.bulk_sms
+            fn((sms * self.bulk_ctas_per_sm,), (32,),
+               (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n), np.int64(seg.segs),
+                np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(chunk),
+                np.uint64(counters_p), np.int32(self.bulk_ctas_per_sm)),
+               stream=stream, shared_mem=smem)
             return "bulk"
         chunks = n * seg.segs * (seg.seg_bytes // vec)
         grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), self.max_sms * self.ctas_per_sm))

@@ -114,10 +114,12 @@ class StagedCopier:
             if h2d:
                 self._pcie(stage_runs[r0:r1], host_runs[r0:r1], sizes[r0:r1], stream)
                 aux.wait_event(stream.record())
-                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux, force)
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux, force,
+                                small_everywhere=True)
                 self._free[h] = aux.record()
             else:
-                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux, force)
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux, force,
+                                small_everywhere=True)
                 stream.wait_event(aux.record())
                 self._pcie(host_runs[r0:r1], stage_runs[r0:r1], sizes[r0:r1], stream)
                 self._free[h] = stream.record()
