@@ -323,7 +323,7 @@ def test_bulk_segments_match_numpy(rng, shape, segs, seg_stride, seg_bytes):
     s, d, h = rng.permutation(n)[:23], rng.permutation(n)[:23], rng.permutation(n)[:23]
     seg = Segments(segs, seg_stride, seg_bytes)
     st = cupy.cuda.Stream(non_blocking=True)
-    paths = {la.launch(src, s, dev, d, seg, st), la.launch(dev, d, back, h, seg, st)}
+    paths = {la.launch(src, s, dev, d, seg, st, force="bulk"), la.launch(dev, d, back, h, seg, st, force="bulk")}
     st.synchronize()
     assert paths == {"bulk"}
 

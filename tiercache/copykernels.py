@@ -280,14 +280,22 @@ class CopyLauncher:
         ``1 + SM_SLOTS`` zeroed words (see :meth:`offsets_table`). ``small_everywhere``: the
         small bulk CTAs on every SM, whatever the launcher's shape and bound (device-to-device
         hops, which fit beside compute and do not slow it). Returns the path."""
-        if vec == 16 and self._bulk is not None and force in (None, "bulk"):
-            fn, smem, chunk = self._bulk_kernels["small"] if small_everywhere else (
-                self._bulk, self._bulk_smem, self._bulk_chunk)
+        shape = "small" if small_everywhere else self.bulk_shape
+        whole = seg.segs == 1
+        if vec == 16 and self._bulk is not None and (force == "bulk" or force is None and (
+                whole or seg.seg_bytes >= self._bulk_kernels[shape][2] or shape == "small")):
+            # segments shorter than a buffer go to the bulk kernel only on the small shape's many
+            # CTAs: a few large CTAs issue too slowly for 256-byte pieces (1 token: 38% of
+            # contiguous on 8 SMs, against ~90% for the gather/scatter kernel)
+            fn, smem, chunk = self._bulk_kernels[shape]
             sms = self.num_sms if small_everywhere else self.bulk_sms
+            # the per-SM cap keeps small CTAs from stacking on one SM (where a compute CTA then
+            # no longer fits); large CTAs never fit beside compute, so several may share an SM
+            per_sm = self.bulk_ctas_per_sm if shape == "small" else 0
             fn((sms * self.bulk_ctas_per_sm,), (32,),
                (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n), np.int64(seg.segs),
                 np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(chunk),
-                np.uint64(counters_p), np.int32(self.bulk_ctas_per_sm)),
+                np.uint64(counters_p), np.int32(per_sm)),
                stream=stream, shared_mem=smem)
             return "bulk"
         chunks = n * seg.segs * (seg.seg_bytes // vec)
