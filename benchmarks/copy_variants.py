@@ -366,8 +366,51 @@ def fit() -> None:
              product=t_with / t_prod - 1, ok=ok)
 
 
+def large() -> None:
+    """The large bulk shape's ring (buffers, loads ahead, buffer bytes) on 8 SMs: 16 KiB h2d
+    alone (back to back and from idle) and beside the product."""
+    import cupy
+
+    from tiercache.kernels.loader import KERNEL_DIR
+
+    rng = np.random.default_rng(6)
+    block, n = 16 * KiB, 8192
+    host, _o, dev = _bufs(n, block, 0)
+    s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+    nbytes = n * block
+    product, cs, _keep = product_fn()
+    ts = copy_stream("high")
+    t_prod = _time(product, cs, 5)
+    contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, MEMCPY_DEFAULT,
+                                                                   ts.ptr), ts, 5, back_to_back=4) / 1e9
+    seg = Segments(1, block, block)
+    for stages, ahead, chunk in ((8, 6, 8 * KiB), (4, 2, 16 * KiB), (6, 4, 16 * KiB), (8, 6, 16 * KiB), (3, 2, 32 * KiB),
+                                 (12, 10, 8 * KiB)):
+        fn = cupy.RawModule(code=(KERNEL_DIR / "copy_bulk.cu").read_text(),
+                            options=("-std=c++17", f"-DTC_STAGES={stages}", f"-DTC_AHEAD={ahead}")).get_function("tc_bulk_copy")
+        fn.max_dynamic_shared_size_bytes = stages * chunk
+        fn.preferred_shared_memory_carveout = 100
+        for sms in (8, 16):
+            la = CopyLauncher(0, max_sms=sms)
+            la._bulk_kernels["large"] = (fn, stages * chunk, chunk)
+            la._bulk, la._bulk_smem, la._bulk_chunk = la._bulk_kernels["large"]
+
+            def xfer(la=la):
+                la.launch(host, s, dev, d, seg, ts, force="bulk")
+            dev[cupy.asarray(d)] = 0
+            t = _time(xfer, ts, 5, back_to_back=4)
+            t_idle = _time(xfer, ts, 5)
+            ts.synchronize()
+            ok = bool(np.array_equal(dev[cupy.asarray(d)].get(), host[s]))
+            n_x, t_with, span = run_beside(product, cs, xfer, ts, t_prod / t_idle)
+            emit(section="large", stages=stages, ahead=ahead, chunk=chunk, sms=sms, ratio=nbytes / t / 1e9 / contig,
+                 idle_ratio=nbytes / t_idle / 1e9 / contig, beside_ratio=n_x * nbytes / span / 1e9 / contig,
+                 product=t_with / t_prod - 1, ok=ok)
+
+
 def main(sections) -> None:
-    funcs = {"gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split, "fit": fit}
+    funcs = {"gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split, "fit": fit,
+             "large": large}
     if sections and sections[0] == "--repeat":  # run the listed sections again under a new name
         sections = sections[1:]
     for name in sections or list(funcs):
