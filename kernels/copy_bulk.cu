@@ -20,9 +20,10 @@
 // the warp syncs.
 
 // Two shapes are compiled (the host picks one per launch):
-//   tc_bulk_copy        8 buffers of `chunk` bytes (8 KiB: 64 KiB of shared memory), loads 6
+//   tc_bulk_copy        4 buffers of `chunk` bytes (16 KiB: 64 KiB of shared memory), loads 2
 //                       groups ahead (so one store group may still be reading a buffer while the
-//                       next is reloaded): the most bytes in flight per CTA;
+//                       next is reloaded): the most bytes in flight per CTA (of the rings tried
+//                       on 8 SMs beside a bf16 GEMM, benchmarks/copy_variants.py `large`);
 //   tc_bulk_copy_small  2 buffers of `chunk` bytes (2 KiB), at most 32 registers per thread:
 //                       a CTA small enough to sit beside a compute kernel's CTAs on the same SM
 //                       (cuBLAS's bf16 GEMM on an H100 leaves 1024 registers and ~6 KiB of shared
@@ -178,7 +179,7 @@ __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigne
 #define TC_BULK_PASS src_base, dst_base, src_off, dst_off, n_blocks, segs, seg_stride, seg_bytes, chunk, claim, per_sm
 
 #ifndef TC_STAGES
-#define TC_STAGES 8
+#define TC_STAGES 4
 #endif
 #ifndef TC_AHEAD
 #define TC_AHEAD (TC_STAGES - 2)

@@ -118,7 +118,7 @@ class CopyLauncher:
     #: bulk-copy kernel shapes (kernels/copy_bulk.cu): kernel name, shared-memory buffers, bytes
     #: per buffer. ``small`` fits beside a compute kernel's CTAs on the same SM; ``large`` keeps
     #: more bytes in flight per SM.
-    BULK_SHAPES = {"small": ("tc_bulk_copy_small", 2, 2048), "large": ("tc_bulk_copy", 8, 8192)}
+    BULK_SHAPES = {"small": ("tc_bulk_copy_small", 2, 2048), "large": ("tc_bulk_copy", 4, 16384)}
     #: per-SM counters the bulk kernel may index (by %smid)
     SM_SLOTS = 256
 
