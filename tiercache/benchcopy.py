@@ -295,7 +295,9 @@ def bench_overlap(sms_list=(8,), block: int = 16 * KiB, blocks: int = 8192, matm
         # large bulk shape at each SM bound, the gather/scatter kernel at each SM bound, and the
         # copy engines
         small = CopyLauncher(device_id, bulk_shape="small", bulk_sms=1024, **kw)
-        methods = [("bulk_small", small, "bulk", False), ("bulk_small_2str", small, "bulk", True)]
+        # the bus's own ceiling beside compute: one contiguous copy-engine transfer of the bytes
+        methods = [("contiguous", None, "contiguous", False)]
+        methods += [("bulk_small", small, "bulk", False), ("bulk_small_2str", small, "bulk", True)]
         methods += [(f"bulk_large_{k}sm", CopyLauncher(device_id, bulk_shape="large", bulk_sms=k, **kw), "bulk", False)
                     for k in sms_list]
         methods += [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **kw), "kernel", False) for k in sms_list]
@@ -308,7 +310,10 @@ def bench_overlap(sms_list=(8,), block: int = 16 * KiB, blocks: int = 8192, matm
             if force == "bulk" and not launcher.bulk_available or force == "batch" and not launcher.batch.available:
                 continue
             ts, finish = ts_normal, None
-            if two:
+            if force == "contiguous":
+                def xfer(ts=ts):
+                    cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, MEMCPY_DEFAULT, ts.ptr)
+            elif two:
                 turn = [0]
 
                 def xfer(launcher=launcher, force=force):
