@@ -408,9 +408,52 @@ def large() -> None:
                  product=t_with / t_prod - 1, ok=ok)
 
 
+def staged_probe() -> None:
+    """Where the staged path's time goes: host submit time per request, and the device-to-device
+    scatter alone and beside the product (small CTAs on every SM, large ones on 8 SMs)."""
+    import cupy
+
+    rng = np.random.default_rng(7)
+    block, n = 16 * KiB, 8192
+    host, _o, dev = _bufs(n, block, 0)
+    hs = (rng.permutation(n // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
+    ds = scattered_slots(rng, n)
+    nbytes = n * block
+    seg = Segments(1, block, block)
+    ts = copy_stream("high")
+    product, cs, _keep = product_fn()
+    t_prod = _time(product, cs, 5)
+    for chunk in (8 << 20, 32 << 20):
+        la = CopyLauncher(0, max_sms=8)
+        la.staged.chunk_bytes = chunk
+        la.launch(host, hs, dev, ds, seg, ts, force="staged")
+        ts.synchronize()
+        subs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            la.launch(host, hs, dev, ds, seg, ts, force="staged")
+            subs.append(time.perf_counter() - t0)
+            ts.synchronize()
+        t_gpu = _time(lambda: la.launch(host, hs, dev, ds, seg, ts, force="staged"), ts, 5, back_to_back=4)
+        emit(section="staged", chunk=chunk, submit_ms=float(np.median(subs)) * 1e3, gpu_ms=t_gpu * 1e3)
+    src = cupy.asarray(host)
+    for name, la, small in (("d2d_small_all", CopyLauncher(0), True), ("d2d_large_8sm", CopyLauncher(0, max_sms=8), False)):
+        def fn(la=la, small=small):
+            table = la.offsets_table([np.arange(n, dtype=np.int64) * block], [ds.astype(np.int64) * block])
+            offs = la.ring.upload(table, ts)
+            p = offs.data.ptr
+            la.launch_table(src.data.ptr, dev.data.ptr, p, p + 8 * n, n, p + 16 * n, seg, 16, ts, "bulk",
+                            small_everywhere=small)
+            la.ring.release(ts)
+        t = _time(fn, ts, 5, back_to_back=4)
+        n_x, t_with, span = run_beside(product, cs, fn, ts, t_prod / t)
+        emit(section="staged", variant=name, alone_gbps=nbytes / t / 1e9, beside_gbps=n_x * nbytes / span / 1e9,
+             product=t_with / t_prod - 1)
+
+
 def main(sections) -> None:
     funcs = {"gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split, "fit": fit,
-             "large": large}
+             "large": large, "staged": staged_probe}
     if sections and sections[0] == "--repeat":  # run the listed sections again under a new name
         sections = sections[1:]
     for name in sections or list(funcs):
