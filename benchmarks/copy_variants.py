@@ -437,13 +437,13 @@ def staged_probe() -> None:
         t_gpu = _time(lambda: la.launch(host, hs, dev, ds, seg, ts, force="staged"), ts, 5, back_to_back=4)
         emit(section="staged", chunk=chunk, submit_ms=float(np.median(subs)) * 1e3, gpu_ms=t_gpu * 1e3)
     src = cupy.asarray(host)
-    for name, la, small in (("d2d_small_all", CopyLauncher(0), True), ("d2d_large_8sm", CopyLauncher(0, max_sms=8), False)):
-        def fn(la=la, small=small):
+    for name, la, burst in (("d2d_kernel_all", CopyLauncher(0), True), ("d2d_large_8sm", CopyLauncher(0, max_sms=8), False)):
+        def fn(la=la, burst=burst):
             table = la.offsets_table([np.arange(n, dtype=np.int64) * block], [ds.astype(np.int64) * block])
             offs = la.ring.upload(table, ts)
             p = offs.data.ptr
             la.launch_table(src.data.ptr, dev.data.ptr, p, p + 8 * n, n, p + 16 * n, seg, 16, ts, "bulk",
-                            small_everywhere=small)
+                            all_sms=burst)
             la.ring.release(ts)
         t = _time(fn, ts, 5, back_to_back=4)
         n_x, t_with, span = run_beside(product, cs, fn, ts, t_prod / t)

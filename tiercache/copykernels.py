@@ -272,23 +272,24 @@ class CopyLauncher:
         return table
 
     def launch_table(self, sp: int, dp: int, src_p: int, dst_p: int, n: int, counters_p: int, seg: Segments,
-                     vec: int, stream, force: str | None = None, small_everywhere: bool = False) -> str:
+                     vec: int, stream, force: str | None = None, all_sms: bool = False) -> str:
         """Launch one copy of ``n`` blocks whose ``int64`` offsets are already on the device at
         ``src_p`` and ``dst_p`` (block ``i``: ``sp + src[i]`` -> ``dp + dst[i]``), by the bulk kernel
         when the GPU has it, every address is 16-byte aligned (``vec == 16``) and ``force``
         allows, else by the gather/scatter kernel with ``vec``-byte accesses. ``counters_p``:
-        ``1 + SM_SLOTS`` zeroed words (see :meth:`offsets_table`). ``small_everywhere``: the
-        small bulk CTAs on every SM, whatever the launcher's shape and bound (device-to-device
-        hops, which fit beside compute and do not slow it). Returns the path."""
-        shape = "small" if small_everywhere else self.bulk_shape
+        ``1 + SM_SLOTS`` zeroed words (see :meth:`offsets_table`). ``all_sms``: the gather/scatter
+        kernel on every SM, whatever the bounds (device-to-device bursts: at HBM speed they need
+        the SMs for a few microseconds, which they take in the gaps between compute kernels).
+        Returns the path."""
+        shape = self.bulk_shape
         whole = seg.segs == 1
-        if vec == 16 and self._bulk is not None and (force == "bulk" or force is None and (
+        if not all_sms and vec == 16 and self._bulk is not None and (force == "bulk" or force is None and (
                 whole or seg.seg_bytes >= self._bulk_kernels[shape][2] or shape == "small")):
             # segments shorter than a buffer go to the bulk kernel only on the small shape's many
             # CTAs: a few large CTAs issue too slowly for 256-byte pieces (1 token: 38% of
             # contiguous on 8 SMs, against ~90% for the gather/scatter kernel)
             fn, smem, chunk = self._bulk_kernels[shape]
-            sms = self.num_sms if small_everywhere else self.bulk_sms
+            sms = self.bulk_sms
             # the per-SM cap keeps small CTAs from stacking on one SM (where a compute CTA then
             # no longer fits); large CTAs never fit beside compute, so several may share an SM
             per_sm = self.bulk_ctas_per_sm if shape == "small" else 0
@@ -299,7 +300,8 @@ class CopyLauncher:
                stream=stream, shared_mem=smem)
             return "bulk"
         chunks = n * seg.segs * (seg.seg_bytes // vec)
-        grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), self.max_sms * self.ctas_per_sm))
+        sms = self.num_sms if all_sms else self.max_sms
+        grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), sms * self.ctas_per_sm))
         self._kernels[vec]((grid,), (self.threads,),
                            (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n),
                             np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),

@@ -2,22 +2,23 @@
 hop on the copy engines and the gather/scatter in VRAM.
 
 Any SM that copies over PCIe also slows the compute kernels sharing it: on an H100, one small
-copy CTA per SM beside cuBLAS's bf16 GEMM (which fits: one warp, 4 KiB of shared memory) still
-slowed the product by about 40%, with TMA bulk copies and with plain loads alike, while the
-copy engines take no SMs (``benchmarks/copy_variants.py``, section ``fit``). When the host side
-of a batch is made of runs of consecutive slots (the cache allocates host slots lowest-free-
-first, so an offloaded batch lands in runs and is onboarded from them), the PCIe hop is one
-batched driver copy (``cuMemcpyBatchAsync``; ``cudaMemcpyAsync`` per run without it) of the runs
-into (or out of) a device staging buffer, and the scatter (or gather) between the staging buffer
-and the scattered device slots is a device-to-device copy at HBM speed, by the launcher's
-bulk-copy kernel where it has one (small CTAs that fit beside compute and finish quickly, as
-their requests never wait on PCIe), else by its gather/scatter kernel.
+copy CTA per SM beside cuBLAS's bf16 GEMM (which fits: one warp, 4 KiB of shared memory) slowed
+the product by about 45%, and even device-to-device copies by such CTAs slowed it by 22%;
+few large copy CTAs leave it alone but only run where it leaves room (``benchmarks/
+copy_variants.py``). The copy engines take no SMs: beside the GEMM a contiguous copy keeps 98%
+of its speed. When the host side of a batch is made of runs of consecutive slots (the cache
+allocates host slots lowest-free-first, so an offloaded batch lands in runs and is onboarded
+from them), the PCIe hop is one batched driver copy (``cuMemcpyBatchAsync``; ``cudaMemcpyAsync``
+per run without it) of the runs into (or out of) a device staging buffer, and the scatter (or
+gather) between the staging buffer and the scattered device slots is a burst of the
+gather/scatter kernel on every SM at HBM speed (a few microseconds per chunk), which takes the
+SMs in the gaps between compute kernels (its stream has high priority).
 
 The batch is sorted by host slot and processed in chunks through a ring of staging buffers:
 the copy engines fill one buffer (``stream``) while the kernel empties another (an auxiliary
-stream), ordered by events, so the two hops overlap. With four buffers the copy engines keep
-going while a scatter waits behind its offsets upload (which queues on the copy engines too)
-or for room on the SMs.
+stream), ordered by events, so the two hops overlap. The ring's depth (``buffers *
+chunk_bytes``) is how long the copy engines keep going while the scatters wait for a gap
+between compute kernels.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class StagedCopier:
         buffers: staging buffers in the ring (>= 2).
     """
 
-    def __init__(self, launcher, chunk_bytes: int = 8 << 20, buffers: int = 4) -> None:
+    def __init__(self, launcher, chunk_bytes: int = 16 << 20, buffers: int = 4) -> None:
         self.launcher = launcher
         self.chunk_bytes = chunk_bytes
         self._buf = None
@@ -100,7 +101,6 @@ class StagedCopier:
         run_cut = np.searchsorted(chunk_of[starts], np.arange(n_chunks + 1))
         seg = Segments(1, row, row)
         vec = _vector_bytes(bp, dvp, row, self.chunk_bytes)
-        force = "bulk" if la.bulk_available else "kernel"
         # the device side's first reads and writes come after the upload and what the job waited
         # for on `stream`
         aux.wait_event(stream.record())
@@ -114,12 +114,12 @@ class StagedCopier:
             if h2d:
                 self._pcie(stage_runs[r0:r1], host_runs[r0:r1], sizes[r0:r1], stream)
                 aux.wait_event(stream.record())
-                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux, force,
-                                small_everywhere=True)
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux,
+                                all_sms=True)
                 self._free[h] = aux.record()
             else:
-                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux, force,
-                                small_everywhere=True)
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux,
+                                all_sms=True)
                 stream.wait_event(aux.record())
                 self._pcie(host_runs[r0:r1], stage_runs[r0:r1], sizes[r0:r1], stream)
                 self._free[h] = stream.record()
