@@ -307,6 +307,9 @@ def bench_overlap(sms_list=(8,), block: int = 16 * KiB, blocks: int = 8192, matm
         methods.append(("batch", small, "batch", False))
         # host slots in runs of 64 (what the cache's allocator produces): copy engines + VRAM scatter
         methods.append(("staged", CopyLauncher(device_id, **kw), "staged", False))
+        deep = CopyLauncher(device_id, **kw)
+        deep.staged.chunk_bytes = 32 << 20  # 128 MiB of staging: the copy engines wait less for a gap
+        methods.append(("staged_128M", deep, "staged", False))
         host_runs = (rng.permutation(blocks // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
         ts2, dev2 = copy_stream(priority), cupy.empty_like(dev)
         for name, launcher, force, two in methods:
