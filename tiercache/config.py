@@ -54,7 +54,7 @@ _FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "cap
               "kvikio_task_size", "kvikio_gds_threshold"}
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes", "batch_streams",
-                  "bulk_shape", "bulk_sms"}
+                  "bulk_shape", "bulk_sms", "staged_min_run_bytes"}
 BULK_SHAPES = ("small", "large", "off")
 _TOP_KEYS = {"tiers", "file", "pools", "device", "transfer"}
 
@@ -115,6 +115,11 @@ class CacheConfig:
             it moves 84-92% of contiguous beside a bf16 GEMM, but slows that GEMM by ~45%, see
             docs/performance.md), or ``off`` (the gather/scatter kernel only).
         bulk_sms: SMs the bulk kernel may place a CTA on, 1..1024 (None: ``copy_kernel_sms``).
+        staged_min_run_bytes: host <-> device batches of blocks under ``batch_min_bytes`` whose
+            host slots form runs averaging at least this many bytes go through the staged path
+            (copy engines for PCIe, a burst kernel for the scatter in VRAM, 64 MiB of staging
+            VRAM allocated on first use; see ``tiercache/stagedcopy.py``); 0 (default) turns it
+            off.
 
     Raises:
         ConfigError: any value out of range (see each attribute).
@@ -141,6 +146,7 @@ class CacheConfig:
     batch_streams: int = 2
     bulk_shape: str = "large"
     bulk_sms: int | None = None
+    staged_min_run_bytes: int = 0
 
     def __post_init__(self) -> None:
         pools = self.pools
@@ -168,6 +174,7 @@ class CacheConfig:
         _check_choice("bulk_shape", self.bulk_shape, BULK_SHAPES)
         if self.bulk_sms is not None:
             _check_int("bulk_sms", self.bulk_sms, 1, 1025)
+        _check_int("staged_min_run_bytes", self.staged_min_run_bytes, 0, 1 << 40)
         _check_choice("io_mode", self.io_mode, IO_MODES)
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
         for key in ("verify_checksums", "direct_io"):
@@ -253,6 +260,7 @@ class CacheConfig:
             "batch_streams": self.batch_streams,
             "bulk_shape": self.bulk_shape,
             "bulk_sms": self.bulk_sms,
+            "staged_min_run_bytes": self.staged_min_run_bytes,
             "block_nbytes": self.block_nbytes,
         }
 

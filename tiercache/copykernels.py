@@ -5,22 +5,27 @@ Per pool, a batch is planned into runs of consecutive slots on both sides
 
 - runs of at least ``memcpy_min_bytes``: one ``cudaMemcpyAsync`` each (copy engines, no SMs);
 - host <-> device batches whose host slots form runs of at least ``staged_min_run_bytes`` (on
-  average): the staged path (:mod:`tiercache.stagedcopy`): copy engines for PCIe, the kernel
-  only for the scatter/gather in VRAM;
-- other blocks of at least ``batch_min_bytes``: one ``cuMemcpyBatchAsync`` for all of them (copy
-  engines; per-block ``cudaMemcpyAsync`` where the driver lacks it);
-- the rest, whole blocks, 16-byte aligned, on sm_90+: one launch of the bulk-copy kernel
-  (``kernels/copy_bulk.cu``): the Tensor Memory Accelerator moves 16 KiB pieces
-  global -> shared -> global, one thread per SM driving a 4-stage ring (93-97% of contiguous
-  at 16 and 64 KiB on an H100, with 32 threads per SM);
-- anything else: one launch of the gather/scatter kernel (``kernels/copy_blocks.cu``), which reads
-  and writes pinned host memory through unified addressing with 16-byte accesses where
-  alignment allows. Partial copies (the first
-``num_tokens`` tokens of each block) always use the kernel: each block is ``segs`` segments of
-``seg_bytes`` bytes, ``seg_stride`` apart.
+  average; off by default): the staged path (:mod:`tiercache.stagedcopy`): copy engines for
+  PCIe, a burst of the gather/scatter kernel for the scatter/gather in VRAM;
+- other blocks of at least ``batch_min_bytes``: ``cuMemcpyBatchAsync``, split over
+  ``batch_streams`` streams (copy engines; per-block ``cudaMemcpyAsync`` where the driver lacks
+  it);
+- the rest, 16-byte aligned, on sm_90+: one launch of the bulk-copy kernel
+  (``kernels/copy_bulk.cu``): the Tensor Memory Accelerator moves blocks (or the first tokens
+  of each, as segments) global -> shared -> global, one warp per CTA driving a ring of
+  buffers. Shape ``large`` (default): 4 x 16 KiB buffers, one CTA on each of ``bulk_sms`` SMs;
+  shape ``small``: 2 x 2 KiB buffers and 32 registers per thread, one CTA per SM on every SM,
+  small enough to sit beside a compute kernel's CTAs. Segments shorter than a buffer go to the
+  bulk kernel only on the small shape;
+- anything else (and partial copies with short segments): one launch of the gather/scatter
+  kernel (``kernels/copy_blocks.cu``), which reads and writes pinned host memory through
+  unified addressing with 16-byte accesses where alignment allows; each block is ``segs``
+  segments of ``seg_bytes`` bytes, ``seg_stride`` apart.
 
 The gather/scatter kernel's grid is capped at ``max_sms * ctas_per_sm`` thread blocks, the bulk
-kernel's at ``max_sms``, so a copy occupies a bounded share of the GPU while the engine computes.
+kernel's at ``bulk_sms * bulk_ctas_per_sm``, so a copy occupies a bounded share of the GPU while
+the engine computes. Measured on an H100 (docs/performance.md): scattered 16 and 64 KiB blocks
+at 88-96% of a contiguous copy, 256 KiB and up at 94-99%.
 """
 
 from __future__ import annotations
@@ -98,8 +103,9 @@ class CopyLauncher:
         memcpy_min_bytes: runs at least this long go to ``cudaMemcpyAsync``.
         batch_min_bytes: other blocks at least this long go to ``cuMemcpyBatchAsync``.
         staged_min_run_bytes: host <-> device batches whose host-side runs average at least
-            this many bytes take the staged path; 0 (the default) turns it off: on the H100s
-            measured it ran at 78-95% of contiguous, below the kernel (see docs/performance.md).
+            this many bytes take the staged path; 0 (the default) turns it off (alone it matches the
+            bulk kernel, 90-98% of contiguous; beside a GEMM it needs deep staging, see
+            docs/performance.md).
         bulk: use the bulk-copy (TMA) kernel for 16-byte-aligned blocks and segments where the
             GPU has it (compute capability 9.0+).
         bulk_shape: ``small`` (one warp, 4 KiB of shared memory and 32 registers per thread per
