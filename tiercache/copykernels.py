@@ -108,10 +108,10 @@ class CopyLauncher:
             docs/performance.md).
         bulk: use the bulk-copy (TMA) kernel for 16-byte-aligned blocks and segments where the
             GPU has it (compute capability 9.0+).
-        bulk_shape: ``small`` (one warp, 4 KiB of shared memory and 32 registers per thread per
-            CTA: fits beside a compute kernel's CTAs) or ``large`` (64 KiB of shared memory per
-            CTA: more bytes in flight per SM, for copies that run alone); see
-            ``kernels/copy_bulk.cu``.
+        bulk_shape: ``large`` (64 KiB of shared memory per CTA, one CTA on each of ``bulk_sms``
+            SMs: it does not share SMs with compute kernels) or ``small`` (one warp, 4 KiB of
+            shared memory and 32 registers per thread per CTA: it fits beside a compute kernel's
+            CTAs, which it then slows); see ``kernels/copy_bulk.cu`` and docs/performance.md.
         bulk_sms: SMs the bulk kernel may use (None: ``max_sms``); its grid is ``bulk_sms *
             bulk_ctas_per_sm`` and the kernel holds at most ``bulk_ctas_per_sm`` CTAs per SM.
         batch_streams: streams one ``cuMemcpyBatchAsync`` batch is split over (see
