@@ -90,8 +90,7 @@ class StagedCopier:
         n_chunks = int(chunk_of[-1]) + 1
         cuts = list(range(0, n, per_chunk)) + [n]
         src_at, dst_at = (stage_at, dev_at) if h2d else (dev_at, stage_at)
-        table = la.offsets_table([src_at[a:b] for a, b in zip(cuts, cuts[1:])],
-                                 [dst_at[a:b] for a, b in zip(cuts, cuts[1:])])
+        table = la.offsets_table([src_at], [dst_at])  # the kernel hop needs no per-chunk counters
         offs = la.ring.upload(table, stream)
         tp = offs.data.ptr
         # the copy engines' hop: runs of consecutive host slots, cut at chunk boundaries
@@ -107,18 +106,17 @@ class StagedCopier:
         for k in range(n_chunks):
             h = k % self.buffers
             i0, i1, r0, r1 = cuts[k], cuts[k + 1], run_cut[k], run_cut[k + 1]
-            counters = tp + 16 * n + k * 8 * (1 + la.SM_SLOTS)
             first_stream = stream if h2d else aux
             if self._free[h] is not None:
                 first_stream.wait_event(self._free[h])
             if h2d:
                 self._pcie(stage_runs[r0:r1], host_runs[r0:r1], sizes[r0:r1], stream)
                 aux.wait_event(stream.record())
-                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux,
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, tp + 16 * n, seg, vec, aux,
                                 all_sms=True)
                 self._free[h] = aux.record()
             else:
-                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, counters, seg, vec, aux,
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, tp + 16 * n, seg, vec, aux,
                                 all_sms=True)
                 stream.wait_event(aux.record())
                 self._pcie(host_runs[r0:r1], stage_runs[r0:r1], sizes[r0:r1], stream)
