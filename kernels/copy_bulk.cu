@@ -68,8 +68,10 @@ struct Units {
     }
 };
 
-// STAGES buffers; loads run AHEAD groups ahead of stores (1 <= AHEAD < STAGES); TAKE groups per claim
-template <int STAGES, int AHEAD, int TAKE>
+// STAGES buffers; loads run AHEAD groups ahead of stores (1 <= AHEAD < STAGES); TAKE groups per claim;
+// WRITES >= 0: after each store group, wait until at most WRITES of this lane's store groups are
+// still writing (bounds the writes in flight; -1: no bound beyond the ring's)
+template <int STAGES, int AHEAD, int TAKE, int WRITES = -1>
 __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigned char* dst_base,
                                           const long long* src_off, const long long* dst_off, long long n_blocks,
                                           long long segs, long long seg_stride, long long seg_bytes, long long chunk,
@@ -163,6 +165,7 @@ __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigne
                              : "memory");
             }
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            if constexpr (WRITES >= 0) asm volatile("cp.async.bulk.wait_group %0;" :: "n"(WRITES) : "memory");
             ++stored;
         }
     }
@@ -184,9 +187,12 @@ __device__ __forceinline__ void bulk_copy(const unsigned char* src_base, unsigne
 #ifndef TC_AHEAD
 #define TC_AHEAD (TC_STAGES - 2)
 #endif
+#ifndef TC_WRITES
+#define TC_WRITES -1
+#endif
 
 extern "C" __global__ void __launch_bounds__(32) tc_bulk_copy(TC_BULK_ARGS) {
-    bulk_copy<TC_STAGES, TC_AHEAD, TC_STAGES>(TC_BULK_PASS);
+    bulk_copy<TC_STAGES, TC_AHEAD, TC_STAGES, TC_WRITES>(TC_BULK_PASS);
 }
 
 // 32 threads x at most 32 registers: one warp's share of what a large compute CTA leaves

@@ -26,3 +26,41 @@ def test_runs_cover_pairs_exactly(pairs):
 def test_consecutive_batch_is_one_run():
     runs = contiguous_runs(np.arange(10, 500), np.arange(1000, 1490))
     assert runs.length.tolist() == [490]
+
+
+def _decider(carveout_sms=0, staged_min_run_bytes=0, batch_min_bytes=256 << 10):
+    """A CopyLauncher's path decision without a GPU: only the attributes it reads."""
+    import types
+
+    from tiercache.copykernels import CopyLauncher
+    from tiercache.stagedcopy import StagedCopier
+
+    la = object.__new__(CopyLauncher)
+    la.carveout_sms, la.staged_min_run_bytes, la.batch_min_bytes = carveout_sms, staged_min_run_bytes, batch_min_bytes
+    la.staged = types.SimpleNamespace(host_runs=StagedCopier.host_runs)
+    return la
+
+
+def test_staged_choice_without_carveout():
+    runs = np.arange(64)  # one 1 MiB run of 16 KiB blocks
+    scattered = np.arange(0, 128, 2)
+    off = _decider()
+    assert not off._wants_staged(True, runs, 16 << 10) and not off._wants_staged(False, runs, 16 << 10)
+    on = _decider(staged_min_run_bytes=512 << 10)
+    assert on._wants_staged(True, runs, 16 << 10) and on._wants_staged(False, runs, 16 << 10)
+    assert not on._wants_staged(True, scattered, 16 << 10)  # runs of one block: 16 KiB < 512 KiB
+    assert not on._wants_staged(True, runs, 256 << 10)  # blocks this large go to the batched copy
+
+
+def test_staged_choice_under_a_carveout():
+    runs = np.arange(64)
+    scattered = np.arange(0, 128, 2)
+    la = _decider(carveout_sms=8)
+    # device -> host never writes host memory from SMs (that slows compute on the other SMs)
+    assert la._wants_staged(False, scattered, 16 << 10) and la._wants_staged(False, runs, 16 << 10)
+    # host -> device: runs of 256 KiB or more on the copy engines, scattered blocks by the bulk kernel
+    assert la._wants_staged(True, runs, 16 << 10)
+    assert not la._wants_staged(True, scattered, 16 << 10)
+    assert not la._wants_staged(True, np.arange(8), 16 << 10)  # a 128 KiB run
+    assert not la._wants_staged(False, runs, 256 << 10)  # large blocks: the batched copy already
+    assert not _decider(carveout_sms=8, staged_min_run_bytes=2 << 20)._wants_staged(True, runs, 16 << 10)

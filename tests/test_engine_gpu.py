@@ -211,12 +211,15 @@ def test_sync_points_with_torch_streams(tmp_path, rng, pool):
     eng.make_stream_wait(s.ptr)
 
 
+@pytest.mark.parametrize("carveout", [0, 3])
 @pytest.mark.parametrize("n_blocks", [1, 7, 300])
-def test_staged_path_round_trip(tmp_path, rng, n_blocks):
-    """Host runs <-> scattered device slots through the staging buffer, chunked and
-    double-buffered (tiny chunks here, so many chunks reuse both halves)."""
+def test_staged_path_round_trip(tmp_path, rng, n_blocks, carveout):
+    """Host runs <-> scattered device slots through the staging buffer, chunked, over two
+    copy-engine streams (tiny chunks here, so many chunks reuse every buffer); with a carve-out
+    the VRAM hop is the bulk kernel on 3 SMs, one work counter per chunk."""
     pool = PoolSpec("blk", (4096 + 512,), "uint8")
-    eng = make_engine(tmp_path, (pool,), device_slots=320, host_slots=320, file_slots=0)
+    eng = make_engine(tmp_path, (pool,), device_slots=320, host_slots=320, file_slots=0, carveout_sms=carveout)
+    assert eng.launcher.staged.hop_all_sms == (not carveout) and eng.launcher.staged.pcie_streams == 2
     eng.launcher.staged.chunk_bytes = 5 * pool.block_nbytes
     eng.launcher.staged_min_run_bytes = 1
     data = rng.integers(0, 256, size=(320, pool.block_nbytes), dtype=np.uint8)
@@ -235,6 +238,40 @@ def test_staged_path_round_trip(tmp_path, rng, n_blocks):
     back = eng.copy("device", ds, "host", hs2).wait()
     assert back.path == "staged"
     assert np.array_equal(eng.tiers["host"].arrays["blk"][hs2], data[hs])
+
+
+def test_carveout_paths_byte_exact(tmp_path, rng):
+    """Under an SM carve-out: copy kernels stay on its SMs, scattered host -> device blocks go to
+    the bulk kernel, host runs and every device -> host batch to the staged path; bytes exact."""
+    block, n = 16 << 10, 600
+    pool = PoolSpec("blk", (block,), "uint8")
+    eng = make_engine(tmp_path, (pool,), device_slots=n, host_slots=n, file_slots=0, carveout_sms=4)
+    la = eng.launcher
+    assert la.max_sms == la.bulk_sms == 4 and not la.staged.hop_all_sms
+    la.staged.chunk_bytes = 64 * block  # several chunks per batch: every staging buffer reused
+    data = rng.integers(1, 256, size=(n, block), dtype=np.uint8)
+    eng.copy("caller", np.arange(n), "host", np.arange(n), src_arrays={"blk": data}).wait()
+    host = eng.tiers["host"].arrays["blk"]
+    sm = "bulk" if la.bulk_available else "kernel"
+
+    def device_rows(ds):
+        out = {"blk": np.empty((len(ds), block), np.uint8)}
+        eng.copy("device", ds, "caller", np.arange(len(ds)), dst_arrays=out).wait()
+        return out["blk"]
+    hs = rng.permutation(n)[:300]  # scattered host slots
+    perm = rng.permutation(n)
+    ds, ds2 = perm[:300], perm[300:]  # disjoint scattered device slots
+    assert eng.copy("host", hs, "device", ds).wait().path == sm
+    assert np.array_equal(device_rows(ds), data[hs])
+    runs = np.arange(150, 450)  # one 4.7 MiB host run, device slots scattered
+    assert eng.copy("host", runs, "device", ds2).wait().path == "staged"
+    assert np.array_equal(device_rows(ds2), data[runs])
+    # device -> host, scattered and into runs: the staged path (copy engines write host memory)
+    back = rng.permutation(n)[:300]
+    assert eng.copy("device", ds2, "host", back).wait().path == "staged"
+    assert np.array_equal(host[back], data[runs])
+    assert eng.copy("device", ds, "host", np.arange(300)).wait().path == "staged"
+    assert np.array_equal(host[:300], data[hs])
 
 
 def test_upload_ring_wraps_without_clobbering(rng):

@@ -16,6 +16,7 @@ Quick start::
 """
 
 from .cache import TierCache
+from .carveout import sm_carveout
 from .config import CacheConfig, load_config
 from .errors import (
     ArrayMismatchError,
@@ -43,6 +44,7 @@ __all__ = [
     "CacheConfig",
     "PoolSpec",
     "load_config",
+    "sm_carveout",
     "TierCacheError",
     "ArrayMismatchError",
     "ClosedError",

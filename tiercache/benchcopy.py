@@ -13,8 +13,9 @@ For each block size (16 KiB, 64 KiB, 256 KiB, 2 MiB by default) and direction (h
 
 Every figure is the median of ``reps`` runs timed with CUDA events, after a warm-up. It then
 measures partial copies (first N tokens of each KV block) against a contiguous copy of the same
-number of bytes, the planning cost per block of a 4096-block batch, and a bf16 matrix product
-running alone and beside a stream of 16 KiB scattered transfers, by each path.
+number of bytes, the planning cost per block of a 4096-block batch, and (:mod:`tiercache.benchoverlap`)
+a bf16 matrix product running alone and beside a stream of 16 KiB scattered transfers, by each
+path, with and without an SM carve-out.
 """
 
 from __future__ import annotations
@@ -240,146 +241,6 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
     return res
 
 
-def bench_overlap(sms_list=(8,), block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
-                  iters: int = 20, device_id: int = 0, log=print, launcher_kw: dict | None = None,
-                  priority: str = "high") -> dict:
-    """A bf16 matrix product alone, then beside a stream of scattered 16 KiB host -> device
-    transfers (the small bulk-copy CTAs on one or two streams, the large ones and the
-    gather/scatter kernel at each SM bound of ``sms_list``, and cuMemcpyBatchAsync): product
-    slowdown and transfer bandwidth relative to contiguous."""
-    import cupy
-
-    rng = np.random.default_rng(3)
-    with cupy.cuda.Device(device_id):
-        try:
-            import torch
-
-            a = torch.randn((matmul, matmul), device=f"cuda:{device_id}", dtype=torch.bfloat16)
-            b = torch.randn((matmul, matmul), device=f"cuda:{device_id}", dtype=torch.bfloat16)
-            cstream = torch.cuda.Stream(device=device_id)
-            cs = cupy.cuda.ExternalStream(cstream.cuda_stream)
-
-            def product():
-                with torch.cuda.stream(cstream):
-                    for _ in range(iters):
-                        torch.matmul(a, b)
-            engine_name = "torch"
-        except ImportError:
-            a = cupy.random.standard_normal((matmul, matmul), dtype=cupy.float32).astype(cupy.float16)
-            b = cupy.random.standard_normal((matmul, matmul), dtype=cupy.float32).astype(cupy.float16)
-            cs = cupy.cuda.Stream(non_blocking=True)
-
-            def product():
-                with cs:
-                    for _ in range(iters):
-                        cupy.matmul(a, b)
-            engine_name = "cupy-fp16"
-        host, _owner, dev = _bufs(blocks, block, device_id)
-        s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
-        nbytes = blocks * block
-        from .streams import copy_stream
-
-        # the engine's copy streams are high priority; "normal" shows what that buys
-        ts = ts_normal = copy_stream(priority)
-        _time(product, cs, 3)  # warm up (clocks, cuBLAS's choice)
-        # the product alone, timed the way it is timed beside transfers (same events, same
-        # queueing), so that its slowdown is not measured against a differently timed baseline
-        _n, t_product, _span = run_beside(product, cs, lambda: None, ts, 2)
-        t_contig = _time(lambda: cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, MEMCPY_DEFAULT, ts.ptr), ts, 5)
-        flops = 2 * matmul**3 * iters
-        res = {"matmul": matmul, "iters": iters, "engine": engine_name, "product_alone_s": t_product,
-               "product_tflops": flops / t_product / 1e12, "contiguous_gbps": nbytes / t_contig / 1e9, "runs": []}
-        log(f"  overlap: {matmul}^3 bf16 product x{iters} alone {t_product * 1e3:.1f} ms "
-            f"({res['product_tflops']:.0f} TFLOP/s); contiguous h2d {res['contiguous_gbps']:.1f} GB/s")
-        seg = Segments(1, block, block)
-        kw = launcher_kw or {}
-        # (name, launcher, force, two streams): the engine's default path (the small bulk CTAs,
-        # one per SM, beside compute's), the same over two streams as the engine issues, the
-        # large bulk shape at each SM bound, the gather/scatter kernel at each SM bound, and the
-        # copy engines
-        small = CopyLauncher(device_id, bulk_shape="small", bulk_sms=1024, **kw)
-        # the bus's own ceiling beside compute: one contiguous copy-engine transfer of the bytes
-        methods = [("contiguous", None, "contiguous", False)]
-        methods += [("bulk_small", small, "bulk", False), ("bulk_small_2str", small, "bulk", True)]
-        methods += [(f"bulk_large_{k}sm", CopyLauncher(device_id, bulk_shape="large", bulk_sms=k, **kw), "bulk", False)
-                    for k in sms_list]
-        methods += [(f"kernel_{k}sm", CopyLauncher(device_id, max_sms=k, **kw), "kernel", False) for k in sms_list]
-        methods.append(("batch", small, "batch", False))
-        # host slots in runs of 64 (what the cache's allocator produces): copy engines + VRAM scatter
-        methods.append(("staged", CopyLauncher(device_id, **kw), "staged", False))
-        deep = CopyLauncher(device_id, **kw)
-        deep.staged.chunk_bytes = 32 << 20  # 128 MiB of staging: the copy engines wait less for a gap
-        methods.append(("staged_128M", deep, "staged", False))
-        host_runs = (rng.permutation(blocks // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
-        ts2, dev2 = copy_stream(priority), cupy.empty_like(dev)
-        for name, launcher, force, two in methods:
-            if force == "bulk" and not launcher.bulk_available or force == "batch" and not launcher.batch.available:
-                continue
-            ts, finish = ts_normal, None
-            if force == "contiguous":
-                def xfer(ts=ts):
-                    cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, MEMCPY_DEFAULT, ts.ptr)
-            elif two:
-                turn = [0]
-
-                def xfer(launcher=launcher, force=force):
-                    turn[0] += 1
-                    st, out = (ts, dev) if turn[0] % 2 else (ts2, dev2)
-                    launcher.launch(host, s, out, d, seg, st, force=force)
-
-                def finish():
-                    ev = cupy.cuda.Event(disable_timing=True)
-                    ev.record(ts2)
-                    ts.wait_event(ev)
-            else:
-                def xfer(launcher=launcher, force=force, ts=ts, hs=host_runs if force == "staged" else s):
-                    launcher.launch(host, hs, dev, d, seg, ts, force=force)
-            if finish is None:
-                t_alone = _time(xfer, ts, 5)
-            else:  # alone, two streams: time a pair of requests joined back into ts
-                t_alone = _time(lambda: (xfer(), xfer(), finish()), ts, 5) / 2
-            # the product alone again right before, the same way: clocks drift between methods
-            _n, t_prod_now, _span = run_beside(product, cs, lambda: None, ts, 2)
-            n_x, t_prod_with, t_x = run_beside(product, cs, xfer, ts, t_prod_now / t_alone, finish)
-            row = {"method": name, "transfer_alone_gbps": nbytes / t_alone / 1e9, "batches": n_x,
-                   "transfer_during_gbps": n_x * nbytes / t_x / 1e9, "product_alone_s": t_prod_now,
-                   "product_with_s": t_prod_with, "product_slowdown": t_prod_with / t_prod_now - 1}
-            row["transfer_during_ratio"] = row["transfer_during_gbps"] / res["contiguous_gbps"]
-            res["runs"].append(row)
-            log(f"  overlap {name:>12}: transfers alone {row['transfer_alone_gbps']:.1f} GB/s, beside the product "
-                f"{row['transfer_during_gbps']:.1f} GB/s ({row['transfer_during_ratio']:.0%} of contiguous); "
-                f"product slowed {row['product_slowdown']:+.1%}")
-    return res
-
-
-def run_beside(product, cs, xfer, ts, ratio: float, finish=None) -> tuple[int, float, float]:
-    """``product()`` on stream ``cs`` and, together, enough ``xfer()`` calls on ``ts`` queued up
-    front (no host syncs in between) to span it (``ratio`` = product time / transfer time);
-    ``finish()`` then joins any other stream the transfers used into ``ts``.
-    Returns ``(transfers, product seconds, transfers' span seconds)``, medians of three runs."""
-    import cupy
-
-    n_x = max(2, int(round(ratio)))
-    prods, spans = [], []
-    for _ in range(3):
-        ev = [cupy.cuda.Event() for _ in range(4)]
-        cupy.cuda.Device().synchronize()
-        ev[0].record(cs)
-        ev[2].record(ts)
-        product()
-        for _ in range(n_x):
-            xfer()
-        if finish is not None:
-            finish()
-        ev[1].record(cs)
-        ev[3].record(ts)
-        ev[1].synchronize()
-        ev[3].synchronize()
-        prods.append(cupy.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3)
-        spans.append(cupy.cuda.get_elapsed_time(ev[2], ev[3]) / 1e3)
-    return n_x, statistics.median(prods), statistics.median(spans)
-
-
 def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int | None = None, log=print) -> dict:
     """Every part of the copy benchmark; returns a JSON-ready report."""
     from .cuda import cuda_status
@@ -394,7 +255,9 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
     rep["scattered"] = bench_scattered(total=total, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
     rep["partial"] = bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
     rep["planning"] = bench_planning(device_id=device_id, log=log)
-    rep["overlap"] = bench_overlap(iters=5 if quick else 20, device_id=device_id, log=log)
+    from .benchoverlap import bench_overlap
+
+    rep["overlap"] = bench_overlap(iters=5 if quick else 20, rounds=3 if quick else 5, device_id=device_id, log=log)
     rep["ok"] = all(r.get("verified", True) for r in rep["scattered"])
     return rep
 
@@ -419,11 +282,7 @@ def format_copy_report(rep: dict) -> str:
     p = rep["planning"]
     out += ["", f"  planning a {p['blocks']}-block batch: {p['submit_us_per_block']:.2f} us/block submit "
                 f"({p['plan_us_per_block']:.3f} us/block run planning)"]
-    o = rep["overlap"]
-    out += ["", f"  {o['matmul']}^3 bf16 product x{o['iters']}: {o['product_alone_s'] * 1e3:.1f} ms alone "
-                f"({o['product_tflops']:.0f} TFLOP/s); contiguous h2d {o['contiguous_gbps']:.1f} GB/s",
-            f"  {'method':>12} {'alone GB/s':>11} {'beside GB/s':>12} {'of contig':>10} {'product':>8}"]
-    for r in o["runs"]:
-        out.append(f"  {r['method']:>12} {r['transfer_alone_gbps']:>11.1f} {r['transfer_during_gbps']:>12.1f} "
-                   f"{r['transfer_during_ratio']:>10.0%} {r['product_slowdown']:>+8.1%}")
+    from .benchoverlap import format_overlap_report
+
+    out += ["", format_overlap_report(rep["overlap"])]
     return "\n".join(out)

@@ -115,11 +115,25 @@ class CopyLauncher:
         bulk_sms: SMs the bulk kernel may use (None: ``max_sms``); its grid is ``bulk_sms *
             bulk_ctas_per_sm`` and the kernel holds at most ``bulk_ctas_per_sm`` CTAs per SM.
         batch_streams: streams one ``cuMemcpyBatchAsync`` batch is split over (see
-            :meth:`_launch_batch`).
+            :meth:`_launch_batch`); also the copy-engine streams of the staged path.
+        carveout_sms: the SMs the compute kernels leave free (their SM carve-out, for example
+            ``tiercache.sm_carveout(carveout_sms)`` around cuBLASLt GEMMs), 0..1024; 0: none. When
+            set, copies are picked for running beside compute: every copy kernel stays on
+            ``carveout_sms`` SMs (two large bulk CTAs on each, the most bytes in flight that fit);
+            device -> host batches of blocks under ``batch_min_bytes`` and host -> device ones whose
+            host slots run at least ``staged_min_run_bytes`` (256 KiB when that is 0) take the staged
+            path, whose PCIe hop is on the copy engines and whose VRAM hop stays on those SMs (SMs
+            that write host memory slow a GEMM on the other SMs by 40-60% on an H100; copy engines
+            do not; docs/performance.md).
 
     Raises:
-        ValueError: ``unroll`` not 4 or 8, or an unknown ``bulk_shape``.
+        ValueError: ``unroll`` not 4 or 8, an unknown ``bulk_shape``, or ``carveout_sms`` out
+            of range.
     """
+
+    #: host-side run length from which host -> device batches take the staged path under an
+    #: SM carve-out when ``staged_min_run_bytes`` is 0
+    CARVEOUT_STAGED_MIN_RUN = 256 << 10
 
     #: bulk-copy kernel shapes (kernels/copy_bulk.cu): kernel name, shared-memory buffers, bytes
     #: per buffer. ``small`` fits beside a compute kernel's CTAs on the same SM; ``large`` keeps
@@ -131,7 +145,8 @@ class CopyLauncher:
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
                  unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10,
                  staged_min_run_bytes: int = 0, bulk: bool = True, bulk_shape: str = "large",
-                 bulk_sms: int | None = None, bulk_ctas_per_sm: int = 1, batch_streams: int = 2) -> None:
+                 bulk_sms: int | None = None, bulk_ctas_per_sm: int = 1, batch_streams: int = 2,
+                 carveout_sms: int = 0) -> None:
         import cupy
 
         from tiercache.kernels.loader import get_kernel
@@ -140,6 +155,9 @@ class CopyLauncher:
 
         if unroll not in (4, 8):
             raise ValueError(f"unroll = {unroll} must be 4 or 8")
+        if isinstance(carveout_sms, bool) or not isinstance(carveout_sms, (int, np.integer)) or not (
+                0 <= carveout_sms <= 1024):
+            raise ValueError(f"carveout_sms = {carveout_sms!r} must be an integer in 0..1024")
         self.device_id = device_id
         with cupy.cuda.Device(device_id):
             self.num_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
@@ -163,6 +181,11 @@ class CopyLauncher:
                 self._bulk, self._bulk_smem, self._bulk_chunk = self._bulk_kernels[bulk_shape]
         self.bulk_shape = bulk_shape
         self.bulk_ctas_per_sm = bulk_ctas_per_sm
+        self.carveout_sms = min(int(carveout_sms), self.num_sms)
+        if self.carveout_sms:  # copy kernels only where compute leaves room
+            max_sms = bulk_sms = self.carveout_sms
+            if bulk_shape == "large":
+                self.bulk_ctas_per_sm = max(2, bulk_ctas_per_sm)
         self.max_sms = self.num_sms if max_sms is None else max(1, min(int(max_sms), self.num_sms))
         self.bulk_sms = self.max_sms if bulk_sms is None else max(1, min(int(bulk_sms), self.num_sms))
         self.ctas_per_sm = ctas_per_sm
@@ -178,7 +201,7 @@ class CopyLauncher:
         from .stagedcopy import StagedCopier
         from .uploadring import UploadRing
 
-        self.staged = StagedCopier(self)
+        self.staged = StagedCopier(self, pcie_streams=batch_streams, hop_all_sms=not self.carveout_sms)
         self.ring = UploadRing(device_id)
 
     @property
@@ -227,10 +250,9 @@ class CopyLauncher:
                 kernel_idx = np.flatnonzero(~covered)
         host_dev = isinstance(src, np.ndarray) != isinstance(dst, np.ndarray)
         if whole and kernel_idx.size and host_dev and row_src <= self.staged.chunk_bytes and (
-                force == "staged" or (force is None and self.staged_min_run_bytes and row_src < self.batch_min_bytes
-                                      and self.staged.host_runs(
-                    (src_slots if isinstance(src, np.ndarray) else dst_slots)[kernel_idx]) * row_src
-                    >= self.staged_min_run_bytes)):
+                force == "staged" or force is None and self._wants_staged(
+                    isinstance(src, np.ndarray), (src_slots if isinstance(src, np.ndarray) else dst_slots)[kernel_idx],
+                    row_src)):
             self.staged.copy(src, src_slots[kernel_idx], dst, dst_slots[kernel_idx], stream)
             used.add("staged")
             kernel_idx = kernel_idx[:0]
@@ -240,6 +262,19 @@ class CopyLauncher:
             self._launch_offsets(sp, src_off, dp, dst_off, row_src, seg, stream, force, used,
                                  _vector_bytes(sp, dp, row_src, row_dst, seg.seg_stride, seg.seg_bytes))
         return "+".join(sorted(used))
+
+    def _wants_staged(self, h2d: bool, host_slots: np.ndarray, row: int) -> bool:
+        """Whether a host <-> device batch of whole ``row``-byte blocks (not taken by
+        ``cudaMemcpyAsync`` runs) takes the staged path: only blocks under ``batch_min_bytes``
+        (larger ones already go to the copy engines); under an SM carve-out every device -> host
+        batch and host -> device ones whose host-side runs average ``staged_min_run_bytes``
+        (:attr:`CARVEOUT_STAGED_MIN_RUN` when 0); otherwise those runs, when that is set."""
+        if row >= self.batch_min_bytes:
+            return False
+        if self.carveout_sms and not h2d:
+            return True
+        need = self.staged_min_run_bytes or (self.CARVEOUT_STAGED_MIN_RUN if self.carveout_sms else 0)
+        return bool(need) and self.staged.host_runs(host_slots) * row >= need
 
     def _launch_offsets(self, sp: int, src_off: np.ndarray, dp: int, dst_off: np.ndarray, row: int, seg: Segments,
                         stream, force: str | None, used: set, vec: int) -> None:
@@ -346,7 +381,7 @@ class CopyLauncher:
         addresses: one offsets upload, one kernel or driver call for all pools); otherwise one
         :meth:`launch` each. Returns the paths used."""
         rows = {(c.src.shape[1], c.dst.shape[1], c.seg) for c in copies}
-        mergeable = len(copies) > 1 and len(rows) == 1 and not self.staged_min_run_bytes
+        mergeable = len(copies) > 1 and len(rows) == 1 and not (self.staged_min_run_bytes or self.carveout_sms)
         if mergeable:
             row_src, row_dst, seg = rows.pop()
             mergeable = row_src == row_dst and seg.segs == 1 and seg.seg_bytes == row_src

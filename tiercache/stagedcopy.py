@@ -38,13 +38,23 @@ class StagedCopier:
             device-side scatter/gather (with its SM bound).
         chunk_bytes: bytes per staging buffer (``buffers`` of them are allocated on first use).
         buffers: staging buffers in the ring (>= 2).
+        pcie_streams: streams the PCIe hops are dealt over, chunk by chunk (the job's stream and
+            ``pcie_streams - 1`` more): each feeds its own copy engine, which hides the engines'
+            per-copy cost between the chunks.
+        hop_all_sms: the VRAM hop as a burst on every SM (True), or within the launcher's SM
+            bounds (``bulk_sms`` / ``copy_kernel_sms``: the SMs the compute kernels leave free when
+            they run with an SM carve-out).
     """
 
-    def __init__(self, launcher, chunk_bytes: int = 16 << 20, buffers: int = 4) -> None:
+    def __init__(self, launcher, chunk_bytes: int = 16 << 20, buffers: int = 4, hop_all_sms: bool = True,
+                 pcie_streams: int = 2) -> None:
         self.launcher = launcher
         self.chunk_bytes = chunk_bytes
+        self.hop_all_sms = hop_all_sms
+        self.pcie_streams = max(1, pcie_streams)
         self._buf = None
         self._aux = None
+        self._pcie_aux: list = []  # the copy-engine streams besides the job's own
         self.buffers = max(2, buffers)
         self._free = [None] * self.buffers  # event: the buffer's last use finished
         self._keep: list = []  # arguments of the batched driver copies in flight (kept alive)
@@ -56,6 +66,9 @@ class StagedCopier:
             with cupy.cuda.Device(self.launcher.device_id):
                 self._buf = cupy.empty((self.buffers, self.chunk_bytes), dtype=cupy.uint8)
                 self._aux = copy_stream("high")  # its kernels take SMs ahead of compute
+        while len(self._pcie_aux) < self.pcie_streams - 1:
+            with cupy.cuda.Device(self.launcher.device_id):
+                self._pcie_aux.append(copy_stream("high"))
         return self._buf, self._aux
 
     @staticmethod
@@ -90,9 +103,13 @@ class StagedCopier:
         n_chunks = int(chunk_of[-1]) + 1
         cuts = list(range(0, n, per_chunk)) + [n]
         src_at, dst_at = (stage_at, dev_at) if h2d else (dev_at, stage_at)
-        table = la.offsets_table([src_at], [dst_at])  # the kernel hop needs no per-chunk counters
+        # a burst of the gather/scatter kernel needs no counters; the bulk kernel (within the SM
+        # bounds) claims work from a zeroed counter area per launch, so one per chunk
+        parts = [slice(cuts[k], cuts[k + 1]) for k in range(n_chunks)] if not self.hop_all_sms else [slice(0, n)]
+        table = la.offsets_table([src_at[p] for p in parts], [dst_at[p] for p in parts])
         offs = la.ring.upload(table, stream)
         tp = offs.data.ptr
+        area = 8 * (1 + la.SM_SLOTS)
         # the copy engines' hop: runs of consecutive host slots, cut at chunk boundaries
         starts = np.flatnonzero(np.concatenate(([True], (np.diff(hs) != 1) | (np.diff(chunk_of) != 0))))
         sizes = np.diff(np.concatenate((starts, [n]))) * row
@@ -102,28 +119,33 @@ class StagedCopier:
         vec = _vector_bytes(bp, dvp, row, self.chunk_bytes)
         # the device side's first reads and writes come after the upload and what the job waited
         # for on `stream`
-        aux.wait_event(stream.record())
+        pcie = [stream, *self._pcie_aux[:max(0, min(self.pcie_streams, n_chunks) - 1)]]
+        start = stream.record()
+        for st in [aux, *pcie[1:]]:
+            st.wait_event(start)
         for k in range(n_chunks):
-            h = k % self.buffers
+            h, ce = k % self.buffers, pcie[k % len(pcie)]
             i0, i1, r0, r1 = cuts[k], cuts[k + 1], run_cut[k], run_cut[k + 1]
-            first_stream = stream if h2d else aux
+            first_stream = ce if h2d else aux
             if self._free[h] is not None:
                 first_stream.wait_event(self._free[h])
             if h2d:
-                self._pcie(stage_runs[r0:r1], host_runs[r0:r1], sizes[r0:r1], stream)
-                aux.wait_event(stream.record())
-                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, tp + 16 * n, seg, vec, aux,
-                                all_sms=True)
+                self._pcie(stage_runs[r0:r1], host_runs[r0:r1], sizes[r0:r1], ce)
+                aux.wait_event(ce.record())
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, tp + 16 * n + area * (k % len(parts)),
+                                seg, vec, aux, all_sms=self.hop_all_sms)
                 self._free[h] = aux.record()
             else:
-                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, tp + 16 * n, seg, vec, aux,
-                                all_sms=True)
-                stream.wait_event(aux.record())
-                self._pcie(host_runs[r0:r1], stage_runs[r0:r1], sizes[r0:r1], stream)
-                self._free[h] = stream.record()
+                la.launch_table(0, 0, tp + 8 * i0, tp + 8 * (n + i0), i1 - i0, tp + 16 * n + area * (k % len(parts)),
+                                seg, vec, aux, all_sms=self.hop_all_sms)
+                ce.wait_event(aux.record())
+                self._pcie(host_runs[r0:r1], stage_runs[r0:r1], sizes[r0:r1], ce)
+                self._free[h] = ce.record()
         la.ring.release(aux)  # the kernels on aux read the table
-        # the job completes on `stream`: it must also wait for the last kernels on `aux`
-        stream.wait_event(aux.record())
+        # the job completes on `stream`: it must also wait for the last kernels on `aux` and the
+        # copies on the other copy-engine streams
+        for st in [aux, *pcie[1:]]:
+            stream.wait_event(st.record())
 
     def _pcie(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream) -> None:
         """The copy engines' hop: one batched driver copy of the runs (``uint64`` addresses and
