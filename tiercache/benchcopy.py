@@ -241,8 +241,10 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
     return res
 
 
-def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int | None = None, log=print) -> dict:
-    """Every part of the copy benchmark; returns a JSON-ready report."""
+def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int | None = None, carveout: int = 8,
+                   log=print) -> dict:
+    """Every part of the copy benchmark; returns a JSON-ready report. ``carveout``: the SMs the
+    overlap part's carve-out rows keep free of compute (0: no such rows)."""
     from .cuda import cuda_status
 
     st = cuda_status()
@@ -257,7 +259,8 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
     rep["planning"] = bench_planning(device_id=device_id, log=log)
     from .benchoverlap import bench_overlap
 
-    rep["overlap"] = bench_overlap(iters=5 if quick else 20, rounds=3 if quick else 5, device_id=device_id, log=log)
+    rep["overlap"] = bench_overlap(iters=5 if quick else 20, rounds=3 if quick else 5, carveout=carveout,
+                                   copy_kernel_sms=copy_kernel_sms, device_id=device_id, log=log)
     rep["ok"] = all(r.get("verified", True) for r in rep["scattered"])
     return rep
 
