@@ -383,7 +383,7 @@ def carve2() -> None:
 
 
 def main(sections) -> None:
-    funcs = {"sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3}
+    funcs = {"sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "hop": hop}
     for name in sections or list(funcs):
         try:
             funcs[name]()
@@ -391,6 +391,48 @@ def main(sections) -> None:
             import traceback
 
             emit(section=name, error=repr(exc), tb=traceback.format_exc()[-1500:])
+
+
+
+def hop(reps: int = 5) -> None:
+    """The staged path's VRAM hop on a few SMs: device -> device scattered 16 KiB blocks by the
+    bulk kernel and by the gather/scatter kernel, and the staged path alone with each."""
+    import cupy
+
+    rng = np.random.default_rng(14)
+    block, n = 16 * KiB, 8192
+    host, _o, dev = _bufs(n, block, 0)
+    dev2 = cupy.empty_like(dev)
+    s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+    runs = (rng.permutation(n // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
+    seg = Segments(1, block, block)
+    ts = copy_stream("high")
+    nbytes = n * block
+    contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, MEMCPY_DEFAULT,
+                                                                   ts.ptr), ts, reps, back_to_back=4) / 1e9
+    for k in (4, 8):
+        for name, la, force in (("bulk_c2", ring_launcher(k, ctas=2), "bulk"), ("bulk_c3", ring_launcher(k, ctas=3), "bulk"),
+                                ("kernel_c2", ring_launcher(k, kernel_ctas=2), "kernel"),
+                                ("kernel_c8", ring_launcher(k, kernel_ctas=8), "kernel")):
+            t = _time(lambda la=la, force=force: la.launch(dev, s, dev2, d, seg, ts, force=force), ts, reps, back_to_back=4)
+            emit(section="hop", sms=k, variant=name, d2d_gbps=nbytes / t / 1e9)
+            la.staged.hop_all_sms = False
+            if force == "kernel":
+                la._bulk = None  # the hop by the gather/scatter kernel
+            for chunk in (16 << 20, 32 << 20):
+                la.staged.chunk_bytes = chunk
+                for direction in ("h2d", "d2h"):
+                    src, sl, dst, dl = (host, runs, dev, d) if direction == "h2d" else (dev, d, host, runs)
+                    t = _time(lambda la=la, src=src, sl=sl, dst=dst, dl=dl: la.launch(src, sl, dst, dl, seg, ts, force="staged"),
+                              ts, reps, back_to_back=4)
+                    emit(section="hop_staged", sms=k, variant=name, chunk=chunk, dir=direction, ratio=nbytes / t / 1e9 / contig)
+        la = ring_launcher(k)
+        la.staged.hop_all_sms = True
+        for direction in ("h2d", "d2h"):
+            src, sl, dst, dl = (host, runs, dev, d) if direction == "h2d" else (dev, d, host, runs)
+            t = _time(lambda la=la, src=src, sl=sl, dst=dst, dl=dl: la.launch(src, sl, dst, dl, seg, ts, force="staged"),
+                      ts, reps, back_to_back=4)
+            emit(section="hop_staged", variant="burst_all_sms", dir=direction, ratio=nbytes / t / 1e9 / contig)
 
 
 if __name__ == "__main__":
