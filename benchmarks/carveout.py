@@ -412,6 +412,8 @@ def hop(reps: int = 5) -> None:
                                                                    ts.ptr), ts, reps, back_to_back=4) / 1e9
     for k in (4, 8):
         for name, la, force in (("bulk_c2", ring_launcher(k, ctas=2), "bulk"), ("bulk_c3", ring_launcher(k, ctas=3), "bulk"),
+                                ("bulk8_c2", ring_launcher(k, (8, 6, 16 * KiB), ctas=2), "bulk"),
+                                ("bulk12_c1", ring_launcher(k, (12, 10, 16 * KiB), ctas=1), "bulk"),
                                 ("kernel_c2", ring_launcher(k, kernel_ctas=2), "kernel"),
                                 ("kernel_c8", ring_launcher(k, kernel_ctas=8), "kernel")):
             t = _time(lambda la=la, force=force: la.launch(dev, s, dev2, d, seg, ts, force=force), ts, reps, back_to_back=4)
@@ -420,7 +422,7 @@ def hop(reps: int = 5) -> None:
             if force == "kernel":
                 la._bulk = None  # the hop by the gather/scatter kernel
             for chunk in (16 << 20, 32 << 20):
-                la.staged.chunk_bytes = chunk
+                la.staged.chunk_bytes, la.staged._buf = chunk, None
                 for direction in ("h2d", "d2h"):
                     src, sl, dst, dl = (host, runs, dev, d) if direction == "h2d" else (dev, d, host, runs)
                     t = _time(lambda la=la, src=src, sl=sl, dst=dst, dl=dl: la.launch(src, sl, dst, dl, seg, ts, force="staged"),

@@ -58,9 +58,8 @@ def test_staged_choice_under_a_carveout():
     la = _decider(carveout_sms=8)
     # device -> host never writes host memory from SMs (that slows compute on the other SMs)
     assert la._wants_staged(False, scattered, 16 << 10) and la._wants_staged(False, runs, 16 << 10)
-    # host -> device: runs of 256 KiB or more on the copy engines, scattered blocks by the bulk kernel
-    assert la._wants_staged(True, runs, 16 << 10)
-    assert not la._wants_staged(True, scattered, 16 << 10)
-    assert not la._wants_staged(True, np.arange(8), 16 << 10)  # a 128 KiB run
+    # host -> device stays on the bulk kernel unless staged_min_run_bytes asks for the staged path
+    assert not la._wants_staged(True, runs, 16 << 10) and not la._wants_staged(True, scattered, 16 << 10)
     assert not la._wants_staged(False, runs, 256 << 10)  # large blocks: the batched copy already
-    assert not _decider(carveout_sms=8, staged_min_run_bytes=2 << 20)._wants_staged(True, runs, 16 << 10)
+    both = _decider(carveout_sms=8, staged_min_run_bytes=512 << 10)
+    assert both._wants_staged(True, runs, 16 << 10) and not both._wants_staged(True, scattered, 16 << 10)

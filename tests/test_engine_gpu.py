@@ -216,7 +216,7 @@ def test_sync_points_with_torch_streams(tmp_path, rng, pool):
 def test_staged_path_round_trip(tmp_path, rng, n_blocks, carveout):
     """Host runs <-> scattered device slots through the staging buffer, chunked, over two
     copy-engine streams (tiny chunks here, so many chunks reuse every buffer); with a carve-out
-    the VRAM hop is the bulk kernel on 3 SMs, one work counter per chunk."""
+    the VRAM hop stays on 3 SMs."""
     pool = PoolSpec("blk", (4096 + 512,), "uint8")
     eng = make_engine(tmp_path, (pool,), device_slots=320, host_slots=320, file_slots=0, carveout_sms=carveout)
     assert eng.launcher.staged.hop_all_sms == (not carveout) and eng.launcher.staged.pcie_streams == 2
@@ -241,13 +241,13 @@ def test_staged_path_round_trip(tmp_path, rng, n_blocks, carveout):
 
 
 def test_carveout_paths_byte_exact(tmp_path, rng):
-    """Under an SM carve-out: copy kernels stay on its SMs, scattered host -> device blocks go to
-    the bulk kernel, host runs and every device -> host batch to the staged path; bytes exact."""
+    """Under an SM carve-out: copy kernels stay on its SMs, host -> device blocks go to the bulk
+    kernel (scattered or in runs), every device -> host batch to the staged path; bytes exact."""
     block, n = 16 << 10, 600
     pool = PoolSpec("blk", (block,), "uint8")
     eng = make_engine(tmp_path, (pool,), device_slots=n, host_slots=n, file_slots=0, carveout_sms=4)
     la = eng.launcher
-    assert la.max_sms == la.bulk_sms == 4 and not la.staged.hop_all_sms
+    assert la.max_sms == la.bulk_sms == 4 and la.ctas_per_sm == 8 and not la.staged.hop_all_sms
     la.staged.chunk_bytes = 64 * block  # several chunks per batch: every staging buffer reused
     data = rng.integers(1, 256, size=(n, block), dtype=np.uint8)
     eng.copy("caller", np.arange(n), "host", np.arange(n), src_arrays={"blk": data}).wait()
@@ -264,7 +264,7 @@ def test_carveout_paths_byte_exact(tmp_path, rng):
     assert eng.copy("host", hs, "device", ds).wait().path == sm
     assert np.array_equal(device_rows(ds), data[hs])
     runs = np.arange(150, 450)  # one 4.7 MiB host run, device slots scattered
-    assert eng.copy("host", runs, "device", ds2).wait().path == "staged"
+    assert eng.copy("host", runs, "device", ds2).wait().path == sm
     assert np.array_equal(device_rows(ds2), data[runs])
     # device -> host, scattered and into runs: the staged path (copy engines write host memory)
     back = rng.permutation(n)[:300]

@@ -119,21 +119,19 @@ class CopyLauncher:
         carveout_sms: the SMs the compute kernels leave free (their SM carve-out, for example
             ``tiercache.sm_carveout(carveout_sms)`` around cuBLASLt GEMMs), 0..1024; 0: none. When
             set, copies are picked for running beside compute: every copy kernel stays on
-            ``carveout_sms`` SMs (two large bulk CTAs on each, the most bytes in flight that fit);
-            device -> host batches of blocks under ``batch_min_bytes`` and host -> device ones whose
-            host slots run at least ``staged_min_run_bytes`` (256 KiB when that is 0) take the staged
-            path, whose PCIe hop is on the copy engines and whose VRAM hop stays on those SMs (SMs
-            that write host memory slow a GEMM on the other SMs by 40-60% on an H100; copy engines
-            do not; docs/performance.md).
+            ``carveout_sms`` SMs and fills them (two large bulk CTAs, or eight gather/scatter
+            CTAs, on each); device -> host batches of whole blocks under ``batch_min_bytes`` take
+            the staged path, whose PCIe hop is on the copy engines and whose VRAM hop stays on
+            those SMs: SMs that write host memory slowed a GEMM on the other SMs by 40-60% on an
+            H100, copy engines do not (docs/performance.md). Host -> device copies keep the bulk
+            kernel (SMs reading host memory cost the GEMM a few percent).
 
     Raises:
         ValueError: ``unroll`` not 4 or 8, an unknown ``bulk_shape``, or ``carveout_sms`` out
             of range.
     """
 
-    #: host-side run length from which host -> device batches take the staged path under an
-    #: SM carve-out when ``staged_min_run_bytes`` is 0
-    CARVEOUT_STAGED_MIN_RUN = 256 << 10
+
 
     #: bulk-copy kernel shapes (kernels/copy_bulk.cu): kernel name, shared-memory buffers, bytes
     #: per buffer. ``small`` fits beside a compute kernel's CTAs on the same SM; ``large`` keeps
@@ -182,8 +180,9 @@ class CopyLauncher:
         self.bulk_shape = bulk_shape
         self.bulk_ctas_per_sm = bulk_ctas_per_sm
         self.carveout_sms = min(int(carveout_sms), self.num_sms)
-        if self.carveout_sms:  # copy kernels only where compute leaves room
+        if self.carveout_sms:  # copy kernels only where compute leaves room, filling those SMs
             max_sms = bulk_sms = self.carveout_sms
+            ctas_per_sm = max(ctas_per_sm, 8)
             if bulk_shape == "large":
                 self.bulk_ctas_per_sm = max(2, bulk_ctas_per_sm)
         self.max_sms = self.num_sms if max_sms is None else max(1, min(int(max_sms), self.num_sms))
@@ -267,13 +266,12 @@ class CopyLauncher:
         """Whether a host <-> device batch of whole ``row``-byte blocks (not taken by
         ``cudaMemcpyAsync`` runs) takes the staged path: only blocks under ``batch_min_bytes``
         (larger ones already go to the copy engines); under an SM carve-out every device -> host
-        batch and host -> device ones whose host-side runs average ``staged_min_run_bytes``
-        (:attr:`CARVEOUT_STAGED_MIN_RUN` when 0); otherwise those runs, when that is set."""
+        batch; otherwise batches whose host-side runs average ``staged_min_run_bytes`` (when set)."""
         if row >= self.batch_min_bytes:
             return False
         if self.carveout_sms and not h2d:
             return True
-        need = self.staged_min_run_bytes or (self.CARVEOUT_STAGED_MIN_RUN if self.carveout_sms else 0)
+        need = self.staged_min_run_bytes
         return bool(need) and self.staged.host_runs(host_slots) * row >= need
 
     def _launch_offsets(self, sp: int, src_off: np.ndarray, dp: int, dst_off: np.ndarray, row: int, seg: Segments,
