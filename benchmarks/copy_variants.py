@@ -458,8 +458,68 @@ def staged_probe() -> None:
         emit(section="staged", variant=name, alone_gbps=nbytes / t / 1e9, beside_gbps=nbytes / span / 1e9, product=slow)
 
 
+def thp_host(nbytes: int):
+    """Pinned host memory on transparent huge pages: a 2 MiB-aligned anonymous mapping with
+    MADV_HUGEPAGE, touched, then registered with CUDA. Returns (array, keep-alive)."""
+    import mmap
+
+    import cupy
+
+    huge = 2 << 20
+    mm = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = np.frombuffer(mm, dtype=np.uint8)
+    off = (-base.ctypes.data) % huge
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE, off, nbytes)
+    except (AttributeError, OSError) as exc:
+        emit(section="thp", madvise_error=repr(exc))
+    arr = base[off:off + nbytes]
+    arr[::4096] = 1  # fault every page in
+    cupy.cuda.runtime.hostRegister(arr.ctypes.data, nbytes, 0)
+    return arr, mm
+
+
+def thp(reps: int = 7) -> None:
+    """Scattered 16 KiB blocks and 1-token partial copies host <-> device from cudaHostAlloc memory
+    and from huge-page memory registered with CUDA (fewer IOMMU translations per byte, if any)."""
+    import cupy
+
+    try:
+        emit(section="thp", enabled=open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip(),
+             anon_huge_kb=[ln for ln in open("/proc/meminfo") if ln.startswith(("AnonHugePages", "Hugepagesize"))])
+    except OSError as exc:
+        emit(section="thp", error=repr(exc))
+    rng = np.random.default_rng(9)
+    pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8, tokens_per_block=16, head_dim=128,
+                       dtype="bfloat16")
+    stream = copy_stream("high")
+    la = CopyLauncher(0, max_sms=8)
+    for what, block, n, seg in (("whole16k", 16 * KiB, 16384, Segments(1, 16 * KiB, 16 * KiB)),
+                                ("partial1", pool.block_nbytes, 512, segments_for(pool, 1))):
+        dev = cupy.empty((n, block), dtype=cupy.uint8)
+        s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+        moved = n * seg.nbytes
+        for kind in ("hostalloc", "thp"):
+            if kind == "hostalloc":
+                host, keep = _bufs(n, block, 0)[:2]
+            else:
+                flat, keep = thp_host(n * block)
+                host = flat.reshape(n, block)
+                host[:] = rng.integers(0, 256, size=(n, block), dtype=np.uint8)
+            for direction in ("h2d", "d2h"):
+                src, dst = (host, dev) if direction == "h2d" else (dev, host)
+                t_c = _time(lambda: cupy.cuda.runtime.memcpyAsync(ptr(dst), ptr(src), moved, MEMCPY_DEFAULT, stream.ptr),
+                            stream, reps, back_to_back=4)
+                t = _time(lambda: la.launch(src, s, dst, d, seg, stream), stream, reps, back_to_back=4)
+                emit(section="thp", what=what, memory=kind, dir=direction, contig_gbps=moved / t_c / 1e9,
+                     gbps=moved / t / 1e9, ratio=t_c / t)
+            if kind == "thp":
+                cupy.cuda.runtime.hostUnregister(host.ctypes.data)
+            del host, keep
+
+
 def main(sections) -> None:
-    funcs = {"gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split, "fit": fit,
+    funcs = {"thp": thp, "gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split, "fit": fit,
              "large": large, "staged": staged_probe}
     if sections and sections[0] == "--repeat":  # run the listed sections again under a new name
         sections = sections[1:]
