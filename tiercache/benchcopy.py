@@ -42,21 +42,31 @@ def _time(fn, stream, reps: int, warmup: int = 2, back_to_back: int = 1) -> floa
     and divides by k: the steady-state time of a stream of requests, where the host prepares
     request i+1 while request i runs (what an engine submitting every step sees); with 1, the
     time from an idle stream, host-side preparation included."""
+    return _time_many({"fn": fn}, stream, reps, warmup, back_to_back)["fn"]
+
+
+def _time_many(fns: dict, stream, reps: int, warmup: int = 2, back_to_back: int = 1) -> dict:
+    """:func:`_time` of each of ``fns`` (name -> callable), their samples taken in turn (one of
+    each per repetition), so that the machine's drift over the measurement (the contiguous
+    baseline moved by up to 4% between consecutive measurements on the lent H100s) reaches
+    every method alike. Returns name -> median seconds."""
     import cupy
 
-    for _ in range(warmup):
-        fn()
-    stream.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record(stream)
-        for _ in range(back_to_back):
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        b.record(stream)
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b) / 1e3 / back_to_back)
-    return statistics.median(times)
+    stream.synchronize()
+    times: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(stream)
+            for _ in range(back_to_back):
+                fn()
+            b.record(stream)
+            b.synchronize()
+            times[name].append(cupy.cuda.get_elapsed_time(a, b) / 1e3 / back_to_back)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def scattered_slots(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -137,26 +147,25 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                 def bulk():
                     launcher.launch(src, s, dst, d, seg, stream, force="bulk")
 
-                res["contiguous_gbps"] = nbytes / _time(contiguous, stream, reps, back_to_back=4) / 1e9
                 res["naive_gbps"] = nbytes / _time(naive, stream, max(3, reps // 2), warmup=1) / 1e9
+                # the baseline and every method timed in turn (see _time_many)
+                fns = {"contiguous": contiguous, "tiercache": ours, "kernel": kernel}
                 if batch.available:
                     args = batch.prepare(dp + d.astype(np.uint64) * block, sp + s.astype(np.uint64) * block,
                                          np.full(n, block, dtype=np.uint64))
                     try:
-                        res["batch_gbps"] = nbytes / _time(lambda: batch.launch(args, stream.ptr), stream, reps,
-                                                           back_to_back=4) / 1e9
+                        batch.launch(args, stream.ptr)
+                        fns["batch"] = lambda: batch.launch(args, stream.ptr)
                     except RuntimeError as exc:
                         res["batch_error"] = str(exc)
-                res["tiercache_gbps"] = nbytes / _time(ours, stream, reps, back_to_back=4) / 1e9
+                if launcher._bulk is not None:
+                    fns["bulk"] = bulk
+                if layout == "host-runs" and block <= launcher.staged.chunk_bytes:
+                    fns["staged"] = lambda: launcher.launch(src, s, dst, d, seg, stream, force="staged")
+                for name, t in _time_many(fns, stream, reps, back_to_back=4).items():
+                    res[f"{name}_gbps"] = nbytes / t / 1e9
                 res["tiercache_idle_gbps"] = nbytes / _time(ours, stream, reps) / 1e9
                 res["tiercache_path"] = path[-1]
-                res["kernel_gbps"] = nbytes / _time(kernel, stream, reps, back_to_back=4) / 1e9
-                if launcher._bulk is not None:
-                    res["bulk_gbps"] = nbytes / _time(bulk, stream, reps, back_to_back=4) / 1e9
-                if layout == "host-runs" and block <= launcher.staged.chunk_bytes:
-                    res["staged_gbps"] = nbytes / _time(
-                        lambda: launcher.launch(src, s, dst, d, seg, stream, force="staged"), stream, reps,
-                        back_to_back=4) / 1e9
                 # correctness of the timed path
                 stream.synchronize()
                 check = rng.choice(n, size=min(n, 16), replace=False)
@@ -196,9 +205,9 @@ def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id:
                 src, dst = (host, dev) if direction == "h2d" else (dev, host)
                 sp = src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr
                 dp = dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr
-                t_c = _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, moved, MEMCPY_DEFAULT, stream.ptr), stream, reps,
-                            back_to_back=4)
-                t_p = _time(lambda: launcher.launch(src, s, dst, d, seg, stream), stream, reps, back_to_back=4)
+                t = _time_many({"c": lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, moved, MEMCPY_DEFAULT, stream.ptr),
+                                "p": lambda: launcher.launch(src, s, dst, d, seg, stream)}, stream, reps, back_to_back=4)
+                t_c, t_p = t["c"], t["p"]
                 rows.append({"num_tokens": n_tok, "direction": direction, "blocks": blocks, "bytes": moved,
                              "segment_bytes": seg.seg_bytes, "contiguous_gbps": moved / t_c / 1e9,
                              "partial_gbps": moved / t_p / 1e9, "ratio": t_c / t_p})
