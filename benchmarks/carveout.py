@@ -374,6 +374,27 @@ def third_methods() -> list:
     return methods
 
 
+def fourth_methods() -> list:
+    """The staged path's PCIe hop by one cudaMemcpyAsync per host run against the batched driver
+    copy, beside the carved product; the shipped carve-out launcher for reference."""
+    import types
+
+    methods = [("contiguous", "h2d", None, None, None), ("contiguous", "d2h", None, None, None)]
+    for k in (8, 4):
+        methods.append(("shipped_bulk", "h2d", k, CopyLauncher(0, carveout_sms=k), None))
+    for pcie in ("batch", "memcpy"):
+        for direction in ("d2h", "h2d"):
+            la = CopyLauncher(0, carveout_sms=8)
+            if pcie == "memcpy":
+                la.batch = types.SimpleNamespace(available=False)
+            methods.append((f"staged_{pcie}", direction, 8, la, "staged", "runs"))
+    return methods
+
+
+def carve4() -> None:
+    carveout(rounds=5, methods_fn=fourth_methods, gemm_table=False)
+
+
 def carve3() -> None:
     carveout(rounds=5, methods_fn=third_methods, gemm_table=False)
 
@@ -383,7 +404,7 @@ def carve2() -> None:
 
 
 def main(sections) -> None:
-    funcs = {"sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "hop": hop}
+    funcs = {"sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
     for name in sections or list(funcs):
         try:
             funcs[name]()
