@@ -28,7 +28,7 @@ def test_consecutive_batch_is_one_run():
     assert runs.length.tolist() == [490]
 
 
-def _decider(carveout_sms=0, staged_min_run_bytes=0, batch_min_bytes=256 << 10):
+def _decider(carveout_sms=0, staged_min_run_bytes=0, batch_min_bytes=256 << 10, offload=0):
     """A CopyLauncher's path decision without a GPU: only the attributes it reads."""
     import types
 
@@ -37,6 +37,7 @@ def _decider(carveout_sms=0, staged_min_run_bytes=0, batch_min_bytes=256 << 10):
 
     la = object.__new__(CopyLauncher)
     la.carveout_sms, la.staged_min_run_bytes, la.batch_min_bytes = carveout_sms, staged_min_run_bytes, batch_min_bytes
+    la.offload_staged_min_run_bytes = offload
     la.staged = types.SimpleNamespace(host_runs=StagedCopier.host_runs)
     return la
 
@@ -63,3 +64,14 @@ def test_staged_choice_under_a_carveout():
     assert not la._wants_staged(False, runs, 256 << 10)  # large blocks: the batched copy already
     both = _decider(carveout_sms=8, staged_min_run_bytes=512 << 10)
     assert both._wants_staged(True, runs, 16 << 10) and not both._wants_staged(True, scattered, 16 << 10)
+
+
+def test_offloads_with_host_runs_take_the_copy_engines():
+    runs, short = np.arange(64), np.arange(0, 128, 2)
+    la = _decider(offload=256 << 10)  # the default
+    assert la._wants_staged(False, runs, 16 << 10)  # 1 MiB runs: copy engines write host memory
+    assert not la._wants_staged(False, short, 16 << 10)  # 16 KiB runs: the bulk kernel
+    assert not la._wants_staged(False, np.arange(8), 16 << 10)  # 128 KiB runs
+    assert not la._wants_staged(True, runs, 16 << 10)  # onboards keep the bulk kernel
+    both = _decider(offload=256 << 10, staged_min_run_bytes=64 << 10)
+    assert both._wants_staged(False, np.arange(8), 16 << 10) and both._wants_staged(True, np.arange(8), 16 << 10)

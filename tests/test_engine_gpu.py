@@ -417,3 +417,37 @@ def test_launch_many_merges_pools_into_one_launch(rng, row):
     st.synchronize()
     (h, _), (s, t) = hosts[0], perms[0]
     assert np.array_equal(devs[0][t].get(), h[s]) and np.array_equal(odd[t2].get(), h2[s2])
+
+
+@pytest.mark.parametrize("offload_min", [256 << 10, 0])
+def test_offload_of_several_pools_into_host_runs(rng, offload_min):
+    """Device -> host of three pools' blocks into runs of host rows: one staged copy for all
+    pools (copy engines write host memory) by default, the bulk/gather kernel with the threshold
+    off; the bytes land exactly either way, and host rows outside the copy stay untouched."""
+    import cupy
+
+    from tiercache.copykernels import CopyLauncher, Segments
+    from tiercache.hostmem import alloc_host
+    from tiercache.rowcopy import RowCopy
+
+    row, n, pools = 16 << 10, 96, 3
+    la = CopyLauncher(0, max_sms=4, offload_staged_min_run_bytes=offload_min)
+    la.staged.chunk_bytes = 40 * row  # several chunks, every staging buffer reused
+    hosts, keep, devs, copies = [], [], [], []
+    for _ in range(pools):
+        h, owner = alloc_host(n * row, pinned=True)
+        h = h.reshape(n, row)
+        h[:] = 7
+        hosts.append(h)
+        keep.append(owner)
+        dev = cupy.asarray(rng.integers(1, 256, size=(n, row), dtype=np.uint8))
+        devs.append(dev)
+        src, dst = rng.permutation(n)[:80], np.arange(8, 88)  # one 1.25 MiB run of host rows
+        copies.append(RowCopy(dev, src, h, dst, Segments(1, row, row)))
+    st = cupy.cuda.Stream(non_blocking=True)
+    path = la.launch_many(copies, st)
+    st.synchronize()
+    assert path == ("staged" if offload_min else ("bulk" if la.bulk_available else "kernel"))
+    for h, dev, c in zip(hosts, devs, copies):
+        assert np.array_equal(h[c.dst_rows], dev[c.src_rows].get())
+        assert (h[:8] == 7).all() and (h[88:] == 7).all()

@@ -119,7 +119,7 @@ class TierCache(EngineSlots):
             copy_kernel_sms=config.copy_kernel_sms, memcpy_min_bytes=config.memcpy_min_bytes,
             batch_min_bytes=config.batch_min_bytes, batch_streams=config.batch_streams, bulk_shape=config.bulk_shape,
             bulk_sms=config.bulk_sms, staged_min_run_bytes=config.staged_min_run_bytes,
-            carveout_sms=config.carveout_sms,
+            carveout_sms=config.carveout_sms, offload_staged_min_run_bytes=config.offload_staged_min_run_bytes,
         )
         self.scan = None
         if "file" in self.tiers:

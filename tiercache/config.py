@@ -54,7 +54,7 @@ _FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "cap
               "kvikio_task_size", "kvikio_gds_threshold"}
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes", "batch_streams",
-                  "bulk_shape", "bulk_sms", "staged_min_run_bytes", "carveout_sms"}
+                  "bulk_shape", "bulk_sms", "staged_min_run_bytes", "offload_staged_min_run_bytes", "carveout_sms"}
 BULK_SHAPES = ("small", "large", "off")
 _TOP_KEYS = {"tiers", "file", "pools", "device", "transfer"}
 
@@ -120,6 +120,11 @@ class CacheConfig:
             (copy engines for PCIe, a burst kernel for the scatter in VRAM, 64 MiB of staging
             VRAM allocated on first use; see ``tiercache/stagedcopy.py``); 0 (default) turns it
             off.
+        offload_staged_min_run_bytes: device -> host batches of such blocks whose host slots run
+            at least this many bytes on average take the staged path, 0..2^40 (0: off); default
+            256 KiB. Its copy engines write host memory: SMs writing host memory (the bulk
+            kernel) slowed a bf16 GEMM on the other SMs by ~50% on an H100, and alone both move
+            90-96% of contiguous (docs/performance.md).
         carveout_sms: SMs your compute kernels leave free for copies (their SM carve-out, e.g.
             :func:`tiercache.sm_carveout` around cuBLASLt GEMMs), 0..1024; 0 (default): none.
             When set, copy kernels stay on that many SMs and the copy paths are picked for
@@ -152,6 +157,7 @@ class CacheConfig:
     bulk_shape: str = "large"
     bulk_sms: int | None = None
     staged_min_run_bytes: int = 0
+    offload_staged_min_run_bytes: int = 256 << 10
     carveout_sms: int = 0
 
     def __post_init__(self) -> None:
@@ -181,6 +187,7 @@ class CacheConfig:
         if self.bulk_sms is not None:
             _check_int("bulk_sms", self.bulk_sms, 1, 1025)
         _check_int("staged_min_run_bytes", self.staged_min_run_bytes, 0, 1 << 40)
+        _check_int("offload_staged_min_run_bytes", self.offload_staged_min_run_bytes, 0, 1 << 40)
         _check_int("carveout_sms", self.carveout_sms, 0, 1025)
         _check_choice("io_mode", self.io_mode, IO_MODES)
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
@@ -268,6 +275,7 @@ class CacheConfig:
             "bulk_shape": self.bulk_shape,
             "bulk_sms": self.bulk_sms,
             "staged_min_run_bytes": self.staged_min_run_bytes,
+            "offload_staged_min_run_bytes": self.offload_staged_min_run_bytes,
             "carveout_sms": self.carveout_sms,
             "block_nbytes": self.block_nbytes,
         }

@@ -4,8 +4,10 @@ Per pool, a batch is planned into runs of consecutive slots on both sides
 (:mod:`tiercache.copyplan`), and each part goes where it was measured to be fastest:
 
 - runs of at least ``memcpy_min_bytes``: one ``cudaMemcpyAsync`` each (copy engines, no SMs);
-- host <-> device batches whose host slots form runs of at least ``staged_min_run_bytes`` (on
-  average; off by default): the staged path (:mod:`tiercache.stagedcopy`): copy engines for
+- device -> host batches whose host slots form runs of at least
+  ``offload_staged_min_run_bytes`` (on average; 256 KiB by default), every device -> host batch
+  under an SM carve-out (``carveout_sms``), and host <-> device ones with runs of at least
+  ``staged_min_run_bytes`` (off by default): the staged path (:mod:`tiercache.stagedcopy`): copy engines for
   PCIe, a burst of the gather/scatter kernel for the scatter/gather in VRAM;
 - other blocks of at least ``batch_min_bytes``: ``cuMemcpyBatchAsync``, split over
   ``batch_streams`` streams (copy engines; per-block ``cudaMemcpyAsync`` where the driver lacks
@@ -106,6 +108,10 @@ class CopyLauncher:
             this many bytes take the staged path; 0 (the default) turns it off (alone it matches the
             bulk kernel, 90-98% of contiguous; beside a GEMM it needs deep staging, see
             docs/performance.md).
+        offload_staged_min_run_bytes: device -> host batches whose host-side runs average at
+            least this many bytes take the staged path (default 256 KiB; 0: off): its copy engines
+            write host memory, where the bulk kernel's SMs writing it slowed a bf16 GEMM on the
+            other SMs by ~50% on an H100; alone both move 90-96% of contiguous.
         bulk: use the bulk-copy (TMA) kernel for 16-byte-aligned blocks and segments where the
             GPU has it (compute capability 9.0+).
         bulk_shape: ``large`` (64 KiB of shared memory per CTA, one CTA on each of ``bulk_sms``
@@ -144,7 +150,7 @@ class CopyLauncher:
                  unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10,
                  staged_min_run_bytes: int = 0, bulk: bool = True, bulk_shape: str = "large",
                  bulk_sms: int | None = None, bulk_ctas_per_sm: int = 1, batch_streams: int = 2,
-                 carveout_sms: int = 0) -> None:
+                 carveout_sms: int = 0, offload_staged_min_run_bytes: int = 256 << 10) -> None:
         import cupy
 
         from tiercache.kernels.loader import get_kernel
@@ -193,6 +199,7 @@ class CopyLauncher:
         self.memcpy_min_bytes = memcpy_min_bytes
         self.batch_min_bytes = batch_min_bytes
         self.staged_min_run_bytes = staged_min_run_bytes
+        self.offload_staged_min_run_bytes = offload_staged_min_run_bytes
         self.batch = BatchCopy()
         self.batch_streams = batch_streams
         self._aux: list = []  # auxiliary streams of split batched copies
@@ -262,17 +269,19 @@ class CopyLauncher:
                                  _vector_bytes(sp, dp, row_src, row_dst, seg.seg_stride, seg.seg_bytes))
         return "+".join(sorted(used))
 
-    def _wants_staged(self, h2d: bool, host_slots: np.ndarray, row: int) -> bool:
+    def _wants_staged(self, h2d: bool, host_slots: np.ndarray, row: int, step: int = 1) -> bool:
         """Whether a host <-> device batch of whole ``row``-byte blocks (not taken by
         ``cudaMemcpyAsync`` runs) takes the staged path: only blocks under ``batch_min_bytes``
         (larger ones already go to the copy engines); under an SM carve-out every device -> host
-        batch; otherwise batches whose host-side runs average ``staged_min_run_bytes`` (when set)."""
+        batch; otherwise batches whose host-side runs average ``staged_min_run_bytes`` (either
+        direction) or ``offload_staged_min_run_bytes`` (device -> host), where set. ``host_slots``
+        are slots, or addresses with ``step = row``."""
         if row >= self.batch_min_bytes:
             return False
         if self.carveout_sms and not h2d:
             return True
-        need = self.staged_min_run_bytes
-        return bool(need) and self.staged.host_runs(host_slots) * row >= need
+        needs = [x for x in (self.staged_min_run_bytes, 0 if h2d else self.offload_staged_min_run_bytes) if x]
+        return bool(needs) and self.staged.host_runs(host_slots, step) * row >= min(needs)
 
     def _launch_offsets(self, sp: int, src_off: np.ndarray, dp: int, dst_off: np.ndarray, row: int, seg: Segments,
                         stream, force: str | None, used: set, vec: int) -> None:
@@ -379,7 +388,7 @@ class CopyLauncher:
         addresses: one offsets upload, one kernel or driver call for all pools); otherwise one
         :meth:`launch` each. Returns the paths used."""
         rows = {(c.src.shape[1], c.dst.shape[1], c.seg) for c in copies}
-        mergeable = len(copies) > 1 and len(rows) == 1 and not (self.staged_min_run_bytes or self.carveout_sms)
+        mergeable = len(copies) > 1 and len(rows) == 1
         if mergeable:
             row_src, row_dst, seg = rows.pop()
             mergeable = row_src == row_dst and seg.segs == 1 and seg.seg_bytes == row_src
@@ -396,6 +405,12 @@ class CopyLauncher:
         dst_addr = np.concatenate([data_ptr(c.dst) + c.dst_rows.astype(np.int64) * row_src for c in copies])
         if src_addr.size == 0 or row_src == 0:
             return "none"
+        h2d = isinstance(copies[0].src, np.ndarray)
+        if h2d != isinstance(copies[0].dst, np.ndarray) and row_src <= self.staged.chunk_bytes and self._wants_staged(
+                h2d, src_addr if h2d else dst_addr, row_src, step=row_src):
+            host_at, dev_at = (src_addr, dst_addr) if h2d else (dst_addr, src_addr)
+            self.staged.copy_addrs(host_at, dev_at, row_src, h2d, stream)
+            return "staged"
         bases = {data_ptr(c.src) for c in copies} | {data_ptr(c.dst) for c in copies}
         used: set = set()
         self._launch_offsets(0, src_addr, 0, dst_addr, row_src, seg, stream, None, used,

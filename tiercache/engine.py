@@ -67,7 +67,8 @@ class TransferEngine:
         copy_kernel_sms: SMs a copy kernel may occupy (None: all).
         memcpy_min_bytes: contiguous runs at least this long use ``cudaMemcpyAsync``.
         batch_min_bytes: other blocks at least this long use ``cuMemcpyBatchAsync``.
-        batch_streams, bulk_shape, bulk_sms, staged_min_run_bytes, carveout_sms: see
+        batch_streams, bulk_shape, bulk_sms, staged_min_run_bytes, carveout_sms,
+        offload_staged_min_run_bytes: see
             :class:`~tiercache.copykernels.CopyLauncher`.
         keep_finished: results kept for :meth:`get_finished` (oldest dropped beyond it).
 
@@ -78,7 +79,8 @@ class TransferEngine:
                  streams_per_direction: int = 2, ordering: bool = True, copy_kernel_sms: int | None = None,
                  memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10, batch_streams: int = 2,
                  bulk_shape: str = "large", bulk_sms: int | None = None, staged_min_run_bytes: int = 0,
-                 carveout_sms: int = 0, keep_finished: int = 100_000) -> None:
+                 carveout_sms: int = 0, offload_staged_min_run_bytes: int = 256 << 10,
+                 keep_finished: int = 100_000) -> None:
         self.tiers = tiers
         self.pools = {p.name: p for p in pools}
         self.device_id = device_id
@@ -98,7 +100,8 @@ class TransferEngine:
                                          batch_min_bytes=batch_min_bytes, batch_streams=batch_streams,
                                          bulk=bulk_shape != "off", bulk_shape="small" if bulk_shape == "off" else bulk_shape,
                                          bulk_sms=bulk_sms, staged_min_run_bytes=staged_min_run_bytes,
-                                         carveout_sms=carveout_sms)
+                                         carveout_sms=carveout_sms,
+                                         offload_staged_min_run_bytes=offload_staged_min_run_bytes)
         else:
             self._streams = self._events = self.launcher = None
 

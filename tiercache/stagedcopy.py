@@ -72,47 +72,58 @@ class StagedCopier:
         return self._buf, self._aux
 
     @staticmethod
-    def host_runs(host_slots: np.ndarray) -> float:
-        """Mean length, in blocks, of the runs of consecutive slots after sorting."""
+    def host_runs(host_slots: np.ndarray, step: int = 1) -> float:
+        """Mean length, in blocks, of the runs of consecutive slots (or of addresses ``step``
+        bytes apart) after sorting."""
         if host_slots.size == 0:
             return 0.0
         hs = np.sort(host_slots)
-        return hs.size / (1 + int(np.count_nonzero(np.diff(hs) != 1)))
+        return hs.size / (1 + int(np.count_nonzero(np.diff(hs) != step)))
 
     def copy(self, src, src_slots: np.ndarray, dst, dst_slots: np.ndarray, stream) -> None:
         """Enqueue whole-block copies between host rows and device rows (one side NumPy pinned,
         the other CuPy) on ``stream``; the job's completion is recorded on ``stream`` after this."""
-        buf, aux = self._setup()
         h2d = isinstance(src, np.ndarray)
         host, dev = (src, dst) if h2d else (dst, src)
         hslots, dslots = (src_slots, dst_slots) if h2d else (dst_slots, src_slots)
         row = host.shape[1]
+        self.copy_addrs(data_ptr(host) + hslots.astype(np.int64) * row, data_ptr(dev) + dslots.astype(np.int64) * row,
+                        row, h2d, stream)
+
+    def copy_addrs(self, host_at: np.ndarray, dev_at: np.ndarray, row: int, h2d: bool, stream) -> None:
+        """:meth:`copy` by addresses: block i is the ``row`` bytes at ``host_at[i]`` (pinned
+        host memory) and ``dev_at[i]`` (device memory), ``int64`` arrays; host -> device when
+        ``h2d``. Blocks of several pools may be mixed (runs are host addresses ``row`` apart).
+
+        Raises:
+            ValueError: ``row`` exceeds ``chunk_bytes``.
+        """
+        buf, aux = self._setup()
         per_chunk = max(1, self.chunk_bytes // row)
         if per_chunk * row > self.chunk_bytes:  # a block larger than a chunk: no staging
             raise ValueError(f"block of {row} bytes exceeds the staging chunk of {self.chunk_bytes}")
-        order = np.argsort(hslots, kind="stable")
-        hs, ds = hslots[order].astype(np.int64), dslots[order].astype(np.int64)
-        la, n = self.launcher, hs.size
+        order = np.argsort(host_at, kind="stable")
+        host_at, dev_at = host_at[order].astype(np.int64), dev_at[order].astype(np.int64)
+        la, n = self.launcher, host_at.size
         self._keep = []
-        hp, bp, dvp = data_ptr(host), buf.data.ptr, data_ptr(dev)
+        bp = buf.data.ptr
         # every address once, vectorized: block i goes through chunk i // per_chunk, in buffer
         # chunk % buffers; its kernel hop uses absolute addresses (bases 0)
         chunk_of = np.arange(n) // per_chunk
         stage_at = bp + (chunk_of % self.buffers) * self.chunk_bytes + (np.arange(n) - chunk_of * per_chunk) * row
-        dev_at = dvp + ds * row
         n_chunks = int(chunk_of[-1]) + 1
         cuts = list(range(0, n, per_chunk)) + [n]
         src_at, dst_at = (stage_at, dev_at) if h2d else (dev_at, stage_at)
         table = la.offsets_table([src_at], [dst_at])  # the gather/scatter kernel needs no counters
         offs = la.ring.upload(table, stream)
         tp = offs.data.ptr
-        # the copy engines' hop: runs of consecutive host slots, cut at chunk boundaries
-        starts = np.flatnonzero(np.concatenate(([True], (np.diff(hs) != 1) | (np.diff(chunk_of) != 0))))
+        # the copy engines' hop: runs of consecutive host blocks, cut at chunk boundaries
+        starts = np.flatnonzero(np.concatenate(([True], (np.diff(host_at) != row) | (np.diff(chunk_of) != 0))))
         sizes = np.diff(np.concatenate((starts, [n]))) * row
-        host_runs, stage_runs = hp + hs[starts] * row, stage_at[starts]
+        host_runs, stage_runs = host_at[starts], stage_at[starts]
         run_cut = np.searchsorted(chunk_of[starts], np.arange(n_chunks + 1))
         seg = Segments(1, row, row)
-        vec = _vector_bytes(bp, dvp, row, self.chunk_bytes)
+        vec = _vector_bytes(bp, row, self.chunk_bytes, *np.unique(dev_at % 16).tolist())
         # the device side's first reads and writes come after the upload and what the job waited
         # for on `stream`
         pcie = [stream, *self._pcie_aux[:max(0, min(self.pcie_streams, n_chunks) - 1)]]
