@@ -4,11 +4,13 @@ Per pool, a batch is planned into runs of consecutive slots on both sides
 (:mod:`tiercache.copyplan`), and each part goes where it was measured to be fastest:
 
 - runs of at least ``memcpy_min_bytes``: one ``cudaMemcpyAsync`` each (copy engines, no SMs);
-- device -> host batches whose host slots form runs of at least
-  ``offload_staged_min_run_bytes`` (on average; 256 KiB by default), every device -> host batch
-  under an SM carve-out (``carveout_sms``), and host <-> device ones with runs of at least
-  ``staged_min_run_bytes`` (off by default): the staged path (:mod:`tiercache.stagedcopy`): copy engines for
-  PCIe, a burst of the gather/scatter kernel for the scatter/gather in VRAM;
+- blocks under ``batch_min_bytes`` in device -> host batches whose host slots form runs of at
+  least ``offload_staged_min_run_bytes`` (on average; 256 KiB by default), in every device ->
+  host batch under an SM carve-out (``carveout_sms``), and in host <-> device batches with runs
+  of at least ``staged_min_run_bytes`` (off by default): the staged path
+  (:mod:`tiercache.stagedcopy`): copy engines for PCIe, the gather/scatter kernel for the
+  scatter/gather in VRAM (a burst on every SM, or on the carve-out's SMs). SMs that write host
+  memory slow compute on the other SMs (~50% for a bf16 GEMM on an H100); copy engines do not;
 - other blocks of at least ``batch_min_bytes``: ``cuMemcpyBatchAsync``, split over
   ``batch_streams`` streams (copy engines; per-block ``cudaMemcpyAsync`` where the driver lacks
   it);
