@@ -451,3 +451,28 @@ def test_offload_of_several_pools_into_host_runs(rng, offload_min):
     for h, dev, c in zip(hosts, devs, copies):
         assert np.array_equal(h[c.dst_rows], dev[c.src_rows].get())
         assert (h[:8] == 7).all() and (h[88:] == 7).all()
+
+
+def test_offload_without_staging_vram_falls_back(tmp_path, rng, monkeypatch):
+    """When the staging buffers cannot be allocated (an engine took the VRAM), offloads into host
+    runs warn once and go by the kernel paths; the bytes still land."""
+    import cupy
+
+    from tiercache.stagedcopy import StagedCopier
+
+    def no_vram(self):
+        raise cupy.cuda.memory.OutOfMemoryError(64 << 20, 0)
+    monkeypatch.setattr(StagedCopier, "_setup", no_vram)
+    block = 16 << 10
+    pool = PoolSpec("blk", (block,), "uint8")
+    eng = make_engine(tmp_path, (pool,), device_slots=64, host_slots=64, file_slots=0)
+    data = rng.integers(1, 256, size=(64, block), dtype=np.uint8)
+    eng.copy("caller", np.arange(64), "host", np.arange(64), src_arrays={"blk": data}).wait()
+    ds = rng.permutation(64)[:40]
+    eng.copy("host", np.arange(40), "device", ds).wait()
+    with pytest.warns(RuntimeWarning, match="no VRAM for the staged path"):
+        job = eng.copy("device", ds, "host", np.arange(20, 60))  # a 640 KiB host run
+    assert job.wait().path in ("bulk", "kernel")
+    assert not eng.launcher.staged.available
+    assert np.array_equal(eng.tiers["host"].arrays["blk"][20:60], data[:40])
+    assert eng.copy("device", ds, "host", np.arange(20, 60)).wait().path in ("bulk", "kernel")  # no second warning

@@ -260,7 +260,7 @@ class CopyLauncher:
         if whole and kernel_idx.size and host_dev and row_src <= self.staged.chunk_bytes and (
                 force == "staged" or force is None and self._wants_staged(
                     isinstance(src, np.ndarray), (src_slots if isinstance(src, np.ndarray) else dst_slots)[kernel_idx],
-                    row_src)):
+                    row_src)) and self.staged.reserve():
             self.staged.copy(src, src_slots[kernel_idx], dst, dst_slots[kernel_idx], stream)
             used.add("staged")
             kernel_idx = kernel_idx[:0]
@@ -409,7 +409,7 @@ class CopyLauncher:
             return "none"
         h2d = isinstance(copies[0].src, np.ndarray)
         if h2d != isinstance(copies[0].dst, np.ndarray) and row_src <= self.staged.chunk_bytes and self._wants_staged(
-                h2d, src_addr if h2d else dst_addr, row_src, step=row_src):
+                h2d, src_addr if h2d else dst_addr, row_src, step=row_src) and self.staged.reserve():
             host_at, dev_at = (src_addr, dst_addr) if h2d else (dst_addr, src_addr)
             self.staged.copy_addrs(host_at, dev_at, row_src, h2d, stream)
             return "staged"

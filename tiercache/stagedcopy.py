@@ -54,10 +54,29 @@ class StagedCopier:
         self.pcie_streams = max(1, pcie_streams)
         self._buf = None
         self._aux = None
+        self.available = True  # False once its staging VRAM could not be allocated
         self._pcie_aux: list = []  # the copy-engine streams besides the job's own
         self.buffers = max(2, buffers)
         self._free = [None] * self.buffers  # event: the buffer's last use finished
         self._keep: list = []  # arguments of the batched driver copies in flight (kept alive)
+
+    def reserve(self) -> bool:
+        """Allocate the staging buffers (``buffers * chunk_bytes`` of VRAM) and streams if not
+        yet done. Returns False, with a warning, and stays unavailable if the VRAM is not there
+        (an engine that took nearly all of it): the launcher's other paths take over."""
+        if not self.available:
+            return False
+        import cupy
+
+        try:
+            self._setup()
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            import warnings
+
+            self.available = False
+            warnings.warn(f"tiercache: no VRAM for the staged path's {self.buffers} x {self.chunk_bytes} bytes "
+                          f"of staging ({exc}); copies take the kernel paths", RuntimeWarning, stacklevel=3)
+        return self.available
 
     def _setup(self):
         import cupy
