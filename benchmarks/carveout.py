@@ -24,6 +24,7 @@ import numpy as np
 
 from tiercache.benchcopy import _bufs, _time, scattered_slots
 from tiercache.benchoverlap import overlap_rounds
+from copy_variants import scattered_case
 from tiercache.gpumon import ClockSampler
 from tiercache.copykernels import CopyLauncher, Segments, segments_for
 from tiercache.geometry import PoolSpec
@@ -86,18 +87,12 @@ def _same(src, s, dst, d) -> bool:
 def sweep(reps: int = 5) -> None:
     import cupy
 
-    rng = np.random.default_rng(11)
     block, n = 16 * KiB, 16384
-    host, _o, dev = _bufs(n, block, 0, host_rows=2 * n)
-    hs = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
-    ds = scattered_slots(rng, n)
+    rng, host, _o, dev, cases, stream = scattered_case(11, n, block)
     nbytes = n * block
-    stream = copy_stream("high")
     seg = Segments(1, block, block)
     num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    for direction in ("h2d", "d2h"):
-        s, d = (hs, ds) if direction == "h2d" else (ds, hs)
-        src, dst = (host, dev) if direction == "h2d" else (dev, host)
+    for direction, src, s, dst, d in cases:
         sp, dp = ptr(src), ptr(dst)
         contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, stream.ptr),
                                 stream, reps, back_to_back=4) / 1e9
@@ -295,16 +290,10 @@ def hybrid(reps: int = 5) -> None:
     blocks on the copy engines beside the bulk kernel on 8 SMs."""
     import cupy
 
-    rng = np.random.default_rng(13)
     block, n = 16 * KiB, 16384
-    host, _o, dev = _bufs(n, block, 0, host_rows=2 * n)
-    hs = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
-    ds = scattered_slots(rng, n)
+    _rng, host, _o, dev, cases, stream = scattered_case(13, n, block)
     nbytes = n * block
-    stream = copy_stream("high")
-    for direction in ("h2d", "d2h"):
-        s, d = (hs, ds) if direction == "h2d" else (ds, hs)
-        src, dst = (host, dev) if direction == "h2d" else (dev, host)
+    for direction, src, s, dst, d in cases:
         sp, dp = ptr(src), ptr(dst)
         contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, stream.ptr),
                                 stream, reps, back_to_back=4) / 1e9

@@ -140,24 +140,31 @@ def shipped_shapes() -> dict:
     return out
 
 
+def scattered_case(seed: int, n: int, block: int = 16 * KiB):
+    """``(rng, host, keep, dev, cases, stream)`` for ``n`` scattered ``block``-byte copies:
+    ``cases`` is ``[(direction, src, src_slots, dst, dst_slots)]`` for h2d and d2h, the host
+    side a random half of ``2n`` host rows (runs of ~2 blocks), the device side a permutation
+    with no two neighbours adjacent."""
+    rng = np.random.default_rng(seed)
+    host, keep, dev = _bufs(n, block, 0, host_rows=2 * n)
+    hs = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
+    ds = scattered_slots(rng, n)
+    cases = [("h2d", host, hs, dev, ds), ("d2h", dev, ds, host, hs)]
+    return rng, host, keep, dev, cases, copy_stream("high")
+
+
 def whole(reps: int = 7) -> None:
     import cupy
 
-    rng = np.random.default_rng(0)
     block, n = 16 * KiB, 8192
-    host, _o, dev = _bufs(n, block, 0, host_rows=2 * n)
-    hs = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
-    ds = scattered_slots(rng, n)
+    _rng, host, _o, dev, cases, stream = scattered_case(0, n, block)
     nbytes = n * block
-    stream = copy_stream("high")
     launcher8 = CopyLauncher(0, max_sms=8)
     shipped = shipped_shapes()
     product, cs, _keep = product_fn()
     t_prod = _time(product, cs, 5)
     emit(section="whole", product_ms=t_prod * 1e3)
-    for direction in ("h2d", "d2h"):
-        s, d = (hs, ds) if direction == "h2d" else (ds, hs)
-        src, dst = (host, dev) if direction == "h2d" else (dev, host)
+    for direction, src, s, dst, d in cases:
         sp, dp = ptr(src), ptr(dst)
         contig = nbytes / _time(lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, stream.ptr),
                                 stream, reps, back_to_back=4) / 1e9
