@@ -75,3 +75,18 @@ def test_offloads_with_host_runs_take_the_copy_engines():
     assert not la._wants_staged(True, runs, 16 << 10)  # onboards keep the bulk kernel
     both = _decider(offload=256 << 10, staged_min_run_bytes=64 << 10)
     assert both._wants_staged(False, np.arange(8), 16 << 10) and both._wants_staged(True, np.arange(8), 16 << 10)
+
+
+def test_staged_runs_stop_at_chunks_and_allocations():
+    from tiercache.stagedcopy import run_starts
+
+    row = 4096
+    # two allocations side by side in the address space: blocks 0-5 in one, 6-9 in the next
+    host_at = 1_000_000 + np.arange(10) * row
+    group = np.array([0] * 6 + [1] * 4)
+    chunk_of = np.arange(10) // 4  # chunks of 4 blocks
+    starts = run_starts(host_at, chunk_of, row, np.diff(group) != 0)
+    assert starts.tolist() == [0, 4, 6, 8]
+    # a gap in the addresses opens a run too; one group, one chunk
+    gap = np.array([0, 1, 2, 5, 6, 9]) * row
+    assert run_starts(gap, np.zeros(6, int), row, np.zeros(5, bool)).tolist() == [0, 3, 5]

@@ -139,8 +139,6 @@ class CopyLauncher:
             of range.
     """
 
-
-
     #: bulk-copy kernel shapes (kernels/copy_bulk.cu): kernel name, shared-memory buffers, bytes
     #: per buffer. ``small`` fits beside a compute kernel's CTAs on the same SM; ``large`` keeps
     #: more bytes in flight per SM.
@@ -411,7 +409,8 @@ class CopyLauncher:
         if h2d != isinstance(copies[0].dst, np.ndarray) and row_src <= self.staged.chunk_bytes and self._wants_staged(
                 h2d, src_addr if h2d else dst_addr, row_src, step=row_src) and self.staged.reserve():
             host_at, dev_at = (src_addr, dst_addr) if h2d else (dst_addr, src_addr)
-            self.staged.copy_addrs(host_at, dev_at, row_src, h2d, stream)
+            pool_of = np.repeat(np.arange(len(copies)), [c.src_rows.size for c in copies])
+            self.staged.copy_addrs(host_at, dev_at, row_src, h2d, stream, group=pool_of)
             return "staged"
         bases = {data_ptr(c.src) for c in copies} | {data_ptr(c.dst) for c in copies}
         used: set = set()

@@ -30,6 +30,13 @@ from .memcopy import MEMCPY_DEFAULT, data_ptr
 from .streams import copy_stream
 
 
+def run_starts(host_at: np.ndarray, chunk_of: np.ndarray, row: int, new_group: np.ndarray) -> np.ndarray:
+    """Where the copy engines' runs start in a batch sorted by host address: block i opens a
+    run unless it follows block i-1 at ``row`` bytes in the same chunk (``chunk_of``) and the
+    same host allocation (``new_group[i-1]`` False)."""
+    return np.flatnonzero(np.concatenate(([True], (np.diff(host_at) != row) | (np.diff(chunk_of) != 0) | new_group)))
+
+
 class StagedCopier:
     """Runs host-run <-> scattered-device copies through a device staging buffer.
 
@@ -109,10 +116,14 @@ class StagedCopier:
         self.copy_addrs(data_ptr(host) + hslots.astype(np.int64) * row, data_ptr(dev) + dslots.astype(np.int64) * row,
                         row, h2d, stream)
 
-    def copy_addrs(self, host_at: np.ndarray, dev_at: np.ndarray, row: int, h2d: bool, stream) -> None:
+    def copy_addrs(self, host_at: np.ndarray, dev_at: np.ndarray, row: int, h2d: bool, stream,
+                   group: np.ndarray | None = None) -> None:
         """:meth:`copy` by addresses: block i is the ``row`` bytes at ``host_at[i]`` (pinned
         host memory) and ``dev_at[i]`` (device memory), ``int64`` arrays; host -> device when
-        ``h2d``. Blocks of several pools may be mixed (runs are host addresses ``row`` apart).
+        ``h2d``. Blocks of several host allocations may be mixed when ``group[i]`` names block
+        i's allocation: a run of host addresses ``row`` apart never crosses from one to another
+        (two allocations may lie side by side in the address space, and one copy must not span
+        them).
 
         Raises:
             ValueError: ``row`` exceeds ``chunk_bytes``.
@@ -123,6 +134,7 @@ class StagedCopier:
             raise ValueError(f"block of {row} bytes exceeds the staging chunk of {self.chunk_bytes}")
         order = np.argsort(host_at, kind="stable")
         host_at, dev_at = host_at[order].astype(np.int64), dev_at[order].astype(np.int64)
+        new_group = np.zeros(max(0, host_at.size - 1), dtype=bool) if group is None else np.diff(group[order]) != 0
         la, n = self.launcher, host_at.size
         self._keep = []
         bp = buf.data.ptr
@@ -137,7 +149,7 @@ class StagedCopier:
         offs = la.ring.upload(table, stream)
         tp = offs.data.ptr
         # the copy engines' hop: runs of consecutive host blocks, cut at chunk boundaries
-        starts = np.flatnonzero(np.concatenate(([True], (np.diff(host_at) != row) | (np.diff(chunk_of) != 0))))
+        starts = run_starts(host_at, chunk_of, row, new_group)
         sizes = np.diff(np.concatenate((starts, [n]))) * row
         host_runs, stage_runs = host_at[starts], stage_at[starts]
         run_cut = np.searchsorted(chunk_of[starts], np.arange(n_chunks + 1))
