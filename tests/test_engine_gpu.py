@@ -157,12 +157,19 @@ def test_path_choice_and_bounded_sms(tmp_path, rng):
         assert np.array_equal(out["blk"][d], data[s_]), d
 
 
-def test_randomized_workload_100k_ops(tmp_path, rng):
-    n_ops = int(os.environ.get("TIERCACHE_STRESS_OPS", "100000"))
+@pytest.mark.parametrize("staged", [False, True])
+def test_randomized_workload_100k_ops(tmp_path, rng, staged):
+    """100,000 random operations (TIERCACHE_STRESS_OPS) against the mirror; ``staged``: a fifth
+    as many with every whole-block host <-> device batch forced through the staged path (its
+    auxiliary streams under the same ordering), which these small blocks never reach otherwise."""
+    n_ops = int(os.environ.get("TIERCACHE_STRESS_OPS", "100000")) // (5 if staged else 1)
     pools = (PoolSpec.kv("kv", num_layers=2, kv_factor=2, num_kv_heads=2, tokens_per_block=8, head_dim=16, dtype="float16"),
              PoolSpec.kv("mla", num_layers=2, kv_factor=1, num_kv_heads=1, tokens_per_block=8, head_dim=24,
                          dtype="int8", layout="token_major"))
     eng = make_engine(tmp_path, pools, device_slots=48, host_slots=48, file_slots=16)
+    if staged:
+        eng.launcher.staged_min_run_bytes = eng.launcher.offload_staged_min_run_bytes = 1
+        eng.launcher.staged.chunk_bytes = 4 * pools[0].block_nbytes  # many chunks, every buffer reused
     m = Mirror(eng, rng)
     m.upload_all()
     checks = 0
