@@ -9,7 +9,7 @@ For each block size (16 KiB, 64 KiB, 256 KiB, 2 MiB by default) and direction (h
 - ``batch``: the driver's ``cuMemcpyBatchAsync`` (what vLLM uses), where the driver has it;
 - ``tiercache``: the engine's launcher with its own path choice; ``kernel``, ``bulk`` and
   ``staged``: the gather/scatter kernel, the bulk-copy (TMA) kernel and the staged path (copy
-  engines for host runs, bulk-copy scatter in VRAM; host-runs layout only) forced.
+  engines for host runs, the gather/scatter kernel in VRAM; host-runs layout only) forced.
 
 Every figure is the median of ``reps`` runs timed with CUDA events, after a warm-up. It then
 measures partial copies (first N tokens of each KV block) against a contiguous copy of the same

@@ -1,26 +1,27 @@
 """The staged path: host <-> device copies of blocks whose host slots form runs, with the PCIe
 hop on the copy engines and the gather/scatter in VRAM.
 
-Any SM that copies over PCIe also slows the compute kernels sharing it: on an H100, one small
-copy CTA per SM beside cuBLAS's bf16 GEMM (which fits: one warp, 4 KiB of shared memory) slowed
-the product by about 45%, and even device-to-device copies by such CTAs slowed it by 22%;
-few large copy CTAs leave it alone but only run where it leaves room (``benchmarks/
-copy_variants.py``). The copy engines take no SMs: beside the GEMM a contiguous copy keeps 98%
-of its speed. When the host side of a batch is made of runs of consecutive slots (the cache
-allocates host slots lowest-free-first, so an offloaded batch lands in runs and is onboarded
-from them), the PCIe hop is one batched driver copy (``cuMemcpyBatchAsync``; ``cudaMemcpyAsync``
-per run without it) of the runs into (or out of) a device staging buffer, and the scatter (or
-gather) between the staging buffer and the scattered device slots is a burst of the
-gather/scatter kernel on every SM at HBM speed (a few microseconds per chunk), which takes the
-SMs in the gaps between compute kernels (its stream has high priority).
+SMs that copy over PCIe slow the compute kernels: on an H100, one small copy CTA per SM beside
+cuBLAS's bf16 GEMM slowed the product by about 45%; copies by SMs the GEMM does not use (an SM
+carve-out) still slowed it by 40-85% when they wrote host memory (a few percent when they read
+it). The copy engines take no SMs: beside the GEMM a contiguous copy keeps 97-98% of its speed
+and costs the GEMM about 1% (docs/performance.md). When the host side of a batch is made of runs
+of consecutive slots (the cache allocates host slots lowest-free-first, so an offloaded batch
+lands in runs and is onboarded from them), the PCIe hop is one batched driver copy per chunk
+(``cuMemcpyBatchAsync``; ``cudaMemcpyAsync`` per run without it) of the runs into (or out of) a
+device staging buffer, and the scatter (or gather) between the staging buffer and the scattered
+device slots is the gather/scatter kernel at HBM speed: a burst on every SM (high-priority
+stream, in the gaps between compute kernels), or on the SMs of the carve-out.
 
-The batch is sorted by host slot and processed in chunks through a ring of staging buffers:
-the copy engines fill one buffer (``stream``) while the kernel empties another (an auxiliary
-stream), ordered by events, so the two hops overlap. The ring's depth (``buffers *
-chunk_bytes``) is how long the copy engines keep going while the scatters wait for a gap
-between compute kernels.
+The launcher sends here device -> host batches into host runs (``offload_staged_min_run_bytes``),
+every device -> host batch under an SM carve-out, and host <-> device batches with long runs
+when ``staged_min_run_bytes`` asks for it. The batch is sorted by host address and processed in
+chunks through a ring of staging buffers: the copy engines fill one buffer (the PCIe hops
+alternate between ``pcie_streams`` streams, one copy engine each) while the kernel empties
+another (an auxiliary stream), ordered by events, so the hops overlap. The ring's depth
+(``buffers * chunk_bytes``) is how long the copy engines keep going while the kernels wait for
+SMs.
 """
-
 from __future__ import annotations
 
 import numpy as np
