@@ -152,7 +152,7 @@ def _copy_job(config: Path | None, output_format: OutputFormat, quick: bool) -> 
         cfg = load_config(config or _default_config())
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
         rep = run_copy_bench(quick=quick, device_id=cfg.device_id, copy_kernel_sms=cfg.copy_kernel_sms,
-                             carveout=cfg.carveout_sms or 8, log=log)
+                             carveout=cfg.carveout_sms or 4, log=log)
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_copy_report(rep))

@@ -250,7 +250,7 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
     return res
 
 
-def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int | None = None, carveout: int = 8,
+def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int | None = None, carveout: int = 4,
                    log=print) -> dict:
     """Every part of the copy benchmark; returns a JSON-ready report. ``carveout``: the SMs the
     overlap part's carve-out rows keep free of compute (0: no such rows)."""

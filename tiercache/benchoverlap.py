@@ -140,7 +140,7 @@ def _same(src, s, dst, d, rng) -> bool:
 
 
 def bench_overlap(block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192, iters: int = 20, rounds: int = 5,
-                  carveout: int = 8, copy_kernel_sms: int | None = 8, device_id: int = 0, log=print) -> dict:
+                  carveout: int = 4, copy_kernel_sms: int | None = 8, device_id: int = 0, log=print) -> dict:
     """The product alone and beside ``blocks`` scattered ``block``-byte transfers per request, by
     each method (see the module docstring); ``carveout``: the SMs the carve-out rows keep free
     (0: none), ``copy_kernel_sms``: the SM bound of the rows without one (the default config's)."""
