@@ -159,3 +159,22 @@ def test_file_bench_repeat_takes_medians(small_config):
         if "ratio_to_raw" in stage:
             lo, hi = stage["ratio_range"]
             assert lo <= stage["ratio_to_raw"] <= hi
+
+
+def test_overlap_table_names_each_method_and_both_slowdowns():
+    """The overlap part of the copy report (its numbers come from the GPU; the table is CPU)."""
+    from tiercache.benchoverlap import format_overlap_report
+
+    def row(method, direction, layout, k, path, alone, beside, full, cost):
+        return {"method": method, "direction": direction, "layout": layout, "carveout": k, "path": path,
+                "alone_ratio": alone, "beside_ratio": beside, "vs_full": full, "carveout_cost": cost,
+                "vs_carved": (1 + full) / (1 + cost) - 1}
+    rep = {"matmul": 8192, "iters": 20, "rounds": 5, "product_alone_s": 0.031, "product_tflops": 707.0,
+           "contiguous_gbps": {"h2d": 53.7, "d2h": 55.1}, "blocks": 8192, "block_bytes": 16384,
+           "runs": [row("contiguous", "h2d", "-", 0, "memcpy", 0.99, 0.95, 0.017, 0.0),
+                    row("tiercache", "h2d", "scattered", 4, "bulk", 0.88, 0.88, 0.015, 0.005)]}
+    text = format_overlap_report(rep)
+    lines = text.splitlines()
+    assert "contiguous 53.7 GB/s h2d, 55.1 d2h" in lines[0] and "medians of 5 rounds" in lines[0]
+    carved = next(ln for ln in lines if "scattered" in ln)
+    assert carved.split() == ["tiercache", "h2d", "scattered", "4", "bulk", "88%", "88%", "+1.5%", "+0.5%", "+1.0%"]
