@@ -24,7 +24,7 @@ import numpy as np
 
 from tiercache.benchcopy import _bufs, _time, scattered_slots
 from tiercache.benchoverlap import overlap_rounds
-from copy_variants import scattered_case
+from copy_variants import scattered_case, wc_host
 from tiercache.gpumon import ClockSampler
 from tiercache.copykernels import CopyLauncher, Segments, segments_for
 from tiercache.geometry import PoolSpec
@@ -155,7 +155,8 @@ def gemm_grid(a, b) -> list:
     return out
 
 
-def carveout(iters: int = 40, rounds: int = 4, methods_fn=None, gemm_table: bool = True) -> None:
+def carveout(iters: int = 40, rounds: int = 4, methods_fn=None, gemm_table: bool = True, memory: str = "pinned") -> None:
+    """``memory``: ``pinned`` (cudaHostAlloc) or ``wc`` (write-combined) host memory."""
     import cupy
     import torch
 
@@ -188,6 +189,10 @@ def carveout(iters: int = 40, rounds: int = 4, methods_fn=None, gemm_table: bool
     rng = np.random.default_rng(12)
     block, n = 16 * KiB, 8192
     host, _o, dev = _bufs(n, block, 0)
+    if memory == "wc":
+        flat, _w = wc_host(n * block)
+        flat[:] = host.reshape(-1)
+        host = flat.reshape(n, block)
     s, d = scattered_slots(rng, n), scattered_slots(rng, n)
     nbytes = n * block
     seg = Segments(1, block, block)
@@ -200,7 +205,7 @@ def carveout(iters: int = 40, rounds: int = 4, methods_fn=None, gemm_table: bool
             cupy.cuda.runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, nbytes, MEMCPY_DEFAULT, ts.ptr)
 
     contig = {dr: nbytes / _time(lambda dr=dr: contiguous(dr), ts, 5, back_to_back=4) / 1e9 for dr in ("h2d", "d2h")}
-    emit(section="carveout", contiguous_gbps=contig)
+    emit(section="carveout", memory=memory, contiguous_gbps=contig)
     # (name, direction, carve-out k, launcher, force); launcher None: one contiguous copy-engine transfer
     methods = methods_fn() if methods_fn else first_methods()
 
@@ -220,7 +225,7 @@ def carveout(iters: int = 40, rounds: int = 4, methods_fn=None, gemm_table: bool
         t_x = _time(xfer, ts, 5, back_to_back=4)
         ok = _same(src, sl, dst, dl) if la is not None else None
         r = overlap_rounds(product, carve, cs, xfer, ts, t_x, k or 0, rounds, sampler)
-        emit(section="carveout", method=name, dir=direction, carveout=k, layout=layout, alone_gbps=nbytes / t_x / 1e9,
+        emit(section="carveout", memory=memory, method=name, dir=direction, carveout=k, layout=layout, alone_gbps=nbytes / t_x / 1e9,
              alone_ratio=nbytes / t_x / 1e9 / contig[direction], beside_ratio=nbytes / r["beside_s"] / 1e9 / contig[direction],
              vs_full=r["vs_full"], vs_carved=r["vs_carved"], carved_vs_full=r["carveout_cost"], ok=ok,
              clocks=r["clocks"], spread=r["vs_full_rounds"])
@@ -380,6 +385,23 @@ def fourth_methods() -> list:
     return methods
 
 
+def wc_methods() -> list:
+    """The shipped launcher with 4 SMs carved out, onboards scattered and from host runs, and
+    the staged offload into host runs."""
+    methods = [("contiguous", "h2d", None, None, None), ("contiguous", "d2h", None, None, None)]
+    for layout in ([], ["runs"]):
+        methods.append(("shipped_carve4", "h2d", 4, CopyLauncher(0, carveout_sms=4), None, *layout))
+    methods.append(("shipped_carve4", "d2h", 4, CopyLauncher(0, carveout_sms=4), None, "runs"))
+    methods.append(("shipped_carve4_bulk", "d2h", 4, CopyLauncher(0, carveout_sms=4), "bulk"))
+    return methods
+
+
+def carve_wc() -> None:
+    """The product beside onboards from ordinary and from write-combined pinned memory, in turn."""
+    for memory in ("pinned", "wc", "pinned", "wc"):
+        carveout(rounds=5, methods_fn=wc_methods, gemm_table=False, memory=memory)
+
+
 def carve4() -> None:
     carveout(rounds=5, methods_fn=fourth_methods, gemm_table=False)
 
@@ -393,7 +415,7 @@ def carve2() -> None:
 
 
 def main(sections) -> None:
-    funcs = {"sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
+    funcs = {"carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
     for name in sections or list(funcs):
         try:
             funcs[name]()

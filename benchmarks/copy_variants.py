@@ -486,7 +486,30 @@ def thp_host(nbytes: int):
     return arr, mm
 
 
-def thp(reps: int = 7) -> None:
+def hugetlb_host(nbytes: int):
+    """Pinned host memory on explicit 2 MiB huge pages (``MAP_HUGETLB``; the pool is sized by
+    ``/proc/sys/vm/nr_hugepages``), touched, then registered with CUDA. Returns (array, keep-alive)."""
+    import mmap
+
+    import cupy
+
+    huge = 2 << 20
+    size = -(-nbytes // huge) * huge
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_HUGETLB", 0x40000))
+    arr = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
+    arr[::4096] = 1
+    cupy.cuda.runtime.hostRegister(arr.ctypes.data, nbytes, 0)
+    return arr, mm
+
+
+def hugetlb(reps: int = 7) -> None:
+    """:func:`thp` with explicit huge pages instead of transparent ones (fewer translations per
+    byte for the GPU's and the IOMMU's page walks, if the pages stay huge all the way down)."""
+    emit(section="hugetlb", meminfo=[ln.strip() for ln in open("/proc/meminfo") if ln.startswith("Huge")])
+    thp(reps, kinds=("hostalloc", "hugetlb"))
+
+
+def thp(reps: int = 7, kinds=("hostalloc", "thp")) -> None:
     """Scattered 16 KiB blocks and 1-token partial copies host <-> device from cudaHostAlloc memory
     and from huge-page memory registered with CUDA (fewer IOMMU translations per byte, if any)."""
     import cupy
@@ -506,11 +529,11 @@ def thp(reps: int = 7) -> None:
         dev = cupy.empty((n, block), dtype=cupy.uint8)
         s, d = scattered_slots(rng, n), scattered_slots(rng, n)
         moved = n * seg.nbytes
-        for kind in ("hostalloc", "thp"):
+        for kind in kinds:
             if kind == "hostalloc":
                 host, keep = _bufs(n, block, 0)[:2]
             else:
-                flat, keep = thp_host(n * block)
+                flat, keep = (thp_host if kind == "thp" else hugetlb_host)(n * block)
                 host = flat.reshape(n, block)
                 host[:] = rng.integers(0, 256, size=(n, block), dtype=np.uint8)
             for direction in ("h2d", "d2h"):
@@ -520,13 +543,187 @@ def thp(reps: int = 7) -> None:
                 t = _time(lambda: la.launch(src, s, dst, d, seg, stream), stream, reps, back_to_back=4)
                 emit(section="thp", what=what, memory=kind, dir=direction, contig_gbps=moved / t_c / 1e9,
                      gbps=moved / t / 1e9, ratio=t_c / t)
-            if kind == "thp":
+            if kind != "hostalloc":
                 cupy.cuda.runtime.hostUnregister(host.ctypes.data)
             del host, keep
 
 
+def wc_host(nbytes: int):
+    """Pinned host memory allocated write-combined (``cudaHostAlloc`` with
+    ``cudaHostAllocWriteCombined | cudaHostAllocPortable``): the CUDA guide says such memory is
+    not snooped across PCIe, which may let the device's reads of it go faster. Returns
+    ``(array, keep-alive)``; the keep-alive frees it."""
+    import ctypes
+
+    import cupy
+
+    p = cupy.cuda.runtime.hostAlloc(nbytes, 4 | 1)
+
+    class _Free:
+        def __del__(self):
+            cupy.cuda.runtime.freeHost(p)
+
+    arr = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(p), dtype=np.uint8)
+    return arr, _Free()
+
+
+def wc(reps: int = 7) -> None:
+    """Scattered 16 KiB blocks and 1-token partial copies host <-> device, by the bulk kernel,
+    the gather/scatter kernel and the copy engines, from ordinary pinned memory and from
+    write-combined pinned memory; each against a contiguous copy of the same bytes from the same
+    memory and from ordinary pinned memory, timed in turn. Then the CPU's own read and write
+    speed on each (what a POSIX file write of a host block would see)."""
+    import cupy
+
+    from tiercache.benchcopy import _time_many
+
+    rng = np.random.default_rng(21)
+    pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8, tokens_per_block=16, head_dim=128,
+                       dtype="bfloat16")
+    stream = copy_stream("high")
+    la = CopyLauncher(0, max_sms=8)
+    la4 = CopyLauncher(0, carveout_sms=4)
+    for what, block, n, seg in (("whole16k", 16 * KiB, 16384, Segments(1, 16 * KiB, 16 * KiB)),
+                                ("whole64k", 64 * KiB, 4096, Segments(1, 64 * KiB, 64 * KiB)),
+                                ("partial1", pool.block_nbytes, 512, segments_for(pool, 1))):
+        dev = cupy.empty((n, block), dtype=cupy.uint8)
+        s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+        moved = n * seg.nbytes
+        plain, keep_p = _bufs(n, block, 0)[:2]
+        flat, keep_w = wc_host(n * block)
+        wcm = flat.reshape(n, block)
+        wcm[:] = plain
+        for direction in ("h2d", "d2h"):
+            fns = {}
+            for kind, host in (("pinned", plain), ("wc", wcm)):
+                src, dst = (host, dev) if direction == "h2d" else (dev, host)
+                fns[f"{kind}_contig"] = lambda src=src, dst=dst: cupy.cuda.runtime.memcpyAsync(
+                    ptr(dst), ptr(src), moved, MEMCPY_DEFAULT, stream.ptr)
+                fns[f"{kind}_bulk8"] = lambda src=src, dst=dst: la.launch(src, s, dst, d, seg, stream, force="bulk")
+                fns[f"{kind}_kernel8"] = lambda src=src, dst=dst: la.launch(src, s, dst, d, seg, stream, force="kernel")
+                fns[f"{kind}_carve4"] = lambda src=src, dst=dst: la4.launch(src, s, dst, d, seg, stream)
+            t = _time_many(fns, stream, reps, back_to_back=4)
+            for name, sec in t.items():
+                kind = name.split("_")[0]
+                emit(section="wc", what=what, dir=direction, variant=name, gbps=moved / sec / 1e9,
+                     vs_same_contig=t[f"{kind}_contig"] / sec, vs_pinned_contig=t["pinned_contig"] / sec)
+        # bytes check: both memories through the bulk kernel, each direction
+        for host in (plain, wcm):
+            sub = rng.choice(n, size=16, replace=False)
+            dev[cupy.asarray(d)] = 0
+            cupy.cuda.Device().synchronize()  # the zeroing ran on the default stream, the copy on another
+            la.launch(host, s, dev, d, seg, stream, force="bulk")
+            stream.synchronize()
+            ok_h2d = bool(np.array_equal(dev[cupy.asarray(d[sub])].get().reshape(16, seg.segs, -1)[:, :, :seg.seg_bytes],
+                                         host[s[sub]].reshape(16, seg.segs, -1)[:, :, :seg.seg_bytes]))
+            emit(section="wc", what=what, check="h2d", memory="wc" if host is wcm else "pinned", ok=ok_h2d)
+        del dev
+        # the CPU's view: copy 64 MiB out of and into each memory
+        size = min(64 << 20, n * block)
+        buf = np.empty(size, dtype=np.uint8)
+        for kind, host in (("pinned", plain), ("wc", wcm)):
+            h = host.reshape(-1)[:size]
+            t0 = time.perf_counter()
+            np.copyto(buf, h)
+            t1 = time.perf_counter()
+            np.copyto(h, buf)
+            t2 = time.perf_counter()
+            emit(section="wc_cpu", what=what, memory=kind, read_gbps=size / (t1 - t0) / 1e9, write_gbps=size / (t2 - t1) / 1e9)
+        del plain, wcm, flat, keep_p, keep_w
+
+
+def numa_host(nbytes: int, node: int):
+    """``nbytes`` of anonymous memory bound to NUMA ``node`` (``mbind``, MPOL_BIND, pages moved),
+    touched and then registered with CUDA. Returns ``(array, keep-alive)``."""
+    import ctypes
+    import mmap
+
+    import cupy
+
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    mask = ctypes.c_ulong(1 << node)
+    # mbind(addr, len, MPOL_BIND = 2, nodemask, maxnode, MPOL_MF_MOVE = 2); x86-64 syscall 237
+    rc = libc.syscall(237, ctypes.c_void_p(arr.ctypes.data), ctypes.c_ulong(nbytes), 2, ctypes.byref(mask),
+                      ctypes.c_ulong(64), 2)
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "mbind failed")
+    arr[::4096] = 1
+    cupy.cuda.runtime.hostRegister(arr.ctypes.data, nbytes, 0)
+    return arr, mm
+
+
+def numa(reps: int = 7) -> None:
+    """Where host memory sits against the GPU: the guest's NUMA nodes and the GPU's node, then
+    16 KiB scattered blocks and a contiguous copy from memory bound to each node. SM-driven reads
+    of host memory are bounded by the requests in flight, so a farther node (longer latency)
+    would lower them while the copy engines stay at the link's speed."""
+    import glob
+    import os
+
+    import cupy
+
+    nodes = sorted(glob.glob("/sys/devices/system/node/node[0-9]*"))
+    gpus = {}
+    for dev in glob.glob("/sys/bus/pci/devices/*"):
+        try:
+            if open(os.path.join(dev, "vendor")).read().strip() == "0x10de":
+                gpus[os.path.basename(dev)] = open(os.path.join(dev, "numa_node")).read().strip()
+        except OSError:
+            pass
+    for addr in gpus:
+        try:
+            cfg = open(f"/sys/bus/pci/devices/{addr}/config", "rb").read()
+            at = cfg[0x34]
+            while at and at < len(cfg) - 0x14:
+                if cfg[at] == 0x10:  # the PCI Express capability
+                    ctl = int.from_bytes(cfg[at + 8:at + 10], "little")
+                    cap = int.from_bytes(cfg[at + 4:at + 8], "little")
+                    lnk = int.from_bytes(cfg[at + 0x12:at + 0x14], "little")
+                    emit(section="numa", pci=addr, max_payload=128 << ((ctl >> 5) & 7),
+                         max_read_request=128 << ((ctl >> 12) & 7), max_payload_supported=128 << (cap & 7),
+                         ext_tag=bool(ctl & 0x100), relaxed_ordering=bool(ctl & 0x10), no_snoop=bool(ctl & 0x800),
+                         link_gen=lnk & 0xF, link_width=(lnk >> 4) & 0x3F)
+                    break
+                at = cfg[at + 1]
+        except OSError as exc:
+            emit(section="numa", pci=addr, error=repr(exc))
+    emit(section="numa", nodes=[os.path.basename(n) for n in nodes], gpu_nodes=gpus,
+         cpus={os.path.basename(n): open(os.path.join(n, "cpulist")).read().strip() for n in nodes},
+         mems_allowed=[ln.strip() for ln in open("/proc/self/status") if ln.startswith("Mems_allowed_list")])
+    rng = np.random.default_rng(5)
+    block, n = 16 * KiB, 16384
+    dev = cupy.empty((n, block), dtype=cupy.uint8)
+    s, d = scattered_slots(rng, n), scattered_slots(rng, n)
+    seg = Segments(1, block, block)
+    stream = copy_stream("high")
+    la = CopyLauncher(0, max_sms=8)
+    moved = n * block
+    from tiercache.benchcopy import _time_many
+
+    for i in range(len(nodes)):
+        try:
+            flat, keep = numa_host(moved, i)
+        except OSError as exc:
+            emit(section="numa", node=i, error=repr(exc))
+            continue
+        host = flat.reshape(n, block)
+        for direction in ("h2d", "d2h"):
+            src, dst = (host, dev) if direction == "h2d" else (dev, host)
+            fns = {"contig": lambda src=src, dst=dst: cupy.cuda.runtime.memcpyAsync(ptr(dst), ptr(src), moved,
+                                                                                    MEMCPY_DEFAULT, stream.ptr),
+                   "bulk8": lambda src=src, dst=dst: la.launch(src, s, dst, d, seg, stream, force="bulk"),
+                   "kernel8": lambda src=src, dst=dst: la.launch(src, s, dst, d, seg, stream, force="kernel")}
+            t = _time_many(fns, stream, reps, back_to_back=4)
+            emit(section="numa", node=i, dir=direction, **{k: round(moved / v / 1e9, 2) for k, v in t.items()},
+                 ratio_bulk=t["contig"] / t["bulk8"])
+        cupy.cuda.runtime.hostUnregister(host.ctypes.data)
+        del host, flat, keep
+
+
 def main(sections) -> None:
-    funcs = {"thp": thp, "gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split, "fit": fit,
+    funcs = {"hugetlb": hugetlb, "numa": numa, "wc": wc, "thp": thp, "gemm": gemm_info, "probe": probe, "whole": whole, "partial": partial, "batch": batch_split, "fit": fit,
              "large": large, "staged": staged_probe}
     if sections and sections[0] == "--repeat":  # run the listed sections again under a new name
         sections = sections[1:]

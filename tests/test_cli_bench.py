@@ -178,3 +178,28 @@ def test_overlap_table_names_each_method_and_both_slowdowns():
     assert "contiguous 53.7 GB/s h2d, 55.1 d2h" in lines[0] and "medians of 5 rounds" in lines[0]
     carved = next(ln for ln in lines if "scattered" in ln)
     assert carved.split() == ["tiercache", "h2d", "scattered", "4", "bulk", "88%", "88%", "+1.5%", "+0.5%", "+1.0%"]
+
+
+def test_copy_report_names_the_host_pages(monkeypatch):
+    """The copy report's header and partial-copy table say which pages the host blocks were on
+    (huge pages by default where reserved; the partial rows repeat on 4 KiB pages)."""
+    from tiercache.benchcopy import format_copy_report
+
+    sc = {"block_bytes": 16384, "direction": "h2d", "layout": "scattered", "contiguous_gbps": 55.0,
+          "tiercache_gbps": 50.0, "tiercache_ratio": 50 / 55, "tiercache_path": "bulk", "kernel_gbps": 49.0,
+          "kernel_ratio": 49 / 55, "naive_gbps": 5.5, "naive_ratio": 0.1, "host_page_bytes": 2 << 20}
+
+    def part(pages, ratio):
+        return {"num_tokens": 1, "direction": "h2d", "segment_bytes": 256, "partial_gbps": 55 * ratio,
+                "contiguous_gbps": 55.0, "ratio": ratio, "host_page_bytes": pages}
+    rep = {"device": "dev", "copy_kernel_sms": 8, "scattered": [sc], "partial": [part(2 << 20, 0.91), part(4096, 0.5)],
+           "planning": {"blocks": 4096, "submit_us_per_block": 0.4, "plan_us_per_block": 0.01},
+           "overlap": {"error": "skipped"}}
+    import tiercache.benchoverlap as bo
+
+    monkeypatch.setattr(bo, "format_overlap_report", lambda r: "overlap")
+    text = format_copy_report(rep)
+    assert "host memory on 2 MiB pages" in text.splitlines()[0]
+    rows = [ln.split() for ln in text.splitlines() if "/16 tok" in ln]
+    assert [r[4:6] for r in rows] == [["2", "MiB"], ["4", "KiB"]]
+    assert [r[-1] for r in rows] == ["91%", "50%"]

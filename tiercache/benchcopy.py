@@ -83,11 +83,13 @@ def scattered_slots(rng: np.random.Generator, n: int) -> np.ndarray:
             return p
 
 
-def _bufs(n: int, block: int, device_id: int, host_rows: int | None = None):
+def _bufs(n: int, block: int, device_id: int, host_rows: int | None = None, huge_pages: str = "auto"):
+    """``(host, owner, dev)``: ``host_rows`` (default ``n``) rows of ``block`` random bytes in
+    pinned memory (huge pages as the host tier would get them by default), ``n`` rows in VRAM."""
     import cupy
 
     rows = host_rows or n
-    host, owner = alloc_host(rows * block, pinned=True)
+    host, owner = alloc_host(rows * block, pinned=True, huge_pages=huge_pages)
     host = host.reshape(rows, block)
     host[:] = np.random.default_rng(0).integers(0, 256, size=(rows, block), dtype=np.uint8)
     with cupy.cuda.Device(device_id):
@@ -125,7 +127,8 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                 sp, dp = (src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr,
                           dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr)
                 seg = Segments(1, block, block)
-                res = {"block_bytes": block, "direction": direction, "layout": layout, "blocks": n, "bytes": nbytes}
+                res = {"block_bytes": block, "direction": direction, "layout": layout, "blocks": n, "bytes": nbytes,
+                       "host_page_bytes": _owner.page_bytes}
 
                 def contiguous():
                     cupy.cuda.runtime.memcpyAsync(dp, sp, nbytes, MEMCPY_DEFAULT, stream.ptr)
@@ -184,9 +187,11 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
 
 
 def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id: int = 0,
-                  copy_kernel_sms: int | None = None, seed: int = 1, log=print, launcher_kw: dict | None = None) -> list[dict]:
+                  copy_kernel_sms: int | None = None, seed: int = 1, log=print, launcher_kw: dict | None = None,
+                  huge_pages: str = "auto") -> list[dict]:
     """Partial copies (first N of 16 tokens) of Llama-3.1-8B KV blocks (2 MiB, layer-major),
-    against a contiguous copy of the same number of bytes."""
+    against a contiguous copy of the same number of bytes; host blocks on huge pages as
+    ``huge_pages`` asks (``auto``, ``on``, ``off``)."""
     import cupy
 
     pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8, tokens_per_block=16, head_dim=128,
@@ -196,7 +201,7 @@ def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id:
     rows = []
     with cupy.cuda.Device(device_id):
         stream = cupy.cuda.Stream(non_blocking=True)
-        host, _owner, dev = _bufs(blocks, pool.block_nbytes, device_id)
+        host, _owner, dev = _bufs(blocks, pool.block_nbytes, device_id, huge_pages=huge_pages)
         s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
         for n_tok in tokens:
             seg = segments_for(pool, n_tok)
@@ -209,10 +214,12 @@ def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id:
                                 "p": lambda: launcher.launch(src, s, dst, d, seg, stream)}, stream, reps, back_to_back=4)
                 t_c, t_p = t["c"], t["p"]
                 rows.append({"num_tokens": n_tok, "direction": direction, "blocks": blocks, "bytes": moved,
+                             "host_page_bytes": _owner.page_bytes,
                              "segment_bytes": seg.seg_bytes, "contiguous_gbps": moved / t_c / 1e9,
                              "partial_gbps": moved / t_p / 1e9, "ratio": t_c / t_p})
                 log(f"  partial {n_tok:>2}/16 tokens {direction}: {moved / t_p / 1e9:.1f} GB/s vs contiguous "
-                    f"{moved / t_c / 1e9:.1f} ({t_c / t_p:.0%}), segments of {seg.seg_bytes} B")
+                    f"{moved / t_c / 1e9:.1f} ({t_c / t_p:.0%}), segments of {seg.seg_bytes} B, host pages "
+                    f"{_pages(_owner.page_bytes)}")
     return rows
 
 
@@ -265,6 +272,9 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
     rep = {"job": "copy", "device": st.reason, "copy_kernel_sms": copy_kernel_sms}
     rep["scattered"] = bench_scattered(total=total, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
     rep["partial"] = bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
+    if rep["partial"][0]["host_page_bytes"] > 4 * KiB:  # huge pages: the same on 4 KiB pages, for comparison
+        rep["partial"] += bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms,
+                                        log=log, huge_pages="off")
     rep["planning"] = bench_planning(device_id=device_id, log=log)
     from .benchoverlap import bench_overlap
 
@@ -274,9 +284,16 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
     return rep
 
 
+def _pages(nbytes: int) -> str:
+    """A page size for the tables: ``4 KiB``, ``2 MiB``."""
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
 def format_copy_report(rep: dict) -> str:
     """The copy benchmark as tables."""
-    out = [f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'})", "",
+    pages = _pages(rep["scattered"][0].get("host_page_bytes", 4 * KiB)) if rep["scattered"] else "?"
+    out = [f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'}; "
+           f"host memory on {pages} pages)", "",
            f"  {'block':>8} {'dir':>4} {'host side':>10} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'path':>7} {'kernel':>7} "
            f"{'ratio':>6} {'bulk':>7} {'ratio':>6} {'staged':>7} {'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} "
            f"{'ratio':>6}"]
@@ -287,9 +304,10 @@ def format_copy_report(rep: dict) -> str:
                    f"{r.get('bulk_ratio', float('nan')):>6.0%} {r.get('staged_gbps', float('nan')):>7.1f} "
                    f"{r.get('staged_ratio', float('nan')):>6.0%} {r['naive_gbps']:>7.1f} "
                    f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} {r.get('batch_ratio', float('nan')):>6.0%}")
-    out += ["", f"  {'partial':>12} {'dir':>4} {'segment B':>10} {'GB/s':>7} {'contig':>7} {'ratio':>6}"]
+    out += ["", f"  {'partial':>12} {'dir':>4} {'segment B':>10} {'host pages':>10} {'GB/s':>7} {'contig':>7} {'ratio':>6}"]
     for r in rep["partial"]:
-        out.append(f"  {r['num_tokens']:>5}/16 tok {r['direction']:>4} {r['segment_bytes']:>10} {r['partial_gbps']:>7.1f} "
+        out.append(f"  {r['num_tokens']:>5}/16 tok {r['direction']:>4} {r['segment_bytes']:>10} "
+                   f"{_pages(r.get('host_page_bytes', 4 * KiB)):>10} {r['partial_gbps']:>7.1f} "
                    f"{r['contiguous_gbps']:>7.1f} {r['ratio']:>6.0%}")
     p = rep["planning"]
     out += ["", f"  planning a {p['blocks']}-block batch: {p['submit_us_per_block']:.2f} us/block submit "

@@ -101,7 +101,7 @@ class TierCache(EngineSlots):
         elif config.device_slots and cuda.available:
             self.tiers["device"] = make_device_tier(config.device_slots, config.pools, config.device_id)
         if config.host_slots:
-            self.tiers["host"] = make_host_tier(config.host_slots, config.pools)
+            self.tiers["host"] = make_host_tier(config.host_slots, config.pools, huge_pages=config.host_huge_pages)
         if config.file_slots:
             self.tiers["file"] = FileTier(
                 config.root, config.pools, config.file_capacity_slots, self.io_path, fsync=config.fsync,
@@ -718,7 +718,8 @@ class TierCache(EngineSlots):
                     "free": ts.free_count,
                     "bytes_used": len(ts) * per_block,
                     "bytes_capacity": ts.num_slots * per_block,
-                    **({"pinned_memory": t.pinned} if name == "host" else {}),
+                    **({"pinned_memory": t.pinned, "page_bytes": sorted({m["page_bytes"] for m in t.memory()})}
+                       if name == "host" else {}),
                     **({"root": str(t.root), "bytes_on_disk": len(ts) * self.config.block_file_bytes,
                         "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io}
                        if name == "file" else {}),

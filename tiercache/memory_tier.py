@@ -38,6 +38,11 @@ class MemoryTier:
         self.pinned = pinned
         self._owners = owners or []
 
+    def memory(self) -> list[dict]:
+        """Per allocation of a host tier, where its memory came from (pinned, page size,
+        source; see :class:`~tiercache.hostmem.HostMemory`); empty for a device tier."""
+        return [o.describe() for o in self._owners if hasattr(o, "describe")]
+
     def array(self, pool: str):
         """The raw ``uint8`` array ``[num_slots, block_nbytes]`` of ``pool``.
 
@@ -75,17 +80,23 @@ class MemoryTier:
         return sum(p.block_nbytes for p in self.pools.values()) * self.num_slots
 
 
-def make_host_tier(num_slots: int, pools: tuple[PoolSpec, ...], pinned: bool | None = None) -> MemoryTier:
+def make_host_tier(num_slots: int, pools: tuple[PoolSpec, ...], pinned: bool | None = None,
+                   huge_pages: str = "off") -> MemoryTier:
     """A host tier of ``num_slots`` slots per pool, one allocation per pool.
 
-    Memory is pinned when CUDA is usable (or ``pinned=True``), page-aligned in every case.
+    Memory is pinned when CUDA is usable (or ``pinned=True``), page-aligned in every case, on
+    huge pages as ``huge_pages`` asks (``auto``, ``on``, ``off``; see
+    :func:`~tiercache.hostmem.alloc_host`).
+
+    Raises:
+        TierUnavailableError: ``huge_pages = "on"`` and too few huge pages are free.
     """
     from .cuda import cuda_status
 
     is_pinned = cuda_status().available if pinned is None else pinned
     arrays, owners = {}, []
     for p in pools:
-        flat, owner = alloc_host(num_slots * p.block_nbytes, pinned=is_pinned)
+        flat, owner = alloc_host(num_slots * p.block_nbytes, pinned=is_pinned, huge_pages=huge_pages)
         arrays[p.name] = flat.reshape(num_slots, p.block_nbytes)
         owners.append(owner)
     return MemoryTier("host", num_slots, pools, arrays, on_device=False, pinned=is_pinned, owners=owners)
