@@ -182,7 +182,7 @@ def test_overlap_table_names_each_method_and_both_slowdowns():
 
 def test_copy_report_names_the_host_pages(monkeypatch):
     """The copy report's header and partial-copy table say which pages the host blocks were on
-    (huge pages by default where reserved; the partial rows repeat on 4 KiB pages)."""
+    (huge pages by default where reserved)."""
     from tiercache.benchcopy import format_copy_report
 
     sc = {"block_bytes": 16384, "direction": "h2d", "layout": "scattered", "contiguous_gbps": 55.0,

@@ -272,9 +272,6 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
     rep = {"job": "copy", "device": st.reason, "copy_kernel_sms": copy_kernel_sms}
     rep["scattered"] = bench_scattered(total=total, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
     rep["partial"] = bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
-    if rep["partial"][0]["host_page_bytes"] > 4 * KiB:  # huge pages: the same on 4 KiB pages, for comparison
-        rep["partial"] += bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms,
-                                        log=log, huge_pages="off")
     rep["planning"] = bench_planning(device_id=device_id, log=log)
     from .benchoverlap import bench_overlap
 

@@ -4,11 +4,10 @@ With CUDA: pinned (page-locked) memory, so copies to and from VRAM run at full P
 asynchronously, and copy kernels reach it through unified addressing. It comes from one of:
 
 - **Huge pages** (``MAP_HUGETLB``, the size the kernel's ``Hugepagesize`` names, usually 2 MiB)
-  registered with CUDA (``cudaHostRegister``). The GPU then translates one entry per huge page
-  instead of one per 4 KiB. On a lent H100 this took the SM-driven copy of the first token of
-  each 2 MiB KV block (256-byte pieces 4 KiB apart, 1 GiB of host blocks) from 50% to 90% of a
-  contiguous copy, with whole 16 KiB blocks unchanged (90%); docs/performance.md, session 5.
-  The pages must have been reserved by the administrator (``sysctl vm.nr_hugepages=N``).
+  registered with CUDA (``cudaHostRegister``), where the administrator reserved them
+  (``sysctl vm.nr_hugepages=N``). Pinning them is faster: on a lent H100 machine, 16 GiB took
+  6.2 s against 10.6 s from ``cudaHostAlloc`` (4 GiB: 0.7-1.3 s against 3.3 s). Copies run at
+  the same speed from either (benchmarks/host_alloc.py; docs/performance.md, session 5).
 - CuPy's ``alloc_pinned_memory`` (``cudaHostAlloc``, 4 KiB pages) otherwise.
 
 Without CUDA: an anonymous ``mmap`` (huge pages where asked for and reserved), page-aligned,
