@@ -33,6 +33,7 @@ from .common import fail as _fail
 from .inspect_cmd import inspect
 from .purge_cmd import purge
 from .verify_cmd import verify
+from .calibrate_cmd import calibrate
 
 
 class OutputFormat(str, Enum):
@@ -71,6 +72,7 @@ def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log tie
 app.command()(inspect)
 app.command()(purge)
 app.command()(verify)
+app.command()(calibrate)
 
 
 @app.command()
