@@ -414,8 +414,44 @@ def carve2() -> None:
     carveout(rounds=6, methods_fn=second_methods, gemm_table=False)
 
 
+def batch_sizes(reps: int = 5) -> None:
+    """Where the batched driver copy's host -> device cliff lies: 4096 copies of c bytes, 32 KiB
+    apart at scattered slots on both sides, for c around 16 KiB, with each source access order
+    (1 stream, 2 during the API call, 3 any) and the prefer-overlap flag; against contiguous."""
+    import cupy
+
+    from tiercache.batchcopy import BatchCopy, _Attrs
+    from tiercache.benchcopy import _time_many
+
+    bc = BatchCopy()
+    if not bc.available:
+        emit(section="batch_sizes", error="no cuMemcpyBatchAsync")
+        return
+    stride, n = 32 * KiB, 4096
+    rng = np.random.default_rng(8)
+    host, _o, dev = _bufs(n, stride, 0)
+    ts = copy_stream("high")
+    hs, ds = scattered_slots(rng, n), scattered_slots(rng, n)
+    for c in (8 * KiB, 12 * KiB, 16 * KiB - 256, 16 * KiB, 16 * KiB + 256, 20 * KiB, 24 * KiB, 32 * KiB):
+        for direction in ("h2d", "d2h"):
+            src, sl, dst, dl = (host, hs, dev, ds) if direction == "h2d" else (dev, ds, host, hs)
+            srcs = np.uint64(ptr(src)) + sl.astype(np.uint64) * np.uint64(stride)
+            dsts = np.uint64(ptr(dst)) + dl.astype(np.uint64) * np.uint64(stride)
+            fns = {"contig": lambda src=src, dst=dst, c=c: cupy.cuda.runtime.memcpyAsync(
+                ptr(dst), ptr(src), n * c, MEMCPY_DEFAULT, ts.ptr)}
+            keep = []
+            for order, flags in ((1, 0), (2, 0), (3, 0), (1, 1), (3, 1)):
+                args = bc.prepare(dsts, srcs, np.full(n, c, dtype=np.uint64))
+                args = (*args[:3], _Attrs(order, 0, 0, 0, 0, flags), *args[4:])
+                keep.append(args)
+                fns[f"o{order}f{flags}"] = lambda args=args: bc.launch(args, ts.ptr)
+            t = _time_many(fns, ts, reps, back_to_back=2)
+            emit(section="batch_sizes", bytes=c, dir=direction, **{k: round(n * c / v / 1e9, 2) for k, v in t.items()},
+                 us_per_copy={k: round(v / n * 1e6, 3) for k, v in t.items() if k != "contig"})
+
+
 def main(sections) -> None:
-    funcs = {"carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
+    funcs = {"batch_sizes": batch_sizes, "carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
     for name in sections or list(funcs):
         try:
             funcs[name]()
