@@ -450,8 +450,78 @@ def batch_sizes(reps: int = 5) -> None:
                  us_per_copy={k: round(v / n * 1e6, 3) for k, v in t.items() if k != "contig"})
 
 
+def split_sets(hs: np.ndarray, frac: float, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of a batch to send through the copy engines (whole runs of >= 2 consecutive host
+    slots, in random order, up to ``frac`` of the blocks) and the rest (to the SM kernel)."""
+    order = np.argsort(hs, kind="stable")
+    hsorted = hs[order]
+    starts = np.flatnonzero(np.concatenate(([True], np.diff(hsorted) != 1)))
+    lengths = np.diff(np.concatenate((starts, [hs.size])))
+    runs = [order[a:a + m] for a, m in zip(starts.tolist(), lengths.tolist()) if m >= 2]
+    ce, total = [], 0
+    for i in rng.permutation(len(runs)):
+        if total + runs[i].size > frac * hs.size:
+            continue
+        ce.append(runs[i])
+        total += runs[i].size
+    ce = np.sort(np.concatenate(ce)) if ce else np.zeros(0, dtype=np.int64)
+    rest = np.setdiff1d(np.arange(hs.size), ce)
+    return ce, rest
+
+
+def split(reps: int = 5) -> None:
+    """16 KiB blocks host <-> device split between the copy engines (the staged path: runs of
+    >= 2 host slots, 32 KiB and up per copy, into staging VRAM, then a scatter kernel) and the
+    bulk kernel on 8 SMs, running at once: do the two paths add up past the SMs' ceiling?"""
+    import cupy
+
+    from tiercache.benchcopy import _time_many
+
+    block, n = 16 * KiB, 8192
+    rng = np.random.default_rng(17)
+    host, _o, dev = _bufs(n, block, 0, host_rows=2 * n)
+    ds = scattered_slots(rng, n)
+    layouts = {"scattered": rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False))),
+               "host-runs": (rng.permutation(n // 64)[:, None] * 64 + np.arange(64)).reshape(-1)}
+    la = CopyLauncher(0, max_sms=8)
+    seg = Segments(1, block, block)
+    ts, sa = copy_stream("high"), copy_stream("high")
+    nbytes = n * block
+    for layout, hs in layouts.items():
+        for direction in ("h2d", "d2h"):
+            src, sl, dst, dl = (host, hs, dev, ds) if direction == "h2d" else (dev, ds, host, hs)
+            fns = {"contig": lambda src=src, dst=dst: cupy.cuda.runtime.memcpyAsync(ptr(dst), ptr(src), nbytes,
+                                                                                    MEMCPY_DEFAULT, ts.ptr),
+                   "bulk": lambda src=src, sl=sl, dst=dst, dl=dl: la.launch(src, sl, dst, dl, seg, ts, force="bulk"),
+                   "staged": lambda src=src, sl=sl, dst=dst, dl=dl: la.launch(src, sl, dst, dl, seg, ts, force="staged")}
+            sets = {}
+            for frac in (0.2, 0.35, 0.5, 0.65, 0.8):
+                ce, rest = split_sets(hs, frac, rng)
+                sets[frac] = (ce.size / n, ce, rest)
+
+                def hybrid(src=src, sl=sl, dst=dst, dl=dl, ce=ce, rest=rest):
+                    sa.wait_event(ts.record())
+                    la.staged.copy(src, sl[ce], dst, dl[ce], ts)
+                    la.launch(src, sl[rest], dst, dl[rest], seg, sa, force="bulk")
+                    ts.wait_event(sa.record())
+                fns[f"split{frac}"] = hybrid
+            t = _time_many(fns, ts, reps, back_to_back=4)
+            ok = {}
+            for name in fns:  # each method alone into a zeroed destination
+                if name != "contig":
+                    _zero(dst, dl)
+                    cupy.cuda.Device().synchronize()  # the zeroing ran on the default stream
+                    fns[name]()
+                    ts.synchronize()
+                    ok[name] = _same(src, sl, dst, dl)
+            emit(section="split", layout=layout, dir=direction, ok=all(ok.values()), bad=[k for k, v in ok.items() if not v],
+                 **{k: round(t["contig"] / v, 3) for k, v in t.items() if k != "contig"},
+                 contig_gbps=round(nbytes / t["contig"] / 1e9, 1),
+                 ce_share={k: round(v[0], 2) for k, v in sets.items()})
+
+
 def main(sections) -> None:
-    funcs = {"batch_sizes": batch_sizes, "carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
+    funcs = {"split": split, "batch_sizes": batch_sizes, "carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
     for name in sections or list(funcs):
         try:
             funcs[name]()
