@@ -450,12 +450,16 @@ def batch_sizes(reps: int = 5) -> None:
                  us_per_copy={k: round(v / n * 1e6, 3) for k, v in t.items() if k != "contig"})
 
 
-def split_sets(hs: np.ndarray, frac: float, rng) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of a batch to send through the copy engines (whole runs of >= 2 consecutive host
-    slots, in random order, up to ``frac`` of the blocks) and the rest (to the SM kernel)."""
+def split_sets(hs: np.ndarray, frac: float, rng, max_run: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of a batch to send through the copy engines (whole runs of 2..``max_run``
+    consecutive host slots, in random order, up to ``frac`` of the blocks) and the rest (to the
+    SM kernel)."""
     order = np.argsort(hs, kind="stable")
     hsorted = hs[order]
+    pos = np.arange(hs.size)
     starts = np.flatnonzero(np.concatenate(([True], np.diff(hsorted) != 1)))
+    since = pos - starts[np.searchsorted(starts, pos, side="right") - 1]
+    starts = np.flatnonzero((since % max_run) == 0)
     lengths = np.diff(np.concatenate((starts, [hs.size])))
     runs = [order[a:a + m] for a, m in zip(starts.tolist(), lengths.tolist()) if m >= 2]
     ce, total = [], 0
@@ -469,7 +473,7 @@ def split_sets(hs: np.ndarray, frac: float, rng) -> tuple[np.ndarray, np.ndarray
     return ce, rest
 
 
-def split(reps: int = 5) -> None:
+def split(reps: int = 5, only: tuple = ()) -> None:
     """16 KiB blocks host <-> device split between the copy engines (the staged path: runs of
     >= 2 host slots, 32 KiB and up per copy, into staging VRAM, then a scatter kernel) and the
     bulk kernel on 8 SMs, running at once: do the two paths add up past the SMs' ceiling?"""
@@ -488,6 +492,8 @@ def split(reps: int = 5) -> None:
     ts, sa = copy_stream("high"), copy_stream("high")
     nbytes = n * block
     for layout, hs in layouts.items():
+        if only and layout not in only:
+            continue
         for direction in ("h2d", "d2h"):
             src, sl, dst, dl = (host, hs, dev, ds) if direction == "h2d" else (dev, ds, host, hs)
             fns = {"contig": lambda src=src, dst=dst: cupy.cuda.runtime.memcpyAsync(ptr(dst), ptr(src), nbytes,
@@ -521,7 +527,7 @@ def split(reps: int = 5) -> None:
 
 
 def main(sections) -> None:
-    funcs = {"split": split, "batch_sizes": batch_sizes, "carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
+    funcs = {"split_runs": lambda: split(only=("host-runs",)), "split": split, "batch_sizes": batch_sizes, "carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
     for name in sections or list(funcs):
         try:
             funcs[name]()

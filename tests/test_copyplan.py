@@ -90,3 +90,13 @@ def test_staged_runs_stop_at_chunks_and_allocations():
     # a gap in the addresses opens a run too; one group, one chunk
     gap = np.array([0, 1, 2, 5, 6, 9]) * row
     assert run_starts(gap, np.zeros(6, int), row, np.zeros(5, bool)).tolist() == [0, 3, 5]
+
+
+def test_staged_copy_of_nothing_enqueues_nothing():
+    """An empty batch returns before touching CUDA (no staging VRAM, no streams)."""
+    from tiercache.stagedcopy import StagedCopier
+
+    sc = StagedCopier(launcher=None)
+    empty = np.zeros(0, dtype=np.int64)
+    sc.copy_addrs(empty, empty, 4096, True, stream=None)
+    assert sc._buf is None and sc._aux is None

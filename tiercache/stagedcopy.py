@@ -129,6 +129,8 @@ class StagedCopier:
         Raises:
             ValueError: ``row`` exceeds ``chunk_bytes``.
         """
+        if host_at.size == 0:
+            return
         buf, aux = self._setup()
         per_chunk = max(1, self.chunk_bytes // row)
         if per_chunk * row > self.chunk_bytes:  # a block larger than a chunk: no staging
