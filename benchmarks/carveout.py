@@ -33,6 +33,7 @@ from tiercache.memcopy import data_ptr as ptr
 from tiercache.streams import copy_stream
 
 KiB = 1024
+MiB_ = 1 << 20
 RINGS = ((4, 2, 16 * KiB), (8, 6, 16 * KiB), (12, 10, 16 * KiB), (6, 4, 32 * KiB))
 
 
@@ -526,8 +527,41 @@ def split(reps: int = 5, only: tuple = ()) -> None:
                  ce_share={k: round(v[0], 2) for k, v in sets.items()})
 
 
+def locality(reps: int = 5) -> None:
+    """Does the SMs' host -> device ceiling depend on where in host memory the blocks lie?
+    16 KiB blocks (128 MiB per request) by the bulk and gather kernels to scattered device slots,
+    the host side sequential, in runs of 64, scattered over 256 MiB, or scattered (with repeats)
+    within a small region that an IOMMU's translation cache could hold."""
+    import cupy
+
+    from tiercache.benchcopy import _time_many
+
+    block, n = 16 * KiB, 8192
+    rng = np.random.default_rng(23)
+    host, _o, dev = _bufs(n, block, 0, host_rows=2 * n)
+    ds = scattered_slots(rng, n)
+    la = CopyLauncher(0, max_sms=8)
+    seg = Segments(1, block, block)
+    ts = copy_stream("high")
+    nbytes = n * block
+    layouts = {"sequential": np.arange(n), "runs64": (rng.permutation(n // 64)[:, None] * 64 + np.arange(64)).reshape(-1),
+               "scattered_256MiB": rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))}
+    for region_mib in (2, 8, 32):
+        layouts[f"repeats_in_{region_mib}MiB"] = rng.integers(0, region_mib * MiB_ // block, size=n)
+    fns = {"contig": lambda: cupy.cuda.runtime.memcpyAsync(ptr(dev), ptr(host), nbytes, MEMCPY_DEFAULT, ts.ptr),
+           "contig_2MiB_pieces": lambda: [cupy.cuda.runtime.memcpyAsync(ptr(dev) + o, ptr(host) + o, 2 * MiB_,
+                                                                        MEMCPY_DEFAULT, ts.ptr)
+                                          for o in range(0, nbytes, 2 * MiB_)]}
+    for name, hs in layouts.items():
+        fns[f"bulk_{name}"] = lambda hs=hs: la.launch(host, hs, dev, ds, seg, ts, force="bulk")
+        fns[f"kernel_{name}"] = lambda hs=hs: la.launch(host, hs, dev, ds, seg, ts, force="kernel")
+    t = _time_many(fns, ts, reps, back_to_back=4)
+    emit(section="locality", contig_gbps=round(nbytes / t["contig"] / 1e9, 1),
+         **{k: round(t["contig"] / v, 3) for k, v in t.items() if k != "contig"})
+
+
 def main(sections) -> None:
-    funcs = {"split_runs": lambda: split(only=("host-runs",)), "split": split, "batch_sizes": batch_sizes, "carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
+    funcs = {"locality": locality, "split_runs": lambda: split(only=("host-runs",)), "split": split, "batch_sizes": batch_sizes, "carve_wc": carve_wc, "sweep": sweep, "carveout": carveout, "hybrid": hybrid, "carve2": carve2, "carve3": carve3, "carve4": carve4, "hop": hop}
     for name in sections or list(funcs):
         try:
             funcs[name]()
