@@ -190,7 +190,8 @@ def test_copy_report_names_the_host_pages(monkeypatch):
           "kernel_ratio": 49 / 55, "naive_gbps": 5.5, "naive_ratio": 0.1, "host_page_bytes": 2 << 20}
 
     def part(pages, ratio):
-        return {"num_tokens": 1, "direction": "h2d", "segment_bytes": 256, "partial_gbps": 55 * ratio,
+        return {"layout": "layer_major" if pages > 4096 else "token_major", "num_tokens": 1, "direction": "h2d",
+                "segment_bytes": 256, "partial_gbps": 55 * ratio,
                 "contiguous_gbps": 55.0, "ratio": ratio, "host_page_bytes": pages}
     rep = {"device": "dev", "copy_kernel_sms": 8, "scattered": [sc], "partial": [part(2 << 20, 0.91), part(4096, 0.5)],
            "planning": {"blocks": 4096, "submit_us_per_block": 0.4, "plan_us_per_block": 0.01},
@@ -201,5 +202,6 @@ def test_copy_report_names_the_host_pages(monkeypatch):
     text = format_copy_report(rep)
     assert "host memory on 2 MiB pages" in text.splitlines()[0]
     rows = [ln.split() for ln in text.splitlines() if "/16 tok" in ln]
-    assert [r[4:6] for r in rows] == [["2", "MiB"], ["4", "KiB"]]
+    assert [r[2] for r in rows] == ["layer_major", "token_major"]
+    assert [r[5:7] for r in rows] == [["2", "MiB"], ["4", "KiB"]]
     assert [r[-1] for r in rows] == ["91%", "50%"]

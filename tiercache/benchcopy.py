@@ -188,38 +188,43 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
 
 def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id: int = 0,
                   copy_kernel_sms: int | None = None, seed: int = 1, log=print, launcher_kw: dict | None = None,
-                  huge_pages: str = "auto") -> list[dict]:
-    """Partial copies (first N of 16 tokens) of Llama-3.1-8B KV blocks (2 MiB, layer-major),
-    against a contiguous copy of the same number of bytes; host blocks on huge pages as
-    ``huge_pages`` asks (``auto``, ``on``, ``off``)."""
+                  huge_pages: str = "auto", layouts=("layer_major", "token_major")) -> list[dict]:
+    """Partial copies (first N of 16 tokens) of Llama-3.1-8B KV blocks (2 MiB) in each of
+    ``layouts``, against a contiguous copy of the same number of bytes; host blocks on huge pages
+    as ``huge_pages`` asks (``auto``, ``on``, ``off``). Layer-major blocks give one segment of
+    ``N * 256`` bytes per (layer, K/V, head), 4 KiB apart; token-major blocks one segment of
+    ``N * 128 KiB``."""
     import cupy
 
-    pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8, tokens_per_block=16, head_dim=128,
-                       dtype="bfloat16")
     rng = np.random.default_rng(seed)
     launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms, **(launcher_kw or {}))
     rows = []
     with cupy.cuda.Device(device_id):
         stream = cupy.cuda.Stream(non_blocking=True)
-        host, _owner, dev = _bufs(blocks, pool.block_nbytes, device_id, huge_pages=huge_pages)
-        s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
-        for n_tok in tokens:
-            seg = segments_for(pool, n_tok)
-            moved = blocks * seg.nbytes
-            for direction in ("h2d", "d2h"):
-                src, dst = (host, dev) if direction == "h2d" else (dev, host)
-                sp = src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr
-                dp = dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr
-                t = _time_many({"c": lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, moved, MEMCPY_DEFAULT, stream.ptr),
-                                "p": lambda: launcher.launch(src, s, dst, d, seg, stream)}, stream, reps, back_to_back=4)
-                t_c, t_p = t["c"], t["p"]
-                rows.append({"num_tokens": n_tok, "direction": direction, "blocks": blocks, "bytes": moved,
-                             "host_page_bytes": _owner.page_bytes,
-                             "segment_bytes": seg.seg_bytes, "contiguous_gbps": moved / t_c / 1e9,
-                             "partial_gbps": moved / t_p / 1e9, "ratio": t_c / t_p})
-                log(f"  partial {n_tok:>2}/16 tokens {direction}: {moved / t_p / 1e9:.1f} GB/s vs contiguous "
-                    f"{moved / t_c / 1e9:.1f} ({t_c / t_p:.0%}), segments of {seg.seg_bytes} B, host pages "
-                    f"{_pages(_owner.page_bytes)}")
+        for layout in layouts:
+            pool = PoolSpec.kv("kv", num_layers=32, kv_factor=2, num_kv_heads=8, tokens_per_block=16, head_dim=128,
+                               dtype="bfloat16", layout=layout)
+            host, _owner, dev = _bufs(blocks, pool.block_nbytes, device_id, huge_pages=huge_pages)
+            s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
+            for n_tok in tokens:
+                seg = segments_for(pool, n_tok)
+                moved = blocks * seg.nbytes
+                for direction in ("h2d", "d2h"):
+                    src, dst = (host, dev) if direction == "h2d" else (dev, host)
+                    sp = src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr
+                    dp = dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr
+                    t = _time_many({"c": lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, moved, MEMCPY_DEFAULT, stream.ptr),
+                                    "p": lambda: launcher.launch(src, s, dst, d, seg, stream)}, stream, reps,
+                                   back_to_back=4)
+                    t_c, t_p = t["c"], t["p"]
+                    rows.append({"layout": layout, "num_tokens": n_tok, "direction": direction, "blocks": blocks,
+                                 "bytes": moved, "host_page_bytes": _owner.page_bytes,
+                                 "segment_bytes": seg.seg_bytes, "contiguous_gbps": moved / t_c / 1e9,
+                                 "partial_gbps": moved / t_p / 1e9, "ratio": t_c / t_p})
+                    log(f"  partial {layout} {n_tok:>2}/16 tokens {direction}: {moved / t_p / 1e9:.1f} GB/s vs "
+                        f"contiguous {moved / t_c / 1e9:.1f} ({t_c / t_p:.0%}), segments of {seg.seg_bytes} B, host "
+                        f"pages {_pages(_owner.page_bytes)}")
+            del host, dev, _owner
     return rows
 
 
@@ -301,9 +306,10 @@ def format_copy_report(rep: dict) -> str:
                    f"{r.get('bulk_ratio', float('nan')):>6.0%} {r.get('staged_gbps', float('nan')):>7.1f} "
                    f"{r.get('staged_ratio', float('nan')):>6.0%} {r['naive_gbps']:>7.1f} "
                    f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} {r.get('batch_ratio', float('nan')):>6.0%}")
-    out += ["", f"  {'partial':>12} {'dir':>4} {'segment B':>10} {'host pages':>10} {'GB/s':>7} {'contig':>7} {'ratio':>6}"]
+    out += ["", f"  {'partial':>12} {'layout':>11} {'dir':>4} {'segment B':>10} {'host pages':>10} {'GB/s':>7} "
+                f"{'contig':>7} {'ratio':>6}"]
     for r in rep["partial"]:
-        out.append(f"  {r['num_tokens']:>5}/16 tok {r['direction']:>4} {r['segment_bytes']:>10} "
+        out.append(f"  {r['num_tokens']:>5}/16 tok {r.get('layout', 'layer_major'):>11} {r['direction']:>4} {r['segment_bytes']:>10} "
                    f"{_pages(r.get('host_page_bytes', 4 * KiB)):>10} {r['partial_gbps']:>7.1f} "
                    f"{r['contiguous_gbps']:>7.1f} {r['ratio']:>6.0%}")
     p = rep["planning"]
