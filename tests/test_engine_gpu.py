@@ -483,3 +483,50 @@ def test_offload_without_staging_vram_falls_back(tmp_path, rng, monkeypatch):
     assert not eng.launcher.staged.available
     assert np.array_equal(eng.tiers["host"].arrays["blk"][20:60], data[:40])
     assert eng.copy("device", ds, "host", np.arange(20, 60)).wait().path in ("bulk", "kernel")  # no second warning
+
+
+@pytest.mark.parametrize("layout,num_tokens,batch_min,want", [
+    ("token_major", 1, 1024, "batch"),   # one segment per block: 1 token x 1536 bytes
+    ("token_major", 5, 4096, "batch"),   # 5 x 1536 bytes
+    ("token_major", 5, 1 << 30, None),   # segments below batch_min_bytes: an SM kernel
+    ("layer_major", 3, 256, "batch"),    # 12 segments of 3 x 128 bytes per block
+])
+def test_long_segments_take_the_copy_engines(rng, layout, num_tokens, batch_min, want):
+    """Partial copies whose segments are at least ``batch_min_bytes`` go to the batched driver
+    copy, one copy per segment, host -> device -> host: exactly those bytes, the rest untouched."""
+    import cupy
+
+    from tiercache.copykernels import CopyLauncher, segments_for
+    from tiercache.hostmem import alloc_host
+
+    pool = PoolSpec.kv("kv", num_layers=3, kv_factor=2, num_kv_heads=2, tokens_per_block=8, head_dim=64,
+                       dtype="float16", layout=layout)
+    seg = segments_for(pool, num_tokens)
+    la = CopyLauncher(0, max_sms=4, batch_min_bytes=batch_min)
+    if want == "batch" and not la.batch.available:
+        pytest.skip("cuMemcpyBatchAsync needs CUDA 12.8")
+    assert (seg.seg_bytes >= batch_min) == (want == "batch")
+    n, row = 23, pool.block_nbytes
+    src, _o1 = alloc_host(n * row, pinned=True)
+    back, _o2 = alloc_host(n * row, pinned=True)
+    src, back = src.reshape(n, row), back.reshape(n, row)
+    src[:] = rng.integers(1, 256, size=src.shape, dtype=np.uint8)
+    back[:] = rng.integers(1, 256, size=back.shape, dtype=np.uint8)
+    before = back.copy()
+    dev = cupy.asarray(rng.integers(1, 256, size=(n, row), dtype=np.uint8))
+    dev_before = dev.get()
+    s, d, h = (rng.permutation(n)[:17] for _ in range(3))
+    st = cupy.cuda.Stream(non_blocking=True)
+    paths = {la.launch(src, s, dev, d, seg, st), la.launch(dev, d, back, h, seg, st)}
+    st.synchronize()
+    assert (paths == {want}) if want else ("batch" not in paths)
+
+    def head(a):
+        return a.reshape(a.shape[0], seg.segs, seg.seg_stride)[:, :, :seg.seg_bytes]
+
+    want_dev = dev_before.copy()
+    head(want_dev)[d] = head(src[s])
+    assert np.array_equal(dev.get(), want_dev)
+    want_back = before.copy()
+    head(want_back)[h] = head(want_dev[d])
+    assert np.array_equal(back, want_back)

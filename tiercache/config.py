@@ -110,9 +110,11 @@ class CacheConfig:
             leaving the rest to the engine's compute (docs/performance.md).
         memcpy_min_bytes: runs of consecutive slots of at least this many bytes go to
             ``cudaMemcpyAsync`` (copy engines, no SMs); shorter ones to the kernel.
-        batch_min_bytes: other blocks of at least this many bytes go to ``cuMemcpyBatchAsync``
-            (copy engines, no SMs) where the driver has it; default 256 KiB, where the copy
-            engines measured 96-98% of a contiguous copy and the SM kernels 90-94%.
+        batch_min_bytes: other blocks, and segments of partial copies (the first tokens of a
+            token-major block are one segment), of at least this many bytes go to
+            ``cuMemcpyBatchAsync`` (copy engines, no SMs) where the driver has it; default
+            256 KiB, where the copy engines measured 96-98% of a contiguous copy and the SM
+            kernels 90-94%. ``tiercache calibrate`` measures this machine's crossover.
         batch_streams: streams (and so copy engines) one ``cuMemcpyBatchAsync`` batch is split
             over, 1..16; default 2 (256 KiB blocks: 97-100% of contiguous, against 97-102% on one
             stream and 87% at 64 KiB).

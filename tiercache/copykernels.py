@@ -11,9 +11,10 @@ Per pool, a batch is planned into runs of consecutive slots on both sides
   (:mod:`tiercache.stagedcopy`): copy engines for PCIe, the gather/scatter kernel for the
   scatter/gather in VRAM (a burst on every SM, or on the carve-out's SMs). SMs that write host
   memory slow compute on the other SMs (~50% for a bf16 GEMM on an H100); copy engines do not;
-- other blocks of at least ``batch_min_bytes``: ``cuMemcpyBatchAsync``, split over
-  ``batch_streams`` streams (copy engines; per-block ``cudaMemcpyAsync`` where the driver lacks
-  it);
+- other blocks of at least ``batch_min_bytes``, and partial copies whose segments are that
+  long (token-major blocks: one segment per block): ``cuMemcpyBatchAsync``, one copy per
+  segment, split over ``batch_streams`` streams (copy engines; per-segment
+  ``cudaMemcpyAsync`` where the driver lacks it);
 - the rest, 16-byte aligned, on sm_90+: one launch of the bulk-copy kernel
   (``kernels/copy_bulk.cu``): the Tensor Memory Accelerator moves blocks (or the first tokens
   of each, as segments) global -> shared -> global, one warp per CTA driving a ring of
@@ -105,7 +106,8 @@ class CopyLauncher:
         threads: threads per block.
         unroll: chunks in flight per thread (4 or 8).
         memcpy_min_bytes: runs at least this long go to ``cudaMemcpyAsync``.
-        batch_min_bytes: other blocks at least this long go to ``cuMemcpyBatchAsync``.
+        batch_min_bytes: other blocks (and segments of partial copies) at least this long go to
+            ``cuMemcpyBatchAsync``.
         staged_min_run_bytes: host <-> device batches whose host-side runs average at least
             this many bytes take the staged path; 0 (the default) turns it off (alone it matches the
             bulk kernel, 90-98% of contiguous; beside a GEMM it needs deep staging, see
@@ -286,21 +288,25 @@ class CopyLauncher:
     def _launch_offsets(self, sp: int, src_off: np.ndarray, dp: int, dst_off: np.ndarray, row: int, seg: Segments,
                         stream, force: str | None, used: set, vec: int) -> None:
         """Copy block ``i`` from ``sp + src_off[i]`` to ``dp + dst_off[i]`` (``int64`` byte offsets;
-        with bases 0 they are addresses) by the batched driver copy, the bulk kernel or the
-        gather/scatter kernel, whichever applies; adds the path to ``used``."""
+        with bases 0 they are addresses) by the batched driver copy (segments of at least
+        ``batch_min_bytes``), the bulk kernel or the gather/scatter kernel, whichever applies;
+        adds the path to ``used``."""
         import cupy
 
         n = src_off.size
-        whole = seg.segs == 1 and seg.seg_bytes == row
-        if whole and (force == "batch" or (force is None and row >= self.batch_min_bytes)):
-            srcs = np.uint64(sp) + src_off.astype(np.uint64)
-            dsts = np.uint64(dp) + dst_off.astype(np.uint64)
+        if force == "batch" or (force is None and seg.seg_bytes >= self.batch_min_bytes):
+            # one copy-engine copy per segment (a whole block is one segment): segments this long
+            # move faster there than by SMs, and the copy engines leave the SMs to compute (a
+            # token-major partial copy is one N x 128 KiB segment per Llama-8B block)
+            step = np.arange(seg.segs, dtype=np.uint64) * np.uint64(seg.seg_stride)
+            srcs = ((np.uint64(sp) + src_off.astype(np.uint64))[:, None] + step).reshape(-1)
+            dsts = ((np.uint64(dp) + dst_off.astype(np.uint64))[:, None] + step).reshape(-1)
             if self.batch.available:
-                self._launch_batch(dsts, srcs, row, stream)
+                self._launch_batch(dsts, srcs, seg.seg_bytes, stream)
                 used.add("batch")
             else:
                 for a, b in zip(srcs.tolist(), dsts.tolist()):
-                    cupy.cuda.runtime.memcpyAsync(b, a, row, MEMCPY_DEFAULT, stream.ptr)
+                    cupy.cuda.runtime.memcpyAsync(b, a, seg.seg_bytes, MEMCPY_DEFAULT, stream.ptr)
                 used.add("memcpy")
             return
         table = self.offsets_table([src_off], [dst_off])
