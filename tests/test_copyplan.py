@@ -100,3 +100,19 @@ def test_staged_copy_of_nothing_enqueues_nothing():
     empty = np.zeros(0, dtype=np.int64)
     sc.copy_addrs(empty, empty, 4096, True, stream=None)
     assert sc._buf is None and sc._aux is None
+
+
+def test_single_large_blocks_stay_off_the_per_block_memcpy():
+    """Runs go to cudaMemcpyAsync from memcpy_min_bytes, but a lone block that the batched copy
+    takes (row >= batch_min_bytes) stays there, whatever memcpy_min_bytes says."""
+    from tiercache.copyplan import memcpy_runs
+
+    #            run lengths: 1, 3, 1, 2 (blocks of 2 MiB)
+    runs = contiguous_runs([0, 5, 6, 7, 9, 20, 21], [10, 0, 1, 2, 30, 40, 41])
+    assert runs.length.tolist() == [1, 3, 1, 2]
+    two_mib = 2 << 20
+    assert memcpy_runs(runs, two_mib, two_mib, 128 << 10).tolist() == [False, True, False, True]
+    assert memcpy_runs(runs, two_mib, 5 << 20, 128 << 10).tolist() == [False, True, False, False]
+    # blocks below batch_min_bytes: a lone block long enough is its own run, as before
+    assert memcpy_runs(runs, 64 << 10, 64 << 10, 128 << 10).tolist() == [True, True, True, True]
+    assert memcpy_runs(runs, 64 << 10, 128 << 10, 128 << 10).tolist() == [False, True, False, True]

@@ -151,6 +151,9 @@ def test_path_choice_and_bounded_sms(tmp_path, rng):
     eng.launcher.batch_min_bytes = 1 << 20  # now scattered 1 MiB blocks go to the copy engines
     want = "batch" if eng.launcher.batch.available else "memcpy"
     assert eng.copy("device", [4, 6], "host", [0, 7]).wait().path == want
+    eng.launcher.memcpy_min_bytes = 1 << 20  # a lone block the batched copy takes is no "run" ...
+    assert eng.copy("host", [5], "device", [3]).wait().path == want
+    assert eng.copy("host", [3, 4], "device", [5, 6]).wait().path == "memcpy"  # ... two in a row are
     host = eng.tiers["host"].arrays["blk"]
     assert np.array_equal(host[0], data[0]) and np.array_equal(host[7], data[2])
     for d, s_ in exp.items():

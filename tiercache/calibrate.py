@@ -13,7 +13,9 @@ each run length (consecutive on both sides), host -> device and device -> host, 
 per request, each method's samples taken in turn with the other's (CUDA events, medians). A
 threshold is the smallest measured size from which, at that size and every larger one, the copy
 engines move at least ``tolerance`` of what the SM kernel moves in both directions: at equal
-speed the copy engines win, because they leave every SM to compute.
+speed the copy engines win, because they leave every SM to compute. (A lone block that the
+batched copy takes is never sent to ``cudaMemcpyAsync`` as a run of one, whatever
+``memcpy_min_bytes`` says: see :func:`tiercache.copyplan.memcpy_runs`.)
 """
 
 from __future__ import annotations

@@ -113,8 +113,9 @@ class CacheConfig:
         batch_min_bytes: other blocks, and segments of partial copies (the first tokens of a
             token-major block are one segment), of at least this many bytes go to
             ``cuMemcpyBatchAsync`` (copy engines, no SMs) where the driver has it; default
-            256 KiB, where the copy engines measured 96-98% of a contiguous copy and the SM
-            kernels 90-94%. ``tiercache calibrate`` measures this machine's crossover.
+            128 KiB, where ``tiercache calibrate`` measured the copy engines at 100-105% of the
+            bulk kernel on a lent H100 and a lent H200 (64 KiB: 96-102%, 32 KiB: 66-99%).
+            ``tiercache calibrate`` measures this machine's crossover.
         batch_streams: streams (and so copy engines) one ``cuMemcpyBatchAsync`` batch is split
             over, 1..16; default 2 (256 KiB blocks: 97-100% of contiguous, against 97-102% on one
             stream and 87% at 64 KiB).
@@ -163,7 +164,7 @@ class CacheConfig:
     streams_per_direction: int = 2
     copy_kernel_sms: int | None = 8
     memcpy_min_bytes: int = 4 << 20
-    batch_min_bytes: int = 256 << 10
+    batch_min_bytes: int = 128 << 10
     batch_streams: int = 2
     bulk_shape: str = "large"
     bulk_sms: int | None = None

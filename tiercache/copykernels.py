@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .copyplan import contiguous_runs
+from .copyplan import contiguous_runs, memcpy_runs
 from .errors import ArrayMismatchError
 from .geometry import PoolSpec
 from .memcopy import MEMCPY_DEFAULT, data_ptr
@@ -149,7 +149,7 @@ class CopyLauncher:
     SM_SLOTS = 256
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
-                 unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10,
+                 unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 128 << 10,
                  staged_min_run_bytes: int = 0, bulk: bool = True, bulk_shape: str = "large",
                  bulk_sms: int | None = None, bulk_ctas_per_sm: int = 1, batch_streams: int = 2,
                  carveout_sms: int = 0, offload_staged_min_run_bytes: int = 256 << 10) -> None:
@@ -245,7 +245,8 @@ class CopyLauncher:
             return "memcpy"
         if whole and force not in ("kernel", "batch", "bulk"):
             runs = contiguous_runs(src_slots, dst_slots)
-            big = runs.length * row_src >= (1 if force == "memcpy" else self.memcpy_min_bytes)
+            big = (runs.length >= 1) if force == "memcpy" else memcpy_runs(runs, row_src, self.memcpy_min_bytes,
+                                                                           self.batch_min_bytes)
             if big.any():
                 for a, b, m in zip(runs.src[big].tolist(), runs.dst[big].tolist(), runs.length[big].tolist()):
                     cupy.cuda.runtime.memcpyAsync(dp + b * row_dst, sp + a * row_src, m * row_src,
@@ -401,7 +402,7 @@ class CopyLauncher:
         if mergeable:
             for c in copies:
                 runs = contiguous_runs(c.src_rows, c.dst_rows)
-                if (runs.length * row_src >= self.memcpy_min_bytes).any():
+                if memcpy_runs(runs, row_src, self.memcpy_min_bytes, self.batch_min_bytes).any():
                     mergeable = False
                     break
         if not mergeable:

@@ -77,7 +77,7 @@ class TransferEngine:
 
     def __init__(self, tiers: dict, pools: tuple[PoolSpec, ...], device_id: int = 0, *,
                  streams_per_direction: int = 2, ordering: bool = True, copy_kernel_sms: int | None = None,
-                 memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 256 << 10, batch_streams: int = 2,
+                 memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 128 << 10, batch_streams: int = 2,
                  bulk_shape: str = "large", bulk_sms: int | None = None, staged_min_run_bytes: int = 0,
                  carveout_sms: int = 0, offload_staged_min_run_bytes: int = 256 << 10,
                  keep_finished: int = 100_000) -> None:
