@@ -25,3 +25,41 @@ def assert_bytes(cache: TierCache, expected: dict) -> None:
         want = np.stack([expected[k][p.name] for k in keys])
         bad = [keys[i] for i in np.flatnonzero((got != want).any(axis=1))]
         assert not bad, f"pool {p.name}: {len(bad)} block(s) differ, e.g. {bad[:3]}"
+
+
+def assert_segment_round_trip(seg, src: np.ndarray, s, dev_before: np.ndarray, dev_after: np.ndarray, d,
+                              back_before: np.ndarray, back_after: np.ndarray, h) -> None:
+    """After a partial copy of rows ``s`` of ``src`` to device rows ``d`` and from there to host
+    rows ``h`` (``seg``: ``segs`` segments of ``seg_bytes``, ``seg_stride`` apart, per row): the
+    device and host arrays hold exactly those segments, and every other byte as before."""
+    def head(a):  # [rows, segs, seg_bytes]
+        return a.reshape(a.shape[0], seg.segs, seg.seg_stride)[:, :, :seg.seg_bytes]
+
+    want_dev = dev_before.copy()
+    head(want_dev)[d] = head(src[s])
+    assert np.array_equal(dev_after, want_dev)
+    want_back = back_before.copy()
+    head(want_back)[h] = head(want_dev[d])
+    assert np.array_equal(back_after, want_back)
+
+
+def partial_round_trip(la, seg, src: np.ndarray, back: np.ndarray, rng: np.random.Generator, picks: int,
+                       force: str | None = None) -> set:
+    """Random bytes in ``src``, ``back`` (pinned host ``[n, row]`` arrays) and a device array;
+    then the segments of ``picks`` random rows host -> device -> host through ``la.launch``
+    (``force``: a path, or None for the launcher's choice), checked byte for byte with
+    :func:`assert_segment_round_trip`. Returns the paths taken."""
+    import cupy
+
+    n, row = src.shape
+    src[:] = rng.integers(1, 256, size=src.shape, dtype=np.uint8)
+    back[:] = rng.integers(1, 256, size=back.shape, dtype=np.uint8)
+    before = back.copy()
+    dev = cupy.asarray(rng.integers(1, 256, size=(n, row), dtype=np.uint8))
+    dev_before = dev.get()
+    s, d, h = (rng.permutation(n)[:picks] for _ in range(3))
+    st = cupy.cuda.Stream(non_blocking=True)
+    paths = {la.launch(src, s, dev, d, seg, st, force=force), la.launch(dev, d, back, h, seg, st, force=force)}
+    st.synchronize()
+    assert_segment_round_trip(seg, src, s, dev_before, dev.get(), d, before, back, h)
+    return paths

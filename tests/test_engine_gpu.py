@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine_model import Mirror
+from helpers import partial_round_trip
 from tiercache import PoolSpec
 from tiercache.engine import TransferEngine
 from tiercache.file_tier import FileTier
@@ -349,7 +350,6 @@ def test_bulk_segments_match_numpy(rng, shape, segs, seg_stride, seg_bytes):
     ``seg_bytes``, ``seg_stride`` apart; short segments packed several to a buffer, long ones
     cut into pieces) write exactly those bytes of random scattered blocks, host -> device and
     device -> host, and leave the rest of each destination block untouched."""
-    import cupy
 
     from tiercache.copykernels import CopyLauncher, Segments
     from tiercache.hostmem import alloc_host
@@ -359,30 +359,9 @@ def test_bulk_segments_match_numpy(rng, shape, segs, seg_stride, seg_bytes):
         pytest.skip("bulk copies need compute capability 9.0")
     n, row = 29, segs * seg_stride
     src, _o1 = alloc_host(n * row, pinned=True)
-    src = src.reshape(n, row)
-    src[:] = rng.integers(0, 256, size=src.shape, dtype=np.uint8)
     back, _o2 = alloc_host(n * row, pinned=True)
-    back = back.reshape(n, row)
-    back[:] = rng.integers(0, 256, size=back.shape, dtype=np.uint8)
-    before = back.copy()
-    dev = cupy.asarray(rng.integers(0, 256, size=(n, row), dtype=np.uint8))
-    dev_before = dev.get()
-    s, d, h = rng.permutation(n)[:23], rng.permutation(n)[:23], rng.permutation(n)[:23]
     seg = Segments(segs, seg_stride, seg_bytes)
-    st = cupy.cuda.Stream(non_blocking=True)
-    paths = {la.launch(src, s, dev, d, seg, st, force="bulk"), la.launch(dev, d, back, h, seg, st, force="bulk")}
-    st.synchronize()
-    assert paths == {"bulk"}
-
-    def head(a):  # [blocks, segs, seg_bytes]
-        return a.reshape(a.shape[0], segs, seg_stride)[:, :, :seg_bytes]
-
-    want_dev = dev_before.copy()
-    head(want_dev)[d] = head(src[s])
-    assert np.array_equal(dev.get(), want_dev)
-    want_back = before.copy()
-    head(want_back)[h] = head(src[s])
-    assert np.array_equal(back, want_back)
+    assert partial_round_trip(la, seg, src.reshape(n, row), back.reshape(n, row), rng, 23, force="bulk") == {"bulk"}
 
 
 @pytest.mark.parametrize("row", [4096, 48, 256 * 1024])
@@ -497,7 +476,6 @@ def test_offload_without_staging_vram_falls_back(tmp_path, rng, monkeypatch):
 def test_long_segments_take_the_copy_engines(rng, layout, num_tokens, batch_min, want):
     """Partial copies whose segments are at least ``batch_min_bytes`` go to the batched driver
     copy, one copy per segment, host -> device -> host: exactly those bytes, the rest untouched."""
-    import cupy
 
     from tiercache.copykernels import CopyLauncher, segments_for
     from tiercache.hostmem import alloc_host
@@ -512,24 +490,5 @@ def test_long_segments_take_the_copy_engines(rng, layout, num_tokens, batch_min,
     n, row = 23, pool.block_nbytes
     src, _o1 = alloc_host(n * row, pinned=True)
     back, _o2 = alloc_host(n * row, pinned=True)
-    src, back = src.reshape(n, row), back.reshape(n, row)
-    src[:] = rng.integers(1, 256, size=src.shape, dtype=np.uint8)
-    back[:] = rng.integers(1, 256, size=back.shape, dtype=np.uint8)
-    before = back.copy()
-    dev = cupy.asarray(rng.integers(1, 256, size=(n, row), dtype=np.uint8))
-    dev_before = dev.get()
-    s, d, h = (rng.permutation(n)[:17] for _ in range(3))
-    st = cupy.cuda.Stream(non_blocking=True)
-    paths = {la.launch(src, s, dev, d, seg, st), la.launch(dev, d, back, h, seg, st)}
-    st.synchronize()
+    paths = partial_round_trip(la, seg, src.reshape(n, row), back.reshape(n, row), rng, 17)
     assert (paths == {want}) if want else ("batch" not in paths)
-
-    def head(a):
-        return a.reshape(a.shape[0], seg.segs, seg.seg_stride)[:, :, :seg.seg_bytes]
-
-    want_dev = dev_before.copy()
-    head(want_dev)[d] = head(src[s])
-    assert np.array_equal(dev.get(), want_dev)
-    want_back = before.copy()
-    head(want_back)[h] = head(want_dev[d])
-    assert np.array_equal(back, want_back)
