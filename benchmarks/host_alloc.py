@@ -18,13 +18,11 @@ import time
 
 import numpy as np
 
-from tiercache.benchcopy import _time_many, scattered_slots
-from tiercache.copykernels import CopyLauncher, Segments, segments_for
+from tiercache.bench.timing import scattered_slots, time_many
+from tiercache.copypaths import CopyLauncher, Segments, segments_for
 from tiercache.geometry import PoolSpec
-from tiercache.hostmem import alloc_host
-from tiercache.memcopy import MEMCPY_DEFAULT
-from tiercache.memcopy import data_ptr as ptr
-from tiercache.streams import copy_stream
+from tiercache.memory import MEMCPY_DEFAULT, alloc_host, copy_stream
+from tiercache.memory import data_ptr as ptr
 
 KiB, MiB, GiB = 1024, 1 << 20, 1 << 30
 
@@ -56,12 +54,12 @@ def measure(host: np.ndarray, dev, la, stream, rng, reps: int = 5) -> dict:
            "bulk16k_h2d": lambda: la.launch(h16, s, d16, d, seg, stream, force="bulk"),
            "bulk16k_d2h": lambda: la.launch(d16, d, h16, s, seg, stream, force="bulk"),
            "partial1_h2d": lambda: la.launch(hkv, ks, dkv, kd, pseg, stream, force="kernel")}
-    t = _time_many(fns, stream, reps, back_to_back=4)
+    t = time_many(fns, stream, reps, back_to_back=4)
     for k, v in t.items():
         out[k] = round((nkv * pseg.nbytes if k.startswith("partial") else moved) / v / 1e9, 2)
     # the partial copy against a contiguous copy of its own byte count, from the same memory
     pm = nkv * pseg.nbytes
-    tc = _time_many({"c": lambda: cupy.cuda.runtime.memcpyAsync(ptr(dkv), ptr(hkv), pm, MEMCPY_DEFAULT, stream.ptr)},
+    tc = time_many({"c": lambda: cupy.cuda.runtime.memcpyAsync(ptr(dkv), ptr(hkv), pm, MEMCPY_DEFAULT, stream.ptr)},
                     stream, reps, back_to_back=4)["c"]
     out["partial1_ratio"] = round(tc / t["partial1_h2d"], 3)
     out["bulk16k_h2d_ratio"] = round(out["bulk16k_h2d"] / out["contig_h2d"], 3)

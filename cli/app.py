@@ -15,9 +15,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from tiercache.bench.mainjob import format_report, run_main_job
 from tiercache.config import load_config
 from tiercache.errors import TierCacheError
-from tiercache.mainjob import format_report, run_main_job
 
 app = typer.Typer(
     name="tiercache",
@@ -28,12 +28,12 @@ app = typer.Typer(
     rich_markup_mode="markdown",
 )
 
+from .calibrate_cmd import calibrate
 from .common import DEFAULT_CONFIG
 from .common import fail as _fail
 from .inspect_cmd import inspect
 from .purge_cmd import purge
 from .verify_cmd import verify
-from .calibrate_cmd import calibrate
 
 
 class OutputFormat(str, Enum):
@@ -148,7 +148,7 @@ def bench(
 
 
 def _copy_job(config: Path | None, output_format: OutputFormat, quick: bool) -> None:
-    from tiercache.benchcopy import format_copy_report, run_copy_bench
+    from tiercache.bench.benchcopy import format_copy_report, run_copy_bench
 
     try:
         cfg = load_config(config or _default_config())
@@ -163,7 +163,7 @@ def _copy_job(config: Path | None, output_format: OutputFormat, quick: bool) -> 
 
 def _file_job(config: Path | None, output_format: OutputFormat, root: Path | None, blocks: int | None,
               io: IOMode | None, repeat: int = 1) -> None:
-    from tiercache.benchfile import format_file_report, run_file_bench_repeated
+    from tiercache.bench.benchfile import format_file_report, run_file_bench_repeated
 
     try:
         cfg = load_config(config or _default_config(), root=root)
@@ -177,7 +177,7 @@ def _file_job(config: Path | None, output_format: OutputFormat, root: Path | Non
 
 
 def _layerwise_job(output_format: OutputFormat, root: Path | None, blocks: int | None, quick: bool) -> None:
-    from tiercache.benchlayer import format_layerwise_report, run_layerwise_bench
+    from tiercache.bench.benchlayer import format_layerwise_report, run_layerwise_bench
     from tiercache.cuda import cuda_status
 
     if not cuda_status().available:

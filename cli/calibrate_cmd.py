@@ -25,7 +25,8 @@ def calibrate(
     """Measure scattered blocks (16 KiB-2 MiB) and runs of consecutive slots (128 KiB-8 MiB) by the
     SM kernel and by the copy engines, both directions, on this GPU; print the table and the
     `batch_min_bytes` / `memcpy_min_bytes` lines for your config's `[transfer]` table (GPU)."""
-    from tiercache.calibrate import calibrate as run, format_calibration
+    from tiercache.bench.calibrate import calibrate as run
+    from tiercache.bench.calibrate import format_calibration
 
     try:
         cfg = load_config(config or DEFAULT_CONFIG)

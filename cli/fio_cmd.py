@@ -8,10 +8,10 @@ from pathlib import Path
 import typer
 
 from tiercache import __version__
+from tiercache.bench.fiorun import format_fio, plot, run_job
+from tiercache.bench.fiospec import job_from_options, load_job_file
 from tiercache.config import load_config
 from tiercache.errors import TierCacheError
-from tiercache.fiorun import format_fio, plot, run_job
-from tiercache.fiospec import job_from_options, load_job_file
 
 from .common import DEFAULT_CONFIG, EXIT_FINDING, fail
 

@@ -14,8 +14,7 @@ from rich.table import Table
 from tiercache.config import load_config
 from tiercache.cuda import cuda_status
 from tiercache.errors import TierCacheError
-from tiercache.iopath import select_io_path
-from tiercache.survey import survey
+from tiercache.files import select_io_path, survey
 
 from .common import DEFAULT_CONFIG, fail, human_bytes
 

@@ -11,9 +11,8 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import InvalidKeyError
+from tiercache.files import QUARANTINE, is_root, lock_holder, survey
 from tiercache.keys import key_from_text
-from tiercache.rootdir import QUARANTINE, is_root, lock_holder
-from tiercache.survey import survey
 
 from .common import EXIT_USAGE, fail, human_bytes, parse_duration, resolve_root
 

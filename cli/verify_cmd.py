@@ -12,8 +12,7 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.rootdir import DIR_MODE, QUARANTINE, RootLock, is_root
-from tiercache.survey import survey, verify_file
+from tiercache.files import DIR_MODE, QUARANTINE, RootLock, is_root, survey, verify_file
 
 from .common import EXIT_FINDING, fail, resolve_root
 

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, settings
 from tiercache import CacheConfig, PoolSpec
 from tiercache.cuda import cuda_status
 
-
 # no wall-clock deadlines: CI machines and the first draw after imports can be slow
 settings.register_profile("tiercache", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("tiercache")

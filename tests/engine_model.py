@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tiercache.copykernels import segments_for
+from tiercache.copypaths import segments_for
 
 
 class Mirror:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from tiercache.devicepools import DevicePools
+from tiercache.serving import DevicePools
 
 LAYOUTS = ("vllm", "trtllm", "fastdeploy", "mla")
 

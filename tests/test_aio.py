@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import random_keys
 from helpers import assert_bytes
+
 from tiercache import KeyNotFoundError, TierCache
-from tiercache import posix_io
 from tiercache.aio import AsyncTierCache
+from tiercache.files import posix_io
 
 
 def test_await_round_trip_and_errors(make_config, rng):

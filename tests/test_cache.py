@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import random_keys
 from helpers import assert_bytes, put_random
+
 from tiercache import (
     ArrayMismatchError,
     ClosedError,
@@ -28,8 +28,7 @@ from tiercache import (
     TransferError,
     UnknownPoolError,
 )
-from tiercache import posix_io
-from tiercache.blockfile import block_filename
+from tiercache.files import block_filename, posix_io
 
 
 def test_round_trip_host_file_host(make_config, rng):

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from cli.app import app
 from tiercache import ConfigError
-from tiercache.calibrate import KiB, MiB, calibrate, crossover, format_calibration
+from tiercache.bench.calibrate import KiB, MiB, calibrate, crossover, format_calibration
 from tiercache.config import config_from_dict
 from tiercache.cuda import cuda_status
 

@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
-
 from tiercache.cli import app
+from typer.testing import CliRunner
 
 SMALL = """
 [tiers]
@@ -112,7 +111,7 @@ def test_bench_fails_on_bad_bytes(small_config, monkeypatch):
     """Exit code 1 when verification finds a difference (corrupt the bytes in flight)."""
     import numpy as np
 
-    from tiercache import posix_io
+    from tiercache.files import posix_io
 
     real = posix_io.read_block
 
@@ -163,7 +162,7 @@ def test_file_bench_repeat_takes_medians(small_config):
 
 def test_overlap_table_names_each_method_and_both_slowdowns():
     """The overlap part of the copy report (its numbers come from the GPU; the table is CPU)."""
-    from tiercache.benchoverlap import format_overlap_report
+    from tiercache.bench.benchoverlap import format_overlap_report
 
     def row(method, direction, layout, k, path, alone, beside, full, cost):
         return {"method": method, "direction": direction, "layout": layout, "carveout": k, "path": path,
@@ -183,7 +182,7 @@ def test_overlap_table_names_each_method_and_both_slowdowns():
 def test_copy_report_names_the_host_pages(monkeypatch):
     """The copy report's header and partial-copy table say which pages the host blocks were on
     (huge pages by default where reserved)."""
-    from tiercache.benchcopy import format_copy_report
+    from tiercache.bench.benchcopy import format_copy_report
 
     sc = {"block_bytes": 16384, "direction": "h2d", "layout": "scattered", "contiguous_gbps": 55.0,
           "tiercache_gbps": 50.0, "tiercache_ratio": 50 / 55, "tiercache_path": "bulk", "kernel_gbps": 49.0,
@@ -196,7 +195,7 @@ def test_copy_report_names_the_host_pages(monkeypatch):
     rep = {"device": "dev", "copy_kernel_sms": 8, "scattered": [sc], "partial": [part(2 << 20, 0.91), part(4096, 0.5)],
            "planning": {"blocks": 4096, "submit_us_per_block": 0.4, "plan_us_per_block": 0.01},
            "overlap": {"error": "skipped"}}
-    import tiercache.benchoverlap as bo
+    import tiercache.bench.benchoverlap as bo
 
     monkeypatch.setattr(bo, "format_overlap_report", lambda r: "overlap")
     text = format_copy_report(rep)

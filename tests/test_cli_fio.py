@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiercache.cli import app
 from typer.testing import CliRunner
 
-from tiercache.cli import app
+from tiercache.bench.fiospec import load_job_file
 from tiercache.cuda import cuda_status
-from tiercache.fiospec import load_job_file
 
 runner = CliRunner()
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -61,8 +61,7 @@ def test_write_then_json_adds_up(root_args):
 def test_separate_timing_agrees(root_args, tmp_path):
     """The job's bandwidth is that of the same writes timed on their own, within disk noise."""
     from tiercache import PoolSpec
-    from tiercache.file_tier import FileTier
-    from tiercache.iopath import IOPath
+    from tiercache.files import FileTier, IOPath
 
     res = runner.invoke(app, ["bench", "--rw", "write", "--bs", "256k", "--nblocks", "64", "--iodepth", "32",
                               "--iodepth_batch", "32", "--no-baseline", "--tiers", "host:file", "--output-format", "json",

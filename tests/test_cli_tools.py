@@ -10,14 +10,13 @@ import sys
 import time
 
 import pytest
-from typer.testing import CliRunner
-
 from conftest import random_keys
 from helpers import put_random
-from tiercache import TierCache
-from tiercache.blockfile import block_filename
 from tiercache.cli import app
-from tiercache.rootdir import RootLock
+from typer.testing import CliRunner
+
+from tiercache import TierCache
+from tiercache.files import RootLock, block_filename
 
 runner = CliRunner()
 

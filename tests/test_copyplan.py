@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiercache.copyplan import contiguous_runs
+from tiercache.copypaths import contiguous_runs
 
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), max_size=60))
@@ -32,8 +32,7 @@ def _decider(carveout_sms=0, staged_min_run_bytes=0, batch_min_bytes=256 << 10, 
     """A CopyLauncher's path decision without a GPU: only the attributes it reads."""
     import types
 
-    from tiercache.copykernels import CopyLauncher
-    from tiercache.stagedcopy import StagedCopier
+    from tiercache.copypaths import CopyLauncher, StagedCopier
 
     la = object.__new__(CopyLauncher)
     la.carveout_sms, la.staged_min_run_bytes, la.batch_min_bytes = carveout_sms, staged_min_run_bytes, batch_min_bytes
@@ -78,7 +77,7 @@ def test_offloads_with_host_runs_take_the_copy_engines():
 
 
 def test_staged_runs_stop_at_chunks_and_allocations():
-    from tiercache.stagedcopy import run_starts
+    from tiercache.copypaths import run_starts
 
     row = 4096
     # two allocations side by side in the address space: blocks 0-5 in one, 6-9 in the next
@@ -94,7 +93,7 @@ def test_staged_runs_stop_at_chunks_and_allocations():
 
 def test_staged_copy_of_nothing_enqueues_nothing():
     """An empty batch returns before touching CUDA (no staging VRAM, no streams)."""
-    from tiercache.stagedcopy import StagedCopier
+    from tiercache.copypaths import StagedCopier
 
     sc = StagedCopier(launcher=None)
     empty = np.zeros(0, dtype=np.int64)
@@ -105,7 +104,7 @@ def test_staged_copy_of_nothing_enqueues_nothing():
 def test_single_large_blocks_stay_off_the_per_block_memcpy():
     """Runs go to cudaMemcpyAsync from memcpy_min_bytes, but a lone block that the batched copy
     takes (row >= batch_min_bytes) stays there, whatever memcpy_min_bytes says."""
-    from tiercache.copyplan import memcpy_runs
+    from tiercache.copypaths import memcpy_runs
 
     #            run lengths: 1, 3, 1, 2 (blocks of 2 MiB)
     runs = contiguous_runs([0, 5, 6, 7, 9, 20, 21], [10, 0, 1, 2, 30, 40, 41])

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from crash_child import block, pools
+
 from tiercache import CacheConfig, TierCache
 
 KILLS = int(os.environ.get("TIERCACHE_CRASH_KILLS", "50"))

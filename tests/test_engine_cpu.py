@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from engine_model import Mirror
+
 from tiercache import ArrayMismatchError, PoolSpec, SlotRangeError
-from tiercache.engine import TransferEngine
-from tiercache.file_tier import FileTier
-from tiercache.iopath import IOPath
-from tiercache.memory_tier import make_host_tier
+from tiercache.files import FileTier, IOPath
+from tiercache.memory import make_host_tier
+from tiercache.transfer import TransferEngine
 
 
 def make_engine(tmp_path, pools, host_slots=16, file_slots=16, ordering=True, host2=False):

@@ -8,14 +8,13 @@ import os
 
 import numpy as np
 import pytest
-
 from engine_model import Mirror
 from helpers import partial_round_trip
+
 from tiercache import PoolSpec
-from tiercache.engine import TransferEngine
-from tiercache.file_tier import FileTier
-from tiercache.iopath import select_io_path
-from tiercache.memory_tier import make_device_tier, make_host_tier
+from tiercache.files import FileTier, select_io_path
+from tiercache.memory import make_device_tier, make_host_tier
+from tiercache.transfer import TransferEngine
 
 pytestmark = pytest.mark.gpu
 DELAY_NS = 80_000_000  # 80 ms: the first copy of each hazard is still in flight
@@ -288,7 +287,7 @@ def test_carveout_paths_byte_exact(tmp_path, rng):
 def test_upload_ring_wraps_without_clobbering(rng):
     import cupy
 
-    from tiercache.uploadring import UploadRing
+    from tiercache.copypaths import UploadRing
 
     ring = UploadRing(0, nbytes=4096)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -315,8 +314,8 @@ def test_bulk_and_sm_kernels_byte_exact(rng, force, nbytes):
     not whole multiples of the bulk piece or of 16 bytes (those fall back to the kernel)."""
     import cupy
 
-    from tiercache.copykernels import CopyLauncher, Segments
-    from tiercache.hostmem import alloc_host
+    from tiercache.copypaths import CopyLauncher, Segments
+    from tiercache.memory import alloc_host
 
     shape = force.split("-")[1] if "-" in force else "small"
     force = force.split("-")[0]
@@ -351,8 +350,8 @@ def test_bulk_segments_match_numpy(rng, shape, segs, seg_stride, seg_bytes):
     cut into pieces) write exactly those bytes of random scattered blocks, host -> device and
     device -> host, and leave the rest of each destination block untouched."""
 
-    from tiercache.copykernels import CopyLauncher, Segments
-    from tiercache.hostmem import alloc_host
+    from tiercache.copypaths import CopyLauncher, Segments
+    from tiercache.memory import alloc_host
 
     la = CopyLauncher(0, max_sms=5, bulk_shape=shape)
     if not la.bulk_available:
@@ -370,9 +369,9 @@ def test_launch_many_merges_pools_into_one_launch(rng, row):
     mixed row sizes fall back to one launch per pool."""
     import cupy
 
-    from tiercache.copykernels import CopyLauncher, Segments
-    from tiercache.hostmem import alloc_host
-    from tiercache.rowcopy import RowCopy
+    from tiercache.copypaths import CopyLauncher, Segments
+    from tiercache.memory import alloc_host
+    from tiercache.transfer import RowCopy
 
     la = CopyLauncher(0, max_sms=4)
     n, pools = 24, 3
@@ -415,9 +414,9 @@ def test_offload_of_several_pools_into_host_runs(rng, offload_min):
     off; the bytes land exactly either way, and host rows outside the copy stay untouched."""
     import cupy
 
-    from tiercache.copykernels import CopyLauncher, Segments
-    from tiercache.hostmem import alloc_host
-    from tiercache.rowcopy import RowCopy
+    from tiercache.copypaths import CopyLauncher, Segments
+    from tiercache.memory import alloc_host
+    from tiercache.transfer import RowCopy
 
     row, n, pools = 16 << 10, 96, 3
     la = CopyLauncher(0, max_sms=4, offload_staged_min_run_bytes=offload_min)
@@ -447,7 +446,7 @@ def test_offload_without_staging_vram_falls_back(tmp_path, rng, monkeypatch):
     runs warn once and go by the kernel paths; the bytes still land."""
     import cupy
 
-    from tiercache.stagedcopy import StagedCopier
+    from tiercache.copypaths import StagedCopier
 
     def no_vram(self):
         raise cupy.cuda.memory.OutOfMemoryError(64 << 20, 0)
@@ -477,8 +476,8 @@ def test_long_segments_take_the_copy_engines(rng, layout, num_tokens, batch_min,
     """Partial copies whose segments are at least ``batch_min_bytes`` go to the batched driver
     copy, one copy per segment, host -> device -> host: exactly those bytes, the rest untouched."""
 
-    from tiercache.copykernels import CopyLauncher, segments_for
-    from tiercache.hostmem import alloc_host
+    from tiercache.copypaths import CopyLauncher, segments_for
+    from tiercache.memory import alloc_host
 
     pool = PoolSpec.kv("kv", num_layers=3, kv_factor=2, num_kv_heads=2, tokens_per_block=8, head_dim=64,
                        dtype="float16", layout=layout)

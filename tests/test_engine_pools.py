@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import random_keys
 from layouts import LAYOUTS, expected_partial, make_pools, scramble, snapshot
+
 from tiercache import ArrayMismatchError, ConfigError, KeyNotFoundError, SlotRangeError, TierCache, TierUnavailableError
-from tiercache.devicepools import DevicePools
+from tiercache.serving import DevicePools
 
 BACKENDS = [
     "numpy",

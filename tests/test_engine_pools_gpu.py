@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tiercache import TierCache
-from tiercache.devicepools import DevicePools
+from tiercache.serving import DevicePools
 
 pytestmark = pytest.mark.gpu
 

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import random_keys
 from helpers import assert_bytes, put_random
+
 from tiercache import ConfigError, PoolSpec, RootError, TierCache
-from tiercache.blockfile import block_filename
-from tiercache.rootdir import lock_holder
+from tiercache.files import block_filename, lock_holder
 
 
 def test_second_writer_is_refused_until_the_first_closes(make_config):
@@ -33,7 +32,7 @@ def test_second_writer_is_refused_until_the_first_closes(make_config):
 def test_lock_is_held_across_processes(make_config, tmp_path):
     cfg = make_config()
     code = (f"import time, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "from tiercache.rootdir import RootLock, open_root; from pathlib import Path; "
+            "from tiercache.files.rootdir import RootLock, open_root; from pathlib import Path; "
             f"open_root(Path({str(cfg.root)!r})); l = RootLock(Path({str(cfg.root)!r})); "
             "print('locked', flush=True); time.sleep(30)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -11,14 +11,11 @@ import errno
 
 import numpy as np
 import pytest
-
-from tiercache import CacheConfig, ConfigError, TierCache, TierUnavailableError
-from tiercache import hostmem
-from tiercache.hostmem import PAGE, alloc_host, free_huge_pages, huge_page_bytes
-from tiercache.memory_tier import make_host_tier
-
 from conftest import random_keys
 from helpers import assert_bytes, put_random
+
+from tiercache import CacheConfig, ConfigError, TierCache, TierUnavailableError
+from tiercache.memory import PAGE, alloc_host, free_huge_pages, hostmem, huge_page_bytes, make_host_tier
 
 
 def _need_huge(nbytes: int) -> int:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import random_keys
 from helpers import assert_bytes, partial_round_trip
+
 from tiercache import PoolSpec, TierCache
-from tiercache.hostmem import alloc_host, free_huge_pages, huge_page_bytes
+from tiercache.memory import alloc_host, free_huge_pages, huge_page_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +32,8 @@ def test_whole_blocks_every_path(rng, force):
     """Random scattered 16 KiB blocks host -> device -> host through one path: exact bytes."""
     import cupy
 
-    from tiercache.copykernels import CopyLauncher, Segments
-    from tiercache.hostmem import is_pinned
+    from tiercache.copypaths import CopyLauncher, Segments
+    from tiercache.memory import is_pinned
 
     row, n = 16 << 10, 96
     src, _o1 = _huge(n * row)
@@ -65,7 +65,7 @@ def test_first_tokens_match_numpy(rng, num_tokens):
     """The first ``num_tokens`` of layer-major KV blocks host -> device and back through the
     launcher's own choice: those bytes copied, every other byte untouched."""
 
-    from tiercache.copykernels import CopyLauncher, segments_for
+    from tiercache.copypaths import CopyLauncher, segments_for
 
     pool = PoolSpec.kv("kv", num_layers=4, kv_factor=2, num_kv_heads=4, tokens_per_block=16, head_dim=64,
                        dtype="bfloat16")

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiercache import CorruptBlockError, InvalidKeyError, PoolSpec
-from tiercache.blockfile import (
+from tiercache.files.blockfile import (
     DATA_OFFSET,
     block_filename,
     check_header,

@@ -15,10 +15,10 @@ Quick start::
         slots = cache.onboard([1, 2])          # device slots (host slots without a GPU)
 """
 
-from .cache import TierCache
-from .carveout import sm_carveout
-from .config import CacheConfig, load_config
-from .errors import (
+from tiercache.aio import AsyncTierCache
+from tiercache.cache import TierCache
+from tiercache.config import CacheConfig, load_config
+from tiercache.errors import (
     ArrayMismatchError,
     ClosedError,
     ConfigError,
@@ -35,12 +35,16 @@ from .errors import (
     TransferError,
     UnknownPoolError,
 )
-from .geometry import PoolSpec
+from tiercache.geometry import PoolSpec
+from tiercache.serving import DevicePools
+from tiercache.transfer import sm_carveout
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TierCache",
+    "AsyncTierCache",
+    "DevicePools",
     "CacheConfig",
     "PoolSpec",
     "load_config",

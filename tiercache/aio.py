@@ -17,7 +17,7 @@ import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
-from .cache import TierCache
+from tiercache.cache import TierCache
 
 
 class AsyncTierCache:
@@ -70,7 +70,7 @@ class AsyncTierCache:
 
     async def onboard_slots(self, keys, device_slots, *, layerwise=False, num_tokens=None, stream=None):
         """Await :meth:`TierCache.onboard_slots`; returns its
-        :class:`~tiercache.layerwise.OnboardHandle` once every layer has landed (use
+        :class:`~tiercache.serving.layerwise.OnboardHandle` once every layer has landed (use
         :meth:`wait_layer` on a handle from the cache itself to await layers one by one)."""
         stream = self.cache._engine_stream(stream) if self.cache.device_pools is not None else stream
         handle = await self._run(self.cache.onboard_slots, keys, device_slots, layerwise=layerwise,
@@ -79,12 +79,12 @@ class AsyncTierCache:
         return handle
 
     async def wait_layer(self, handle, layer: int) -> None:
-        """Await layer ``layer`` of an :class:`~tiercache.layerwise.OnboardHandle` (host-side;
+        """Await layer ``layer`` of an :class:`~tiercache.serving.layerwise.OnboardHandle` (host-side;
         the engine's stream can instead wait on the device with ``handle.wait_layer``)."""
         await self._run(handle.synchronize_layer, layer)
 
     async def wait_job(self, job, timeout: float | None = None):
-        """Await an engine :class:`~tiercache.jobs.Job` (result, or TransferError)."""
+        """Await an engine :class:`~tiercache.transfer.jobs.Job` (result, or TransferError)."""
         return await self._run(job.wait, timeout)
 
     def lookup(self, key):

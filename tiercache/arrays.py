@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import canonical_dtype
-from .errors import ArrayMismatchError, ConfigError
-from .geometry import PoolSpec
+from tiercache.dtypes import canonical_dtype
+from tiercache.errors import ArrayMismatchError, ConfigError
+from tiercache.geometry import PoolSpec
 
 
 def _is_torch(arr) -> bool:
@@ -84,7 +84,7 @@ def _check(shape: tuple, dtype, contiguous: bool, pool: PoolSpec, n: int, where:
 def host_output(pool: PoolSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
     """A new host array for ``n`` blocks of ``pool``: ``(typed_or_raw, raw_view)``; typed where
     NumPy has the dtype (bfloat16/fp8 need ``ml_dtypes``), else raw ``uint8``."""
-    from .dtypes import numpy_dtype
+    from tiercache.dtypes import numpy_dtype
 
     raw = np.empty((n, pool.block_nbytes), dtype=np.uint8)
     dt = numpy_dtype(pool.dtype)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .arrays import host_output, raw_view
-from .config import CacheConfig, load_config
-from .cuda import cuda_status
-from .errors import (
+from tiercache.arrays import host_output, raw_view
+from tiercache.config import CacheConfig, load_config
+from tiercache.cuda import cuda_status
+from tiercache.errors import (
     ArrayMismatchError,
     ClosedError,
     ConfigError,
@@ -33,13 +33,12 @@ from .errors import (
     TierUnavailableError,
     TransferError,
 )
-from .file_tier import FileTier
-from .iopath import IOPath, select_io_path
-from .keys import Key, key_text, normalize_keys
-from .memory_tier import MemoryTier, make_device_tier, make_host_tier
-from .placement import TIER_ORDER, Placement
-from .engine import TransferEngine
-from .engineslots import EngineSlots
+from tiercache.files import FileTier, IOPath, select_io_path
+from tiercache.keys import Key, key_text, normalize_keys
+from tiercache.memory import MemoryTier, make_device_tier, make_host_tier
+from tiercache.placement import TIER_ORDER, Placement
+from tiercache.serving import EngineSlots
+from tiercache.transfer import TransferEngine
 
 log = logging.getLogger("tiercache")
 _logged_no_cuda = False
@@ -67,7 +66,7 @@ class TierCache(EngineSlots):
     host and file tiers.
 
     Engines that own their KV-cache tensors register them as the device tier
-    (:meth:`for_engine` with :class:`~tiercache.devicepools.DevicePools`); the device tier is
+    (:meth:`for_engine` with :class:`~tiercache.serving.devicepools.DevicePools`); the device tier is
     then theirs to allocate, and blocks move with :meth:`offload_slots` / :meth:`onboard_slots`
     by the engine's block ids.
 
@@ -129,7 +128,7 @@ class TierCache(EngineSlots):
     @classmethod
     def for_engine(cls, device_pools, *, host_slots: int = 0, file_slots: int = 0, blocks_per_host_block: int = 1,
                    **options) -> TierCache:
-        """A cache over the engine's own tensors (:class:`~tiercache.devicepools.DevicePools`)
+        """A cache over the engine's own tensors (:class:`~tiercache.serving.devicepools.DevicePools`)
         with ``host_slots`` host blocks and ``file_slots`` file blocks of
         ``blocks_per_host_block`` device blocks each; ``options`` are other
         :class:`CacheConfig` fields (``root``, ``fsync``, ``io_threads``...).
@@ -692,7 +691,7 @@ class TierCache(EngineSlots):
         self.engine.wait_for_stream(stream)
 
     def get_finished(self) -> list:
-        """Results (:class:`~tiercache.jobs.JobResult`) of the transfers finished since the
+        """Results (:class:`~tiercache.transfer.jobs.JobResult`) of the transfers finished since the
         last call; never blocks (for engines that poll)."""
         return self.engine.get_finished()
 
@@ -758,7 +757,7 @@ class TierCache(EngineSlots):
         import json
         import os
 
-        from .survey import STATS
+        from tiercache.files import STATS
 
         snap = {**self.stats(), "pid": os.getpid(), "time": time.time()}
         tmp = ft.root / f".tmp.stats.{os.getpid()}"

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .geometry import PoolSpec
-from .hostmem import HUGE_PAGE_MODES
+from tiercache.errors import ConfigError
+from tiercache.geometry import PoolSpec
+from tiercache.memory import HUGE_PAGE_MODES
 
 IO_MODES = ("auto", "gds", "compat", "posix")
 FSYNC_POLICIES = ("none", "data", "data+dir")
@@ -85,7 +85,7 @@ class CacheConfig:
             pages, registered with CUDA, when enough are reserved and free, else ordinary pinned
             memory), ``on`` (huge pages or :class:`~tiercache.errors.TierUnavailableError`) or
             ``off``. Pinning huge pages is faster (16 GiB: 6.2 s against 10.6 s on a lent
-            H100 machine) and copies run at the same speed (see :mod:`tiercache.hostmem`);
+            H100 machine) and copies run at the same speed (see :mod:`tiercache.memory.hostmem`);
             reserve them with ``sysctl vm.nr_hugepages=N`` (N x 2 MiB).
         root: directory of the file tier (created if missing).
         io_mode: ``auto`` (GDS if present, else kvikio compat mode with CUDA, else POSIX),
@@ -140,7 +140,7 @@ class CacheConfig:
             :func:`tiercache.sm_carveout` around cuBLASLt GEMMs), 0..1024; 0 (default): none.
             When set, copy kernels stay on that many SMs and the copy paths are picked for
             running beside compute (device -> host and host-run batches on the copy engines,
-            see :class:`~tiercache.copykernels.CopyLauncher` and docs/performance.md).
+            see :class:`~tiercache.copypaths.copykernels.CopyLauncher` and docs/performance.md).
 
     Raises:
         ConfigError: any value out of range (see each attribute).
@@ -237,7 +237,7 @@ class CacheConfig:
         for p in self.pools:
             if p.name == name:
                 return p
-        from .errors import UnknownPoolError
+        from tiercache.errors import UnknownPoolError
 
         raise UnknownPoolError(
             f"unknown pool {name!r}; this cache has pools: {', '.join(p.name for p in self.pools)}"
@@ -251,7 +251,7 @@ class CacheConfig:
     @property
     def block_file_bytes(self) -> int:
         """Bytes one block takes on disk (its files for every pool, headers and padding)."""
-        from .blockfile import file_size
+        from tiercache.files import file_size
 
         return sum(file_size(p.block_nbytes) for p in self.pools)
 

@@ -74,7 +74,7 @@ def require_cupy() -> ModuleType:
     """
     status = cuda_status()
     if not status.available:
-        from .errors import TierUnavailableError
+        from tiercache.errors import TierUnavailableError
 
         raise TierUnavailableError(f"the device tier needs CUDA: {status.reason}")
     import cupy

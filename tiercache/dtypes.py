@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ConfigError
+from tiercache.errors import ConfigError
 
 #: itemsize in bytes of every supported dtype, by canonical name
 ITEMSIZE: dict[str, int] = {

@@ -6,8 +6,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from .dtypes import ITEMSIZE, canonical_dtype
-from .errors import ConfigError
+from tiercache.dtypes import ITEMSIZE, canonical_dtype
+from tiercache.errors import ConfigError
 
 POOL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

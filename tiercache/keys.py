@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterable
 
-from .errors import InvalidKeyError
+from tiercache.errors import InvalidKeyError
 
 Key = int | bytes
 MAX_INT_KEY = (1 << 63) - 1

@@ -1,0 +1,188 @@
+"""The package's layers, read from the source with ``ast`` (nothing is imported).
+
+docs/architecture.md draws these layers; this file holds the code to them:
+
+- no import circle between modules (lazy imports inside functions count too);
+- every import between two units goes down the layer order below (a unit is a subpackage, or
+  one of the groups of top-level modules);
+- a unit takes another subpackage's names from the subpackage itself (its ``__init__`` says
+  what it offers), never from a module inside it, and never a name starting with ``_``;
+- nothing in the library imports the benchmarks; the scripts under ``benchmarks/`` use public
+  names only and each reproduces a claim that docs/performance.md or README.md makes.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+#: folders of the repository and the package each one is installed as (pyproject.toml's package-dir)
+SOURCES = {"tiercache": "tiercache", "cli": "tiercache.cli", "kernels": "tiercache.kernels"}
+FOUNDATION = ("errors", "keys", "dtypes", "geometry", "cuda", "arrays")
+FACADE = ("__init__", "cache", "aio", "config", "devicepools")
+#: bottom to top: a unit may import units of lower layers only (and itself)
+LAYERS = [
+    ["foundation", "tiercache.kernels"],
+    ["tiercache.memory"],
+    ["tiercache.copypaths", "tiercache.files"],
+    ["tiercache.transfer"],
+    ["tiercache.placement"],
+    ["tiercache.serving"],
+    ["facade"],
+    ["tiercache.bench"],
+    ["tiercache.cli"],
+]
+RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for folder, package in SOURCES.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([package, *parts])] = path
+    return mods
+
+
+MODULES = _modules()
+PACKAGES = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) >= 2 and f"tiercache.{parts[1]}" in RANK:
+        return f"tiercache.{parts[1]}"
+    top = parts[1] if len(parts) > 1 else "__init__"
+    if top in FOUNDATION:
+        return "foundation"
+    if top in FACADE:
+        return "facade"
+    raise AssertionError(f"module {module} belongs to no layer: add it to LAYERS in {__file__}")
+
+
+def imports_of(module: str) -> list[tuple[str, str, int]]:
+    """``(target module, name, line)`` for every import of ``tiercache`` in ``module``; ``name``
+    is the imported name ('' for ``import x``). A name that is a submodule targets it."""
+    path = MODULES[module]
+    package = module if module in PACKAGES else module.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, "", node.lineno) for a in node.names if a.name.split(".")[0] == "tiercache"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "tiercache":
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.append((sub if sub in MODULES else target, a.name, node.lineno))
+    return out
+
+
+def _where(module: str, line: int) -> str:
+    return f"{MODULES[module].relative_to(REPO)}:{line}"
+
+
+def test_every_module_has_a_layer():
+    assert {unit_of(m) for m in MODULES} <= set(RANK)
+    assert len(MODULES) > 40
+
+
+def test_no_import_circle():
+    graph = {m: sorted({t for t, _, _ in imports_of(m) if t in MODULES and t != m}) for m in MODULES}
+    # Tarjan's strongly connected components
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_imports_go_down_the_layers():
+    bad = []
+    for m in MODULES:
+        for target, _, line in imports_of(m):
+            if target not in MODULES:
+                continue
+            src, dst = unit_of(m), unit_of(target)
+            if src != dst and RANK[dst] >= RANK[src]:
+                bad.append(f"{_where(m, line)}: {src} imports {target} ({dst}, not below it)")
+    assert not bad, "\n".join(bad)
+
+
+def test_library_never_imports_the_benchmarks():
+    bad = [f"{_where(m, line)}: {target}" for m in MODULES if unit_of(m) not in ("tiercache.bench", "tiercache.cli")
+           for target, _, line in imports_of(m) if target.startswith("tiercache.bench")]
+    assert not bad, "\n".join(bad)
+
+
+def test_subpackages_are_used_through_their_faces_and_no_private_names_cross():
+    faces = {u for u in RANK if u.startswith("tiercache.") and u in PACKAGES} - {"tiercache.bench", "tiercache.cli",
+                                                                                 "tiercache.kernels"}
+    bad = []
+    for m in MODULES:
+        for target, name, line in imports_of(m):
+            src, dst = unit_of(m), unit_of(target) if target in MODULES else None
+            if dst is None or src == dst:
+                continue
+            if name.startswith("_") and not name.endswith("__"):
+                bad.append(f"{_where(m, line)}: private name {name} from {target}")
+            if dst in faces and target != dst:
+                bad.append(f"{_where(m, line)}: {target} is inside {dst}: import {name or target} from {dst}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_each_face_offers_what_it_names(package):
+    """Every name in a subpackage's ``__all__`` is bound by its ``__init__``."""
+    tree = ast.parse(MODULES[package].read_text())
+    bound = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    bound |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    names = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), [])
+    assert set(names) <= bound
+    assert ast.get_docstring(tree), f"{package} has no docstring saying what the layer is"
+
+
+def test_benchmark_scripts_use_public_names_and_back_a_documented_claim():
+    docs = (REPO / "docs" / "performance.md").read_text() + (REPO / "README.md").read_text()
+    scripts = sorted((REPO / "benchmarks").glob("*.py"))
+    for path in scripts:
+        assert f"benchmarks/{path.name}" in docs, f"{path.name} backs no claim in docs/performance.md or README.md"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tiercache"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
+                assert not private, f"{path.name}:{node.lineno} imports private {private} from {node.module}"

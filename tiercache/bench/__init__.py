@@ -1,0 +1,16 @@
+"""Benchmarks and calibration: ``tiercache bench`` jobs and ``tiercache calibrate``.
+
+Each job measures the library through its public (or documented internal) APIs against a
+baseline in the same run:
+
+- :mod:`.mainjob`: the default job (a cache's every stage, verified bytes);
+- :mod:`.benchcopy`, :mod:`.benchoverlap`: host <-> device copies against a contiguous
+  ``cudaMemcpyAsync``, alone and beside a bf16 GEMM (:mod:`.gpumon` samples clocks);
+- :mod:`.benchfile`: block files against raw I/O on the same directory;
+- :mod:`.benchlayer`: layer-wise onboarding into engine tensors;
+- :mod:`.fiospec`, :mod:`.fiorun`: fio-style jobs through the transfer engine;
+- :mod:`.calibrate`: where the copy engines overtake the SM kernels on this GPU;
+- :mod:`.timing`, :mod:`.stagestats`: CUDA-event timing and per-stage statistics.
+
+Nothing in the library imports this package; the CLI does.
+"""

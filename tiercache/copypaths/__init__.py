@@ -1,0 +1,24 @@
+"""Copy paths: how one batch of block copies between two memory endpoints runs on the GPU.
+
+- :mod:`.segments`: which bytes of each block move (whole blocks or the first tokens);
+- :mod:`.copyplan`: runs of consecutive slots, the per-run ``cudaMemcpyAsync`` choice;
+- :mod:`.copykernels`: :class:`CopyLauncher`, the path per batch (memcpy runs, the driver's
+  batched copy, the TMA bulk kernel, the gather/scatter kernel, the staged path);
+- :mod:`.batchcopy`: ``cuMemcpyBatchAsync`` over several streams;
+- :mod:`.stagedcopy`: copy engines for PCIe, the gather/scatter kernel for the VRAM hop;
+- :mod:`.uploadring`: a pinned ring for launch tables.
+
+Depends on :mod:`tiercache.memory` and the foundation; knows nothing of keys, tiers or files.
+"""
+
+from .batchcopy import BatchCopy
+from .copykernels import CopyLauncher
+from .copyplan import contiguous_runs, memcpy_runs
+from .segments import Segments, segments_for
+from .stagedcopy import StagedCopier, run_starts
+from .uploadring import UploadRing
+
+__all__ = [
+    "BatchCopy", "CopyLauncher", "Segments", "StagedCopier", "UploadRing", "contiguous_runs",
+    "memcpy_runs", "run_starts", "segments_for",
+]

@@ -1,0 +1,25 @@
+"""The file tier: one file per block and pool under a root directory.
+
+- :mod:`.blockfile`: the block-file format (4 KiB header, checksummed data) and file names;
+- :mod:`.posix_io`: atomic writes (temporary file, ``fdatasync``, rename) and verified reads;
+- :mod:`.kvikio_io`: ``CuFile`` reads and writes straight between VRAM and files (GDS or
+  kvikio's compat mode);
+- :mod:`.iopath`: which path device blocks take (GDS / compat / POSIX) and why;
+- :mod:`.rootdir`: the root's marker and single-writer lock;
+- :mod:`.rootsurvey`: a read-only survey of a root (for ``inspect``, ``verify``, ``purge``);
+- :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, I/O threads.
+
+Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
+"""
+
+from .blockfile import DATA_OFFSET, block_filename, file_size
+from .file_tier import FileTier, ScanResult
+from .iopath import IOPath, select_io_path
+from .rootdir import DIR_MODE, QUARANTINE, RootLock, is_root, lock_holder
+from .rootsurvey import STATS, RootSurvey, survey, verify_file
+
+__all__ = [
+    "DATA_OFFSET", "DIR_MODE", "FileTier", "IOPath", "QUARANTINE", "RootLock", "RootSurvey",
+    "STATS", "ScanResult", "block_filename", "file_size", "is_root", "lock_holder",
+    "select_io_path", "survey", "verify_file",
+]

@@ -1,0 +1,156 @@
+"""The on-disk format of one block of one pool: ``block_{key}_pool_{pool}.bin``.
+
+Layout (all offsets in bytes)::
+
+    0      magic  b"TCBLOCK\\0"                         8 bytes
+    8      format version (little-endian u32)           4
+    12     length L of the metadata (u32)               4
+    16     xxh3-64 of the metadata (u64)                8
+    24     metadata, UTF-8 JSON, L bytes: key, pool, dtype, block_shape, nbytes,
+           checksum algorithm and value of the data
+    ...    zero padding
+    4096   the block's bytes (``nbytes``), zero-padded to a multiple of 4096
+
+The data starts on a 4 KiB boundary and the file length is a multiple of 4 KiB, so O_DIRECT
+and cuFile (GDS) move it without bounce copies. The checksum is xxHash's XXH3-64 (the
+``xxhash`` package) of the block's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+
+import xxhash
+
+from tiercache.errors import CorruptBlockError
+from tiercache.geometry import PoolSpec
+from tiercache.keys import Key, key_from_text, key_text
+
+MAGIC = b"TCBLOCK\0"
+FORMAT_VERSION = 1
+DATA_OFFSET = 4096
+ALIGN = 4096
+CHECKSUM_ALGO = "xxh3_64"
+_PREFIX = struct.Struct("<8sIIQ")
+FILE_RE = re.compile(r"^block_(\d+|x[0-9a-f]+)_pool_([A-Za-z0-9][A-Za-z0-9_.-]*)\.bin$")
+TMP_PREFIX = ".tmp."
+
+
+def block_filename(key: Key, pool: str) -> str:
+    """``block_{key}_pool_{pool}.bin`` (int keys in decimal, bytes keys as ``x<hex>``)."""
+    return f"block_{key_text(key)}_pool_{pool}.bin"
+
+
+def parse_filename(name: str) -> tuple[Key, str] | None:
+    """``(key, pool)`` for a block file name, or None for any other name."""
+    m = FILE_RE.match(name)
+    if not m:
+        return None
+    try:
+        return key_from_text(m.group(1)), m.group(2)
+    except ValueError:
+        return None
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+def file_size(nbytes: int) -> int:
+    """Length in bytes of the file of a block of ``nbytes`` bytes."""
+    return DATA_OFFSET + align_up(nbytes)
+
+
+def checksum(buf) -> int:
+    """XXH3-64 of ``buf`` (any object exposing the buffer protocol)."""
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """What a block file says about itself."""
+
+    key: Key
+    pool: str
+    dtype: str
+    block_shape: tuple[int, ...]
+    nbytes: int
+    checksum: int
+    version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)  # what the cache stores beside the bytes
+
+
+def encode_header(key: Key, pool: PoolSpec, data_checksum: int, extra: dict | None = None) -> bytes:
+    """The 4096-byte header of a block of ``pool`` with key ``key``; ``extra`` (JSON-ready)
+    is kept with it (e.g. which device blocks a larger host block holds)."""
+    meta = json.dumps(
+        {
+            **({"extra": extra} if extra else {}),
+            "key": key_text(key),
+            "pool": pool.name,
+            "dtype": pool.dtype,
+            "block_shape": list(pool.block_shape),
+            "nbytes": pool.block_nbytes,
+            "checksum_algo": CHECKSUM_ALGO,
+            "checksum": f"{data_checksum:016x}",
+        },
+        separators=(",", ":"),
+    ).encode()
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(meta), xxhash.xxh3_64_intdigest(meta)) + meta
+    if len(head) > DATA_OFFSET:
+        raise CorruptBlockError(f"block header of {len(head)} bytes exceeds {DATA_OFFSET}")
+    return head + bytes(DATA_OFFSET - len(head))
+
+
+def decode_header(buf: bytes, where: str = "block file") -> BlockHeader:
+    """Parse and check a header read from the start of a block file.
+
+    Raises:
+        CorruptBlockError: short read, wrong magic, unknown version, metadata that does not
+            match its hash or is not the expected JSON.
+    """
+    if len(buf) < _PREFIX.size:
+        raise CorruptBlockError(f"{where}: header truncated ({len(buf)} bytes)")
+    magic, version, meta_len, meta_hash = _PREFIX.unpack_from(buf)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"{where}: not a tiercache block file (bad magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"{where}: format version {version}, this tiercache reads {FORMAT_VERSION}")
+    end = _PREFIX.size + meta_len
+    if end > min(len(buf), DATA_OFFSET):
+        raise CorruptBlockError(f"{where}: header metadata length {meta_len} out of range")
+    meta = bytes(buf[_PREFIX.size:end])
+    if xxhash.xxh3_64_intdigest(meta) != meta_hash:
+        raise CorruptBlockError(f"{where}: header metadata checksum mismatch (torn or corrupt header)")
+    try:
+        d = json.loads(meta)
+        return BlockHeader(
+            key=key_from_text(d["key"]),
+            pool=str(d["pool"]),
+            dtype=str(d["dtype"]),
+            block_shape=tuple(int(x) for x in d["block_shape"]),
+            nbytes=int(d["nbytes"]),
+            checksum=int(d["checksum"], 16),
+            version=version,
+            extra=dict(d.get("extra") or {}),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptBlockError(f"{where}: malformed header metadata ({exc})") from None
+
+
+def check_header(header: BlockHeader, key: Key, pool: PoolSpec, where: str) -> None:
+    """Check that a header belongs to ``key`` in ``pool`` with the pool's geometry.
+
+    Raises:
+        CorruptBlockError: key, pool, dtype, shape or size differ.
+    """
+    expected = (key, pool.name, pool.dtype, pool.block_shape, pool.block_nbytes)
+    got = (header.key, header.pool, header.dtype, header.block_shape, header.nbytes)
+    if got != expected:
+        names = ("key", "pool", "dtype", "block_shape", "nbytes")
+        diffs = [f"{n} {g!r} (expected {e!r})" for n, g, e in zip(names, got, expected) if g != e]
+        raise CorruptBlockError(f"{where}: wrong geometry: {', '.join(diffs)}")

@@ -1,0 +1,283 @@
+"""The file tier: one file per block and pool under a root directory that tiercache owns
+(marker and single-writer lock: :mod:`tiercache.files.rootdir`). Blocks are written atomically (see :mod:`tiercache.files.posix_io`); when a
+cache reopens a root, :meth:`FileTier.scan` rebuilds the index from the files, removes
+leftover temporary files, and moves files that fail their header check into
+``quarantine/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercache.errors import CorruptBlockError
+from tiercache.files import kvikio_io, posix_io
+from tiercache.files.blockfile import block_filename, parse_filename
+from tiercache.files.iopath import IOPath
+from tiercache.files.rootdir import DIR_MODE, QUARANTINE, RootLock, open_root
+from tiercache.files.rootsurvey import classify
+from tiercache.geometry import PoolSpec
+from tiercache.keys import Key, key_text
+from tiercache.memory import copy_sync
+
+log = logging.getLogger("tiercache")
+
+
+
+@dataclass
+class ScanResult:
+    """What :meth:`FileTier.scan` found.
+
+    Attributes:
+        blocks: complete blocks (a valid file for every pool) as ``(key, mtime)``.
+        removed_tmp: leftover temporary files deleted.
+        quarantined: ``(path, reason)`` of files moved to ``quarantine/``.
+        incomplete: keys with files for some pools but not all (left in place).
+        extra: per block, the ``extra`` metadata its files were written with (if any).
+        foreign: names in the root that tiercache did not write (left in place).
+    """
+
+    blocks: list[tuple[Key, float]] = field(default_factory=list)
+    removed_tmp: int = 0
+    quarantined: list[tuple[str, str]] = field(default_factory=list)
+    incomplete: list[Key] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+
+class FileTier:
+    """Block files under ``root``, read and written by a pool of I/O threads.
+
+    Args:
+        root: directory (created if missing; see :func:`open_root`).
+        pools: the cache's pools.
+        num_slots: blocks the tier may hold (enforced by the cache's policy).
+        io_path: how device buffers reach files (:class:`~tiercache.files.iopath.IOPath`).
+        fsync: ``none | data | data+dir``.
+        verify: verify checksums on read.
+        io_threads: worker threads.
+        device_id: CUDA device of device buffers.
+
+    Raises:
+        RootError: see :func:`open_root`.
+    """
+
+    def __init__(self, root: Path, pools: tuple[PoolSpec, ...], num_slots: int, io_path: IOPath,
+                 fsync: str = "data", verify: bool = True, io_threads: int = 8, device_id: int = 0,
+                 direct_io: bool = False, kvikio_task_size: int | None = None,
+                 kvikio_gds_threshold: int | None = None) -> None:
+        open_root(root)
+        self._lock = RootLock(root)
+        self.root = root
+        self.pools = {p.name: p for p in pools}
+        self.num_slots = num_slots
+        self.io_path = io_path
+        self.fsync = fsync
+        self.verify = verify
+        self.device_id = device_id
+        self.direct_io = direct_io
+        self._max_nbytes = max(p.block_nbytes for p in pools)
+        self._local = threading.local()
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercache-io")
+        #: per key, extra header metadata for its next write (set by the cache)
+        self.block_meta: dict[Key, dict] = {}
+        if io_path.kvikio:
+            kvikio_io.configure(io_threads, kvikio_task_size, kvikio_gds_threshold)
+
+    # -- paths -------------------------------------------------------------------------
+    def path(self, key: Key, pool: str) -> Path:
+        """Path of the file of ``key`` in ``pool``."""
+        return self.root / block_filename(key, pool)
+
+    # -- index rebuild -----------------------------------------------------------------
+    def scan(self) -> ScanResult:
+        """Rebuild the list of complete blocks from the files in the root (see class doc)."""
+        result = ScanResult()
+        found: dict[Key, dict[str, os.DirEntry]] = {}
+        for entry in os.scandir(self.root):
+            kind = classify(entry.name)
+            if kind == "temporary":  # left by a writer that died (this process holds the lock)
+                try:
+                    os.unlink(entry.path)
+                    result.removed_tmp += 1
+                except FileNotFoundError:
+                    pass
+                continue
+            if kind == "own":
+                continue
+            parsed = parse_filename(entry.name)
+            if parsed is None or parsed[1] not in self.pools or not entry.is_file():
+                result.foreign.append(entry.name)
+                continue
+            found.setdefault(parsed[0], {})[parsed[1]] = entry
+        checks = [(key, pool, entry) for key, by_pool in found.items() for pool, entry in by_pool.items()]
+        checked = dict(zip(((k, p) for k, p, _ in checks),
+                           self._executor.map(lambda c: self._check_file(*c), checks)))
+        bad = {kp: reason for kp, (reason, _) in checked.items()}
+        for key, by_pool in found.items():
+            reasons = [bad[(key, p)] for p in by_pool if bad[(key, p)]]
+            if reasons:
+                for pool, entry in by_pool.items():
+                    self._quarantine(Path(entry.path), bad[(key, pool)] or "another pool's file of this block is bad")
+                    result.quarantined.append((entry.name, bad[(key, pool)] or "sibling bad"))
+                continue
+            if set(by_pool) != set(self.pools):
+                result.incomplete.append(key)
+                continue
+            mtime = max(e.stat().st_mtime for e in by_pool.values())
+            result.blocks.append((key, mtime))
+            extra = checked[(key, next(iter(by_pool)))][1]
+            if extra:
+                result.extra[key] = extra
+        result.blocks.sort(key=lambda kv: kv[1])
+        return result
+
+    def _check_file(self, key: Key, pool: str, entry: os.DirEntry) -> tuple[str | None, dict]:
+        """``(why the file is bad or None, its header's extra metadata)``."""
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                header = posix_io.read_header(fd, key, self.pools[pool], entry.name)
+            finally:
+                os.close(fd)
+        except CorruptBlockError as exc:
+            return str(exc), {}
+        except OSError as exc:
+            return f"{entry.name}: unreadable ({exc.strerror})", {}
+        return None, header.extra
+
+    def _quarantine(self, path: Path, reason: str) -> None:
+        qdir = self.root / QUARANTINE
+        qdir.mkdir(mode=DIR_MODE, exist_ok=True)
+        try:
+            os.replace(path, qdir / path.name)
+        except FileNotFoundError:
+            return
+        log.warning("tiercache: quarantined %s: %s", path.name, reason)
+
+    def quarantine_block(self, key: Key, reason: str) -> None:
+        """Move every file of ``key`` to ``quarantine/`` (a block that failed to verify)."""
+        for pool in self.pools:
+            self._quarantine(self.path(key, pool), reason)
+
+    # -- I/O -----------------------------------------------------------------------------
+    def _staging(self):
+        buf = getattr(self._local, "staging", None)
+        if buf is None:
+            from tiercache.memory import alloc_host
+
+            buf, owner = alloc_host(self._max_nbytes, pinned=True)
+            self._local.staging, self._local.owner = buf, owner
+        return buf
+
+    def _write_one(self, key: Key, pool: PoolSpec, buf) -> None:
+        final = self.path(key, pool.name)
+        extra = self.block_meta.get(key)
+        if isinstance(buf, memoryview) or hasattr(buf, "ctypes"):  # host memory
+            posix_io.write_block(final, key, pool, buf, self.fsync, self.direct_io, extra)
+            return
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            staging = self._staging()
+            if self.io_path.kvikio:
+                kvikio_io.write_block(final, key, pool, buf, staging, self.fsync, extra)
+            else:  # forced POSIX: bounce through pinned staging
+                host = staging[: pool.block_nbytes]
+                copy_sync(host, buf)
+                posix_io.write_block(final, key, pool, host, self.fsync, self.direct_io, extra)
+
+    def _read_one(self, key: Key, pool: PoolSpec, buf) -> None:
+        path = self.path(key, pool.name)
+        if hasattr(buf, "ctypes"):
+            posix_io.read_block(path, key, pool, buf, self.verify, self.direct_io)
+            return
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            staging = self._staging()
+            if self.io_path.kvikio:
+                kvikio_io.read_block(path, key, pool, buf, staging, self.verify)
+            else:
+                host = staging[: pool.block_nbytes]
+                posix_io.read_block(path, key, pool, host, self.verify, self.direct_io)
+                copy_sync(buf, host)
+
+    def _write_key(self, key: Key, bufs: dict) -> None:
+        try:
+            for pool, buf in bufs.items():
+                self._write_one(key, self.pools[pool], buf)
+        except BaseException:
+            self.delete([key])  # no half-written block: every pool's file or none
+            raise
+
+    def _read_key(self, key: Key, bufs: dict) -> None:
+        for pool, buf in bufs.items():
+            self._read_one(key, self.pools[pool], buf)
+
+    def submit(self, kind: str, items: list[tuple[Key, dict]], deps: list = (), delay_s: float = 0.0,
+               skip: Callable[[int], str | None] | None = None) -> list[tuple[Key, Future]]:
+        """Start reading or writing blocks on the I/O threads; returns ``[(key, future)]``.
+
+        Args:
+            kind: ``"write"`` (buffers -> files) or ``"read"`` (files -> buffers).
+            items: ``[(key, {pool: buffer})]``, one ``block_nbytes`` buffer per pool (host NumPy
+                row or device CuPy row).
+            deps: jobs each task waits for (in its I/O thread) before touching the buffers.
+            delay_s: debug delay before the I/O (tests of in-flight transfers).
+            skip: ``skip(i)`` returns a reason to fail item ``i`` without I/O (its source was
+                never filled), checked after ``deps``.
+
+        A write that fails leaves no file of that key behind; a read that fails raises
+        :class:`CorruptBlockError` for files that do not verify.
+        """
+        fn = self._write_key if kind == "write" else self._read_key
+
+        def task(i: int, key: Key, bufs: dict) -> None:
+            for dep in deps:
+                dep.wait_host()
+            if delay_s:
+                time.sleep(delay_s)
+            if skip is not None:
+                why = skip(i)
+                if why:
+                    raise OSError(why)
+            fn(key, bufs)
+
+        return [(key, self._executor.submit(task, i, key, bufs)) for i, (key, bufs) in enumerate(items)]
+
+    def _wait(self, futures: list[tuple[Key, Future]]) -> dict[Key, BaseException | None]:
+        return {key: fut.exception() for key, fut in futures}
+
+    def write(self, items: list[tuple[Key, dict]]) -> dict[Key, BaseException | None]:
+        """Write blocks and wait (see :meth:`submit`). Returns, per key, None or its error."""
+        return self._wait(self.submit("write", items))
+
+    def read(self, items: list[tuple[Key, dict]]) -> dict[Key, BaseException | None]:
+        """Read blocks and wait (see :meth:`submit`). Returns, per key, None or its error
+        (:class:`CorruptBlockError` for files that do not verify)."""
+        return self._wait(self.submit("read", items))
+
+    def delete(self, keys: list[Key]) -> None:
+        """Remove the files of ``keys`` (missing files are ignored)."""
+        for key in keys:
+            for pool in self.pools:
+                try:
+                    os.unlink(self.path(key, pool))
+                except FileNotFoundError:
+                    pass
+
+    def describe_key(self, key: Key) -> str:
+        """A short name of the files of ``key``, for messages."""
+        return f"block_{key_text(key)}_pool_*.bin"
+
+    def close(self) -> None:
+        """Stop the I/O threads (after the running ones finish) and release the root's lock."""
+        self._executor.shutdown(wait=True)
+        self._lock.release()

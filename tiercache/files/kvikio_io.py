@@ -1,0 +1,74 @@
+"""Block-file I/O between VRAM and files through kvikio ``CuFile`` (GDS or kvikio compat mode).
+
+The data of a block goes straight from (or to) its device slot with ``CuFile.pwrite``/
+``pread`` at the 4 KiB-aligned data offset, so with GPUDirect Storage no CPU bounce copy is
+made. The header and checksum need the block's bytes on the host: they are computed from a
+copy into a pinned staging buffer (PCIe at tens of GB/s, far above disk speed), and the read
+side verifies the same way when ``verify_checksums`` is on.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tiercache.errors import CorruptBlockError
+from tiercache.files.blockfile import DATA_OFFSET, checksum, encode_header
+from tiercache.files.posix_io import atomic_write, read_header
+from tiercache.geometry import PoolSpec
+from tiercache.keys import Key
+
+
+def configure(num_threads: int, task_size: int | None = None, gds_threshold: int | None = None) -> None:
+    """Set kvikio's thread pool size, task size and GDS threshold (process-wide settings)."""
+    import kvikio.defaults
+
+    wanted = {"num_threads": num_threads, "task_size": task_size, "gds_threshold": gds_threshold}
+    for key, value in wanted.items():
+        if value is not None and kvikio.defaults.get(key) != value:
+            kvikio.defaults.set(key, value)
+
+
+def _device_checksum(dev, staging) -> int:
+    """XXH3-64 of device buffer ``dev`` via host ``staging`` (pinned, same size or larger)."""
+    host = staging[: dev.nbytes]
+    dev.get(out=host)
+    return checksum(host)
+
+
+def write_block(final: Path, key: Key, pool: PoolSpec, dev, staging, fsync: str, extra: dict | None = None) -> None:
+    """Write device buffer ``dev`` (a 1-D CuPy ``uint8`` array of ``block_nbytes``) to
+    ``final`` atomically; ``staging`` is a pinned host buffer for the checksum."""
+    import kvikio
+
+    header = encode_header(key, pool, _device_checksum(dev, staging), extra)
+
+    def write_data(_fd: int, tmp: Path) -> None:
+        with kvikio.CuFile(tmp, "r+") as f:
+            n = f.pwrite(dev, pool.block_nbytes, file_offset=DATA_OFFSET).get()
+        if n != pool.block_nbytes:
+            raise OSError(f"kvikio wrote {n} of {pool.block_nbytes} bytes to {tmp}")
+
+    atomic_write(final, header, pool.block_nbytes, fsync, write_data)
+
+
+def read_block(path: Path, key: Key, pool: PoolSpec, dev, staging, verify: bool) -> None:
+    """Read a block file into device buffer ``dev``, checking header and (when ``verify``)
+    checksum through host ``staging``.
+
+    Raises:
+        CorruptBlockError: the file does not verify.
+    """
+    import kvikio
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = read_header(fd, key, pool, str(path))
+    finally:
+        os.close(fd)
+    with kvikio.CuFile(path, "r") as f:
+        n = f.pread(dev, pool.block_nbytes, file_offset=DATA_OFFSET).get()
+    if n != pool.block_nbytes:
+        raise CorruptBlockError(f"{path}: truncated (kvikio read {n} of {pool.block_nbytes} bytes)")
+    if verify and _device_checksum(dev, staging) != header.checksum:
+        raise CorruptBlockError(f"{path}: data checksum mismatch")

@@ -1,0 +1,190 @@
+"""POSIX block-file I/O: atomic writes and verified reads with pwrite/pread.
+
+Every write goes to a temporary file in the same directory (``O_EXCL``, mode 0600), is
+flushed according to the fsync policy, and is renamed over the final name, so a reader never
+sees a torn block and a crash leaves either the old file, the new file, or a temporary file
+that the next open removes.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tiercache.errors import CorruptBlockError
+from tiercache.files.blockfile import (
+    DATA_OFFSET,
+    TMP_PREFIX,
+    check_header,
+    checksum,
+    decode_header,
+    encode_header,
+    file_size,
+)
+from tiercache.geometry import PoolSpec
+from tiercache.keys import Key
+
+FILE_MODE = 0o600
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+_local = threading.local()
+
+
+def _page() -> memoryview:
+    """A thread-local, page-aligned 4096-byte buffer (headers under O_DIRECT)."""
+    buf = getattr(_local, "page", None)
+    if buf is None:
+        buf = _local.page = mmap.mmap(-1, DATA_OFFSET)
+    return memoryview(buf)
+
+
+def direct_ok(buf) -> bool:
+    """True when ``buf`` may be used for O_DIRECT I/O: page-aligned address and length."""
+    arr = np.asarray(buf)
+    return bool(O_DIRECT) and arr.ctypes.data % 4096 == 0 and arr.nbytes % 4096 == 0
+
+
+def _open(path, flags: int, direct: bool, mode: int = FILE_MODE) -> tuple[int, bool]:
+    """Open with O_DIRECT when asked and supported (filesystems such as tmpfs refuse it)."""
+    if direct:
+        try:
+            return os.open(path, flags | O_DIRECT, mode), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of a vector of buffers (after a short read or write)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
+
+
+def pwrite_all(fd: int, buffers: list, offset: int) -> None:
+    """Write every byte of ``buffers`` at ``offset``, retrying short writes."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError("pwritev wrote 0 bytes")
+        offset += n
+        _advance(views, n)
+
+
+def _preadv_all(fd: int, buffers: list) -> int:
+    """Fill ``buffers`` from offset 0 until they are full or the file ends; returns bytes read."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, total)
+        if n == 0:
+            break
+        total += n
+        _advance(views, n)
+    return total
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that a rename in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(final: Path, header: bytes, nbytes: int, fsync: str,
+                 write_data: Callable[[int, Path], None], direct: bool = False) -> None:
+    """Create ``final`` atomically: header at 0, data (written by ``write_data(fd, tmp_path)``
+    at :data:`DATA_OFFSET`), padded to :func:`file_size`, flushed per ``fsync``, renamed.
+    ``direct`` opens the file with O_DIRECT (the data must then be page-aligned).
+
+    On any error the temporary file is removed and ``final`` is untouched.
+    """
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd, direct = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, direct)
+    try:
+        if direct:
+            page = _page()
+            page[:] = header
+            pwrite_all(fd, [page], 0)
+        else:
+            pwrite_all(fd, [header], 0)
+        write_data(fd, tmp)
+        os.ftruncate(fd, file_size(nbytes))
+        if fsync != "none":
+            os.fdatasync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, final)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if fsync == "data+dir":
+        fsync_dir(final.parent)
+
+
+def write_block(final: Path, key: Key, pool: PoolSpec, data, fsync: str, direct: bool = False,
+                extra: dict | None = None) -> None:
+    """Write one block from host memory ``data`` (``block_nbytes`` bytes) to ``final``;
+    ``direct`` uses O_DIRECT where ``data`` is page-aligned in address and length; ``extra``
+    goes into the header."""
+    header = encode_header(key, pool, checksum(data), extra)
+    atomic_write(final, header, pool.block_nbytes, fsync,
+                 lambda fd, _tmp: pwrite_all(fd, [data], DATA_OFFSET), direct=direct and direct_ok(data))
+
+
+def read_header(fd: int, key: Key, pool: PoolSpec, where: str):
+    """Read, decode and check the header of an open block file; returns the header.
+
+    Raises:
+        CorruptBlockError: bad header, wrong geometry, or a file shorter than its block.
+    """
+    page = _page()
+    n = os.preadv(fd, [page], 0)  # an aligned buffer: valid under O_DIRECT too
+    header = decode_header(bytes(page[:n]), where)
+    check_header(header, key, pool, where)
+    size = os.fstat(fd).st_size
+    if size < DATA_OFFSET + pool.block_nbytes:
+        raise CorruptBlockError(f"{where}: truncated ({size} bytes, expected {file_size(pool.block_nbytes)})")
+    return header
+
+
+def read_block(path: Path, key: Key, pool: PoolSpec, out, verify: bool, direct: bool = False) -> None:
+    """Read one block into host buffer ``out`` (``block_nbytes`` bytes), checking its header
+    and, when ``verify``, its checksum; ``direct`` uses O_DIRECT where ``out`` is page-aligned.
+
+    Raises:
+        CorruptBlockError: the file does not verify.
+        FileNotFoundError / OSError: the file cannot be read.
+    """
+    fd, _ = _open(path, os.O_RDONLY | os.O_CLOEXEC, direct and direct_ok(out))
+    try:
+        # header and data in one request (one I/O instead of a small one and a large one)
+        page = _page()
+        view = memoryview(np.asarray(out)).cast("B")
+        want = DATA_OFFSET + len(view)
+        got = _preadv_all(fd, [page, view])
+        header = decode_header(bytes(page), str(path))
+        check_header(header, key, pool, str(path))
+        if got < want:
+            raise CorruptBlockError(f"{path}: truncated ({got} bytes, expected {file_size(pool.block_nbytes)})")
+    finally:
+        os.close(fd)
+    if verify and checksum(out) != header.checksum:
+        raise CorruptBlockError(f"{path}: data checksum mismatch")

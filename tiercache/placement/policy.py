@@ -1,0 +1,180 @@
+"""Placement: which key sits in which slot of which tier, LRU order per tier, and pins.
+
+This module decides *what* moves (victims for spills); it never touches bytes. Tiers are
+ordered top to bottom: ``device``, ``host``, ``file``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from tiercache.errors import SlotRangeError, TierFullError
+from tiercache.keys import Key, key_text
+
+TIER_ORDER = ("device", "host", "file")
+
+
+class TierSlots:
+    """Slots of one tier: key -> slot, LRU order (least recent first), free slots.
+
+    Free slots come back lowest first, so a batch into an empty tier gets consecutive slots
+    (one copy per run, see :mod:`tiercache.copypaths.copyplan`).
+    """
+
+    def __init__(self, name: str, num_slots: int) -> None:
+        self.name = name
+        self.num_slots = num_slots
+        self.slot_of: dict[Key, int] = {}
+        self.key_at: dict[int, Key] = {}
+        self.lru: OrderedDict[Key, None] = OrderedDict()
+        self._heap = list(range(num_slots))  # free slots, lowest first; stale entries skipped
+        self._free = num_slots
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.slot_of
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    @property
+    def free_count(self) -> int:
+        return self._free
+
+    def _take(self, key: Key, slot: int) -> None:
+        self.slot_of[key] = slot
+        self.key_at[slot] = key
+        self.lru[key] = None
+        self._free -= 1
+
+    def add(self, keys: list[Key]) -> list[int]:
+        """Give each key (not yet in this tier) the lowest free slot; the caller made room."""
+        if len(keys) > self._free:
+            raise TierFullError(f"{self.name} tier: {len(keys)} slots wanted, {self._free} free")
+        slots = []
+        for k in keys:
+            s = heapq.heappop(self._heap)
+            while s in self.key_at:  # stale: claimed explicitly
+                s = heapq.heappop(self._heap)
+            self._take(k, s)
+            slots.append(s)
+        return slots
+
+    def claim(self, keys: list[Key], slots: list[int]) -> None:
+        """Put each key in the given slot (engine-chosen slots).
+
+        Raises:
+            SlotRangeError: a slot out of ``[0, num_slots)``, repeated, or holding a key.
+        """
+        for s in slots:
+            if not 0 <= s < self.num_slots:
+                raise SlotRangeError(f"{self.name} slot {s} outside [0, {self.num_slots})")
+        if len(set(slots)) != len(slots):
+            dup = next(s for i, s in enumerate(slots) if s in slots[:i])
+            raise SlotRangeError(f"{self.name} slot {dup} appears twice")
+        for s in slots:
+            if s in self.key_at:
+                raise SlotRangeError(f"{self.name} slot {s} already holds key {key_text(self.key_at[s])}")
+        for k, s in zip(keys, slots):
+            self._take(k, s)
+
+    def remove(self, keys: Iterable[Key]) -> None:
+        """Free the slots of ``keys`` (keys not in this tier are ignored)."""
+        for k in keys:
+            s = self.slot_of.pop(k, None)
+            if s is not None:
+                del self.lru[k]
+                del self.key_at[s]
+                heapq.heappush(self._heap, s)
+                self._free += 1
+
+    def touch(self, keys: Iterable[Key]) -> None:
+        """Mark ``keys`` most recently used."""
+        for k in keys:
+            if k in self.lru:
+                self.lru.move_to_end(k)
+
+
+class Placement:
+    """Every tier's :class:`TierSlots` plus pin counts.
+
+    Args:
+        capacities: slots per tier name, for the tiers that exist, top to bottom.
+    """
+
+    def __init__(self, capacities: dict[str, int]) -> None:
+        self.tiers = {name: TierSlots(name, n) for name, n in capacities.items()}
+        self.pins: dict[Key, int] = {}
+
+    @property
+    def order(self) -> list[str]:
+        """Tier names present, top to bottom."""
+        return [t for t in TIER_ORDER if t in self.tiers]
+
+    def below(self, tier: str) -> list[str]:
+        """Tiers under ``tier``, nearest first."""
+        order = self.order
+        return order[order.index(tier) + 1:]
+
+    def above(self, tier: str) -> list[str]:
+        """Tiers over ``tier``, nearest first."""
+        order = self.order
+        return order[: order.index(tier)][::-1]
+
+    def where(self, key: Key) -> dict[str, int]:
+        """``{tier: slot}`` for every tier holding ``key`` (empty if none)."""
+        return {t: ts.slot_of[key] for t, ts in self.tiers.items() if key in ts}
+
+    def contains(self, key: Key) -> bool:
+        return any(key in ts for ts in self.tiers.values())
+
+    def keys(self) -> set[Key]:
+        """Every stored key."""
+        out: set[Key] = set()
+        for ts in self.tiers.values():
+            out.update(ts.slot_of)
+        return out
+
+    def has_copy_below(self, key: Key, tier: str) -> bool:
+        return any(key in self.tiers[t] for t in self.below(tier))
+
+    def is_pinned(self, key: Key) -> bool:
+        return self.pins.get(key, 0) > 0
+
+    def pin(self, keys: Iterable[Key]) -> None:
+        for k in keys:
+            self.pins[k] = self.pins.get(k, 0) + 1
+
+    def unpin(self, keys: Iterable[Key]) -> None:
+        for k in keys:
+            n = self.pins.get(k, 0) - 1
+            if n > 0:
+                self.pins[k] = n
+            else:
+                self.pins.pop(k, None)
+
+    def victims(self, tier: str, count: int, protect: set[Key]) -> list[Key]:
+        """The ``count`` least recently used keys of ``tier`` that may leave it: not pinned
+        and not in ``protect`` (the keys of the operation in progress).
+
+        Raises:
+            TierFullError: fewer than ``count`` such keys.
+        """
+        ts = self.tiers[tier]
+        out: list[Key] = []
+        if count <= 0:
+            return out
+        for k in ts.lru:
+            if k in protect or self.is_pinned(k):
+                continue
+            out.append(k)
+            if len(out) == count:
+                return out
+        busy = sum(1 for k in ts.lru if k in protect or self.is_pinned(k))
+        raise TierFullError(
+            f"{tier} tier is full: {count} more slot(s) needed, {ts.free_count} free of "
+            f"{ts.num_slots}, and {busy} block(s) are pinned or in use by this operation "
+            f"(e.g. key {key_text(next(iter(ts.lru)))})" if ts.lru else
+            f"{tier} tier has {ts.num_slots} slots; {count + ts.free_count} needed"
+        )

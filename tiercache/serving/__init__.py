@@ -1,0 +1,20 @@
+"""Serving engines' own KV-cache tensors as the device tier.
+
+- :mod:`.devicepools`: :class:`DevicePools`: the engine's tensors (vLLM, SGLang, TensorRT-LLM,
+  FastDeploy, MLA layouts) described as pools;
+- :mod:`.slotplan`: the engine's block ids ``[n, k]`` -> row copies (host blocks of ``k``
+  device blocks, whole or first tokens, whole or per layer);
+- :mod:`.layerwise`: :class:`OnboardHandle`: one CUDA event per layer of an onboard;
+- :mod:`.engineslots`: :class:`EngineSlots`: ``offload_slots`` / ``onboard_slots`` by block id,
+  the part of :class:`~tiercache.TierCache` that works on the engine's tensors.
+
+Depends on :mod:`tiercache.placement`, :mod:`tiercache.transfer`, :mod:`tiercache.memory`.
+"""
+
+from .devicepools import DevicePools, LayerPart
+from .engineslots import EngineSlots
+from .layerwise import OnboardHandle
+
+__all__ = [
+    "DevicePools", "EngineSlots", "LayerPart", "OnboardHandle",
+]

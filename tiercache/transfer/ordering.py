@@ -1,0 +1,100 @@
+"""Per-slot ordering of conflicting transfers (read-after-write, write-after-read,
+write-after-write).
+
+For every slot of every tier the ledger keeps the id of the job with the last pending write,
+of the last pending GPU reader and of the last pending threaded reader (file I/O, CPU copies).
+Before a job copies ``src -> dst`` it must wait for the pending writes to its source slots and
+for the pending reads and writes of its destination slots; then it is recorded as the new
+writer of its destination and a reader of its source. A new reader of a slot makes its own
+completion imply the previous reader's of the same kind (it *covers* it), so one id per slot
+and kind is enough and a later writer waits for all readers. A writer clears the readers of
+the slots it writes (it waited for them).
+
+This generalizes the pending-read/pending-write events of TensorRT-LLM's
+``KVCacheTransferManager`` (its long comment on two offloads into one block and on partial
+copies from a block being onboarded) to every tier, several readers, and file I/O futures.
+Lookups are vectorized with NumPy; only the distinct job ids found are visited.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tiercache.transfer.jobs import Job
+
+
+class SlotLedger:
+    """The pending-job ids of every slot of every tier.
+
+    Args:
+        capacities: ``{tier: num_slots}``.
+    """
+
+    def __init__(self, capacities: dict[str, int]) -> None:
+        self._w = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
+        self._rg = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
+        self._rt = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
+        # slots whose last writer failed: they hold no valid block until written again
+        self._invalid = {t: np.zeros(n, dtype=bool) for t, n in capacities.items()}
+
+    def tracks(self, tier: str) -> bool:
+        return tier in self._w
+
+    @staticmethod
+    def _ids(arr: np.ndarray, slots: np.ndarray) -> list[int]:
+        if slots.size == 0:
+            return []
+        ids = np.unique(arr[slots])
+        return [int(i) for i in ids if i >= 0]
+
+    def dependencies(self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray) -> tuple[list[int], list[int]]:
+        """Job ids to wait for: ``(writers of the source, readers and writers of the
+        destination)``; tiers the ledger does not track (``caller``) contribute none."""
+        raw = self._ids(self._w[src], src_slots) if src in self._w else []
+        war = []
+        if dst in self._w:
+            war = sorted(set(self._ids(self._w[dst], dst_slots)) | set(self._ids(self._rg[dst], dst_slots))
+                         | set(self._ids(self._rt[dst], dst_slots)))
+        return raw, war
+
+    def previous_readers(self, tier: str, slots: np.ndarray, gpu: bool) -> list[int]:
+        """Pending readers of ``slots`` of the same kind, which a new reader covers."""
+        if tier not in self._w:
+            return []
+        return self._ids((self._rg if gpu else self._rt)[tier], slots)
+
+    def record(self, job: Job, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray, gpu: bool) -> None:
+        """Record ``job`` as the reader of ``src_slots`` and the writer of ``dst_slots``."""
+        if src in self._w and src_slots.size:
+            (self._rg if gpu else self._rt)[src][src_slots] = job.id
+        if dst in self._w and dst_slots.size:
+            self._w[dst][dst_slots] = job.id
+            self._rg[dst][dst_slots] = -1
+            self._rt[dst][dst_slots] = -1
+            self._invalid[dst][dst_slots] = False
+
+    def mark_failed(self, job: Job, tier: str, slots) -> None:
+        """A finished ``job`` did not fill ``slots`` of ``tier``: flag those it still owns (no
+        later writer) as invalid, so later readers fail instead of copying garbage."""
+        if tier not in self._w or not slots:
+            return
+        arr = np.fromiter(slots, dtype=np.int64)
+        arr = arr[self._w[tier][arr] == job.id]
+        self._invalid[tier][arr] = True
+
+    def invalid(self, tier: str, slots: np.ndarray) -> np.ndarray:
+        """Indices into ``slots`` of the slots that hold no valid block."""
+        if tier not in self._invalid or slots.size == 0:
+            return np.empty(0, dtype=np.int64)
+        return np.flatnonzero(self._invalid[tier][slots])
+
+    def pending_writers(self, tier: str, slots: np.ndarray) -> list[int]:
+        """Ids of pending writers of ``slots`` (for host-side reads of a tier)."""
+        return self._ids(self._w[tier], slots) if tier in self._w else []
+
+    def pending_all(self, tier: str, slots: np.ndarray) -> list[int]:
+        """Ids of every pending reader and writer of ``slots`` (for host-side writes)."""
+        if tier not in self._w:
+            return []
+        return sorted(set(self._ids(self._w[tier], slots)) | set(self._ids(self._rg[tier], slots))
+                      | set(self._ids(self._rt[tier], slots)))
