@@ -62,7 +62,7 @@ class AsyncTierCache:
         defaults to the engine's current stream *in the calling thread* (PyTorch's current
         stream is per thread). A cancelled await leaves the copy running to completion; the
         keys are then registered with their bytes."""
-        stream = self.cache._engine_stream(stream) if self.cache.device_pools is not None else stream
+        stream = self.cache.engine_stream(stream)
         job = await self._run(self.cache.offload_slots, keys, device_slots, to, num_tokens=num_tokens, stream=stream)
         if job is not None:
             await self._run(job.wait)
@@ -72,7 +72,7 @@ class AsyncTierCache:
         """Await :meth:`TierCache.onboard_slots`; returns its
         :class:`~tiercache.serving.layerwise.OnboardHandle` once every layer has landed (use
         :meth:`wait_layer` on a handle from the cache itself to await layers one by one)."""
-        stream = self.cache._engine_stream(stream) if self.cache.device_pools is not None else stream
+        stream = self.cache.engine_stream(stream)
         handle = await self._run(self.cache.onboard_slots, keys, device_slots, layerwise=layerwise,
                                  num_tokens=num_tokens, stream=stream)
         await self._run(handle.synchronize)

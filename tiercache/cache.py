@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,31 +24,23 @@ from tiercache.errors import (
     ArrayMismatchError,
     ClosedError,
     ConfigError,
-    CorruptBlockError,
     InvalidKeyError,
     KeyNotFoundError,
-    PinnedBlockError,
     SlotRangeError,
     TierUnavailableError,
-    TransferError,
 )
-from tiercache.files import FileTier, IOPath, select_io_path
-from tiercache.keys import Key, key_text, normalize_keys
+from tiercache.files import FileTier, IOPath, select_io_path, write_stats
+from tiercache.keys import Key, format_keys, normalize_keys
 from tiercache.memory import MemoryTier, make_device_tier, make_host_tier
-from tiercache.placement import TIER_ORDER, Placement
-from tiercache.serving import EngineSlots
-from tiercache.transfer import TransferEngine
+from tiercache.placement import TIER_ORDER, BlockMover, FileIndex, Placement
+from tiercache.serving import EngineSlots, OnboardHandle
+from tiercache.transfer import Job, TransferEngine
 
 log = logging.getLogger("tiercache")
 _logged_no_cuda = False
 
 
-def _fmt_keys(keys: list[Key], limit: int = 5) -> str:
-    text = ", ".join(key_text(k) for k in keys[:limit])
-    return text + (f", ... ({len(keys)} keys)" if len(keys) > limit else "")
-
-
-class TierCache(EngineSlots):
+class TierCache:
     """A tiered block cache over VRAM, pinned DRAM and files.
 
     Create it from a :class:`~tiercache.config.CacheConfig` or a TOML path
@@ -66,9 +57,15 @@ class TierCache(EngineSlots):
     host and file tiers.
 
     Engines that own their KV-cache tensors register them as the device tier
-    (:meth:`for_engine` with :class:`~tiercache.serving.devicepools.DevicePools`); the device tier is
-    then theirs to allocate, and blocks move with :meth:`offload_slots` / :meth:`onboard_slots`
-    by the engine's block ids.
+    (:meth:`for_engine` with :class:`~tiercache.DevicePools`); the device tier is then theirs
+    to allocate, and blocks move with :meth:`offload_slots` / :meth:`onboard_slots` by the
+    engine's block ids.
+
+    The class is a facade over its parts: :class:`~tiercache.placement.Placement` (which key
+    is where), :class:`~tiercache.placement.BlockMover` (copies between tiers, spills),
+    :class:`~tiercache.placement.FileIndex` (the file tier's index, partial host blocks),
+    :class:`~tiercache.transfer.TransferEngine` (ordered asynchronous copies) and, with the
+    engine's tensors, :class:`~tiercache.serving.EngineSlots`.
 
     Args:
         config: the configuration.
@@ -86,7 +83,6 @@ class TierCache(EngineSlots):
         self._check_engine_args(config, device_pools, blocks_per_host_block)
         self.device_pools = device_pools
         self.blocks_per_host_block = blocks_per_host_block
-        self._sub_masks: dict = {}  # key -> positions filled, for partial host blocks (k > 1)
         self.config = config
         self._lock = threading.RLock()
         self._closed = False
@@ -120,9 +116,13 @@ class TierCache(EngineSlots):
             bulk_sms=config.bulk_sms, staged_min_run_bytes=config.staged_min_run_bytes,
             carveout_sms=config.carveout_sms, offload_staged_min_run_bytes=config.offload_staged_min_run_bytes,
         )
-        self.scan = None
-        if "file" in self.tiers:
-            self._rebuild_file_index()
+        self.mover = BlockMover(self.tiers, self.placement, self.engine, config.pools, self.counters)
+        self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters)
+        self._engine_slots = None if device_pools is None else EngineSlots(
+            device_pools, blocks_per_host_block, self.tiers, self.placement, self.mover, self.file_index,
+            self.engine, self.counters, self._guarded, self._tier_name)
+        #: the root's scan at open (:class:`~tiercache.files.ScanResult`), None without a file tier
+        self.scan = self.file_index.rebuild() if "file" in self.tiers else None
 
     # -- construction helpers -------------------------------------------------------------
     @classmethod
@@ -182,29 +182,17 @@ class TierCache(EngineSlots):
         level = logging.WARNING if cuda.cupy_installed else logging.INFO
         log.log(level, "tiercache: CUDA unavailable (%s): device tier off, file I/O through POSIX", cuda.reason)
 
-    def _rebuild_file_index(self) -> None:
-        ft: FileTier = self.tiers["file"]
-        self.scan = ft.scan()
-        blocks = self.scan.blocks
-        extra = len(blocks) - ft.num_slots
-        if extra > 0:  # more files than slots: keep the most recent
-            ft.delete([k for k, _ in blocks[:extra]])
-            self.counters["evicted_blocks"] += extra
-            blocks = blocks[extra:]
-        self.placement.tiers["file"].add([k for k, _ in blocks])
-        for k, extra in self.scan.extra.items():
-            if "positions" in extra and self.blocks_per_host_block > 1:
-                self._sub_masks[k] = int(extra["positions"])
-                ft.block_meta[k] = {"positions": int(extra["positions"])}
-        self.counters["quarantined_files"] += len(self.scan.quarantined)
-        if self.scan.quarantined or self.scan.removed_tmp:
-            log.warning("tiercache: reopened %s: %d block(s), %d temporary file(s) removed, %d file(s) quarantined",
-                        ft.root, len(blocks), self.scan.removed_tmp, len(self.scan.quarantined))
-
     # -- small accessors ------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this TierCache is closed")
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """Hold the lock of an open cache."""
+        with self._lock:
+            self._check_open()
+            yield
 
     @property
     def top_tier(self) -> str:
@@ -302,7 +290,7 @@ class TierCache(EngineSlots):
             ts = self.placement.tiers[name]
             missing = [k for k in ks if k not in ts]
             if missing:
-                raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not in the {name} tier")
+                raise KeyNotFoundError(f"key(s) {format_keys(missing)} not in the {name} tier")
             return np.array([ts.slot_of[k] for k in ks], dtype=np.int64)
 
     # -- pins ------------------------------------------------------------------------------
@@ -315,7 +303,7 @@ class TierCache(EngineSlots):
         with self._lock:
             self._check_open()
             ks = normalize_keys(keys)
-            self._require_present(ks)
+            self.placement.require_present(ks)
             self.placement.pin(ks)
 
     def unpin(self, keys) -> None:
@@ -331,107 +319,6 @@ class TierCache(EngineSlots):
             yield
         finally:
             self.unpin(keys)
-
-    def _require_present(self, ks: list[Key]) -> None:
-        missing = [k for k in ks if not self.placement.contains(k)]
-        if missing:
-            raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not stored in any tier")
-
-    def _require_unpinned(self, ks: list[Key], action: str) -> None:
-        pinned = [k for k in ks if self.placement.is_pinned(k)]
-        if pinned:
-            raise PinnedBlockError(f"cannot {action} pinned block(s) {_fmt_keys(pinned)}; unpin them first")
-
-    # -- the moving parts -----------------------------------------------------------------
-    def _transfer(self, keys: list[Key], src: str, dst: str, src_rows, dst_rows,
-                  src_arrays: dict | None = None, dst_arrays: dict | None = None) -> dict[Key, BaseException]:
-        """Copy ``keys`` from ``src`` rows to ``dst`` rows through the engine and wait;
-        ``*_arrays`` are caller arrays (tier ``"caller"``). Returns the keys that failed."""
-        pools = list(src_arrays or dst_arrays or [p.name for p in self.config.pools])
-        job = self.engine.copy(src, src_rows, dst, dst_rows, keys=keys, pools=pools,
-                               src_arrays=src_arrays, dst_arrays=dst_arrays)
-        job.wait_host()
-        res = job.result()
-        failed = {(keys[k] if isinstance(k, int) and "file" not in (src, dst) else k): e for k, e in res.failed.items()}
-        if src == "file":
-            self._handle_bad_reads(failed)
-        block = sum(self.config.pool(p).block_nbytes for p in pools)
-        self.counters[f"bytes_{src}_to_{dst}"] += (len(keys) - len(failed)) * block
-        self.counters["failed_transfers"] += len(failed)
-        return failed
-
-    def _forget_masks(self, ks: list[Key]) -> None:
-        """Keys whose host blocks are now whole (or gone): no partial-position record."""
-        if self._sub_masks:
-            ft = self.tiers.get("file")
-            for k in ks:
-                self._sub_masks.pop(k, None)
-                if ft is not None:
-                    ft.block_meta.pop(k, None)
-
-    def _handle_bad_reads(self, failed: dict[Key, BaseException]) -> None:
-        ft: FileTier = self.tiers["file"]
-        for k, exc in failed.items():
-            if isinstance(exc, (CorruptBlockError, FileNotFoundError)):
-                ft.quarantine_block(k, str(exc))
-                self.placement.tiers["file"].remove([k])
-                self.counters["corrupt_blocks"] += 1
-
-    def _raise_failed(self, failed: dict[Key, BaseException], src: str, dst: str) -> None:
-        if failed:
-            first = next(iter(failed.values()))
-            raise TransferError(
-                f"{len(failed)} block(s) failed {src} -> {dst}: {_fmt_keys(list(failed))}: "
-                f"{type(first).__name__}: {first}", list(failed)
-            ) from first
-
-    def _make_room(self, tier: str, count: int, protect: set[Key]) -> None:
-        """Free ``count`` slots in ``tier`` by spilling or dropping its LRU unpinned blocks."""
-        ts = self.placement.tiers[tier]
-        need = count - ts.free_count
-        if need <= 0:
-            return
-        victims = self.placement.victims(tier, need, protect)
-        spill = [k for k in victims if not self.placement.has_copy_below(k, tier)]
-        below = self.placement.below(tier)
-        if spill and below:
-            self._copy_into(spill, below[0], protect | set(victims))
-            self.counters["spilled_blocks"] += len(spill)
-        elif spill:  # bottom tier: the block leaves the cache
-            self.counters["evicted_blocks"] += len(spill)
-            if tier == "file":
-                self.tiers["file"].delete(spill)
-        ts.remove(victims)
-
-    def _copy_into(self, keys: list[Key], dst: str, protect: set[Key]) -> np.ndarray:
-        """Copy ``keys`` into tier ``dst`` from the nearest tier holding each (keys already
-        in ``dst`` are left as they are). Returns their ``dst`` slots. A key whose copy fails
-        is not registered in ``dst``; the error is raised after the others complete."""
-        ts = self.placement.tiers[dst]
-        new = [k for k in keys if k not in ts]
-        self._make_room(dst, len(new), protect | set(keys))
-        dst_slots = dict(zip(new, ts.add(new)))
-        groups: dict[str, list[Key]] = {}
-        order = self.placement.order
-        for k in new:
-            held = [t for t in order if t != dst and k in self.placement.tiers[t]]
-            # nearest source: the closest tier above or below dst
-            src = min(held, key=lambda t: abs(order.index(t) - order.index(dst)))
-            groups.setdefault(src, []).append(k)
-        failures: dict[Key, BaseException] = {}
-        for src, ks in groups.items():
-            src_ts = self.placement.tiers[src]
-            try:
-                failed = self._transfer(ks, src, dst, [src_ts.slot_of[k] for k in ks], [dst_slots[k] for k in ks])
-            except Exception as exc:  # the whole batch failed (e.g. a CUDA error)
-                failed = {k: exc for k in ks}
-            failures.update(failed)
-            src_ts.touch(ks)
-        if failures:
-            ts.remove(list(failures))
-            self._raise_failed(failures, "/".join(groups), dst)
-        ts.touch(keys)
-        return np.array([ts.slot_of[k] for k in keys], dtype=np.int64)
 
     # -- public operations ---------------------------------------------------------------
     def _as_pool_arrays(self, data, n: int, what: str, device_ok: bool = True) -> dict:
@@ -476,27 +363,22 @@ class TierCache(EngineSlots):
             name = self._tier_name(tier, self.top_tier)
             arrays = self._as_pool_arrays(data, len(ks), "data", device_ok=cuda_status().available)
             existing = [k for k in ks if self.placement.contains(k)]
-            self._require_unpinned(existing, "replace")
+            self.placement.require_unpinned(existing, "replace")
             ts = self.placement.tiers[name]
             # old copies in other tiers go after the new bytes are in; in this tier, reuse slots
             new = [k for k in ks if k not in ts]
-            self._make_room(name, len(new), set(ks))
+            self.mover.make_room(name, len(new), set(ks))
             ts.add(new)
             rows = [ts.slot_of[k] for k in ks]
-            failed = self._transfer(ks, "caller", name, np.arange(len(ks)), rows, src_arrays=arrays)
+            failed = self.mover.transfer(ks, "caller", name, np.arange(len(ks)), rows, src_arrays=arrays)
             if failed:
                 ts.remove([k for k in failed if k in new])
             ok = [k for k in ks if k not in failed]
-            self._forget_masks(ok)
-            for t in self.placement.order:
-                if t != name:
-                    drop = [k for k in ok if k in self.placement.tiers[t]]
-                    self.placement.tiers[t].remove(drop)
-                    if t == "file" and drop and name != "file":
-                        self.tiers["file"].delete(drop)
+            self.file_index.forget_positions(ok)
+            self.mover.drop_copies(ok, keep=name)
             ts.touch(ok)
             self.counters["put_blocks"] += len(ok)
-            self._raise_failed(failed, "caller", name)
+            self.mover.raise_failed(failed, "caller", name)
             return np.array(rows, dtype=np.int64)
 
     def allocate(self, keys, tier: str | None = None, slots=None) -> np.ndarray:
@@ -516,7 +398,7 @@ class TierCache(EngineSlots):
             self._memory_tier(name)
             existing = [k for k in ks if self.placement.contains(k)]
             if existing:
-                raise InvalidKeyError(f"key(s) {_fmt_keys(existing)} already stored; evict them or use put()")
+                raise InvalidKeyError(f"key(s) {format_keys(existing)} already stored; evict them or use put()")
             ts = self.placement.tiers[name]
             if slots is not None:
                 wanted = [int(s) for s in np.asarray(slots, dtype=np.int64).reshape(-1)]
@@ -524,7 +406,7 @@ class TierCache(EngineSlots):
                     raise SlotRangeError(f"{len(wanted)} slots given for {len(ks)} keys")
                 ts.claim(ks, wanted)
             else:
-                self._make_room(name, len(ks), set(ks))
+                self.mover.make_room(name, len(ks), set(ks))
                 wanted = ts.add(ks)
             self.counters["allocated_blocks"] += len(ks)
             return np.array(wanted, dtype=np.int64)
@@ -548,7 +430,7 @@ class TierCache(EngineSlots):
         with self._lock:
             self._check_open()
             ks = normalize_keys(keys)
-            self._require_present(ks)
+            self.placement.require_present(ks)
             if isinstance(out, dict):
                 outs = self._as_pool_arrays(out, len(ks), "out")
                 result = out
@@ -567,9 +449,9 @@ class TierCache(EngineSlots):
                 if not idx:
                     continue
                 sub = [ks[i] for i in idx]
-                failed = self._transfer(sub, tier, "caller", [ts.slot_of[k] for k in sub], idx, dst_arrays=outs)
+                failed = self.mover.transfer(sub, tier, "caller", [ts.slot_of[k] for k in sub], idx, dst_arrays=outs)
                 self.counters[f"get_hits_{tier}"] += len(sub) - len(failed)
-                self._raise_failed(failed, tier, "caller")
+                self.mover.raise_failed(failed, tier, "caller")
             return result
 
     def offload(self, keys, to: str | None = None, keep: bool = False) -> np.ndarray:
@@ -596,17 +478,12 @@ class TierCache(EngineSlots):
             upper = [dst, *self.placement.above(dst)]
             missing = [k for k in ks if not any(k in self.placement.tiers[t] for t in upper)]
             if missing:
-                raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not stored in {' or '.join(upper)}; "
+                raise KeyNotFoundError(f"key(s) {format_keys(missing)} not stored in {' or '.join(upper)}; "
                                        "offload moves blocks down (use onboard to move them up)")
             if not keep:
-                self._require_unpinned([k for k in ks if any(k in self.placement.tiers[t] for t in upper[1:])],
+                self.placement.require_unpinned([k for k in ks if any(k in self.placement.tiers[t] for t in upper[1:])],
                                        "offload (keep=False)")
-            slots = self._copy_into(ks, dst, set(ks))
-            self.counters["offloaded_blocks"] += len(ks)
-            if not keep:
-                for t in upper[1:]:
-                    self.placement.tiers[t].remove(ks)
-            return slots
+            return self.mover.offload(ks, dst, keep)
 
     def onboard(self, keys, to: str | None = None) -> np.ndarray:
         """Bring blocks up into tier ``to`` (default: the top tier) from the nearest tier
@@ -629,10 +506,10 @@ class TierCache(EngineSlots):
             lower = [dst, *self.placement.below(dst)]
             missing = [k for k in ks if not any(k in self.placement.tiers[t] for t in lower)]
             if missing:
-                raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not stored in {' or '.join(lower)}")
+                raise KeyNotFoundError(f"key(s) {format_keys(missing)} not stored in {' or '.join(lower)}")
             ts = self.placement.tiers[dst]
             self.counters[f"onboard_hits_{dst}"] += sum(1 for k in ks if k in ts)
-            slots = self._copy_into(ks, dst, set(ks))
+            slots = self.mover.copy_into(ks, dst, set(ks))
             self.counters["onboarded_blocks"] += len(ks)
             return slots
 
@@ -648,10 +525,10 @@ class TierCache(EngineSlots):
             self._tier_name("file", "file")
             ks = normalize_keys(keys) if keys is not None else sorted(
                 self.placement.keys(), key=lambda k: (isinstance(k, bytes), k))
-            self._require_present(ks)
+            self.placement.require_present(ks)
             todo = [k for k in ks if k not in self.placement.tiers["file"]]
             if todo:
-                self._copy_into(todo, "file", set(todo))
+                self.mover.copy_into(todo, "file", set(todo))
             self.counters["flushed_blocks"] += len(todo)
             self._write_stats_snapshot()
             return len(todo)
@@ -669,19 +546,90 @@ class TierCache(EngineSlots):
             ks = normalize_keys(keys)
             tiers = self.placement.order if tier is None else [self._tier_name(tier, tier)]
             if tier is None:
-                self._require_present(ks)
+                self.placement.require_present(ks)
             else:
                 missing = [k for k in ks if k not in self.placement.tiers[tiers[0]]]
                 if missing:
-                    raise KeyNotFoundError(f"key(s) {_fmt_keys(missing)} not in the {tiers[0]} tier")
-            self._require_unpinned(ks, "evict")
+                    raise KeyNotFoundError(f"key(s) {format_keys(missing)} not in the {tiers[0]} tier")
+            self.placement.require_unpinned(ks, "evict")
             if tier is None:
-                self._forget_masks(ks)
+                self.file_index.forget_positions(ks)
             for t in tiers:
                 self.placement.tiers[t].remove(ks)
                 if t == "file":
                     self.tiers["file"].delete(ks)
             self.counters["evict_calls"] += 1
+
+    # -- the engine's own tensors (TierCache.for_engine) ------------------------------------
+    def _slots(self) -> EngineSlots:
+        if self._engine_slots is None:
+            raise TierUnavailableError("offload_slots/onboard_slots need the engine's tensors: create the cache "
+                                       "with TierCache.for_engine(DevicePools(...), ...)")
+        return self._engine_slots
+
+    def offload_slots(self, keys, device_slots, to: str | None = None, *, num_tokens: int | None = None,
+                      stream=None, wait: bool = False) -> Job | None:
+        """Copy the engine's device blocks into keyed host blocks (or files).
+
+        Args:
+            keys: ``n`` keys, one per host block.
+            device_slots: the engine's block ids, ``[n]`` (one device block per key) or
+                ``[n, k]`` for ``blocks_per_host_block = k``, ``-1`` for empty positions.
+            to: ``"host"`` (default when there is a host tier) or ``"file"`` (through the host
+                tier, whose copies are then dropped; straight from VRAM when there is none).
+            num_tokens: copy only the first ``num_tokens`` tokens of each device block.
+            stream: the engine's stream (CuPy, PyTorch, ``__cuda_stream__`` or handle; default:
+                the current stream of the tensors' library). The copy starts after the work
+                already queued there.
+            wait: block until the bytes are in place (host) instead of returning at once.
+
+        Returns:
+            The :class:`~tiercache.transfer.jobs.Job` of the device -> host copy (poll it, or
+            :meth:`get_finished`), or None for ``to="file"`` (done when it returns).
+
+        A key already stored is replaced. Room is made by spilling least recently used host
+        blocks to the file tier.
+
+        Raises:
+            SlotRangeError: bad ``device_slots`` shape or ids. TierUnavailableError: no
+            device pools, or ``to="file"`` with ``k > 1`` and no host tier. PinnedBlockError,
+            TierFullError, TransferError.
+        """
+        return self._slots().offload_slots(keys, device_slots, to, num_tokens=num_tokens, stream=stream, wait=wait)
+
+    def onboard_slots(self, keys, device_slots, *, layerwise: bool = False, num_tokens: int | None = None,
+                      stream=None) -> OnboardHandle:
+        """Copy keyed host/file blocks into the engine's device blocks.
+
+        Args:
+            keys: ``n`` stored keys.
+            device_slots: destination block ids, ``[n]`` or ``[n, k]`` (``-1``: skip that
+                position); no block id twice.
+            layerwise: copy layer 0 of every block, then layer 1, ...; the handle then has one
+                completion per layer (:meth:`OnboardHandle.wait_layer`).
+            num_tokens: copy only the first ``num_tokens`` tokens of each device block.
+            stream: the engine's stream (default: the tensors' library's current stream). The
+                copy starts after work already queued there (which may still read the old
+                contents of these blocks). Without ``layerwise``, that stream also waits for
+                the copy, on the device, before anything queued after this call; with
+                ``layerwise`` the engine calls ``wait_layer`` itself.
+
+        Keys only in the file tier are first read into the host tier (the call returns
+        after those reads); with no host tier, files go straight into VRAM.
+
+        Raises:
+            KeyNotFoundError: a key not stored, or a position its host block never held.
+            SlotRangeError, TierUnavailableError, TransferError (file reads that failed; the
+            bad files are quarantined).
+        """
+        return self._slots().onboard_slots(keys, device_slots, layerwise=layerwise, num_tokens=num_tokens,
+                                           stream=stream)
+
+    def engine_stream(self, stream=None):
+        """The stream the engine computes on, as ``offload_slots`` / ``onboard_slots`` default
+        it: ``stream`` if given, else PyTorch's current stream (of this thread) for PyTorch
+        tensors, else None (CuPy's current stream). ``stream`` unchanged without device pools."""
+        return stream if self._engine_slots is None else self._engine_slots.engine_stream(stream)
 
     # -- sync points with the engine's compute stream --------------------------------------
     def wait_for_stream(self, stream=None) -> None:
@@ -749,23 +697,10 @@ class TierCache(EngineSlots):
             self.tiers.clear()
 
     def _write_stats_snapshot(self) -> None:
-        """``<root>/.tiercache-root.stats.json``: the latest stats, for ``tiercache inspect``
-        (written atomically on flush and close; best effort)."""
+        """The latest stats in the root, for ``tiercache inspect`` (on flush and close)."""
         ft = self.tiers.get("file")
-        if ft is None:
-            return
-        import json
-        import os
-
-        from tiercache.files import STATS
-
-        snap = {**self.stats(), "pid": os.getpid(), "time": time.time()}
-        tmp = ft.root / f".tmp.stats.{os.getpid()}"
-        try:
-            tmp.write_text(json.dumps(snap))
-            os.replace(tmp, ft.root / STATS)
-        except OSError:
-            pass
+        if ft is not None:
+            write_stats(ft.root, self.stats())
 
     def __enter__(self) -> TierCache:
         return self

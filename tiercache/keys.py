@@ -64,6 +64,13 @@ def key_text(key: Key) -> str:
     return str(key) if isinstance(key, int) else "x" + key.hex()
 
 
+def format_keys(keys: list[Key], limit: int = 5) -> str:
+    """The first ``limit`` keys as text (:func:`key_text`), with the count when there are more:
+    what error messages name."""
+    text = ", ".join(key_text(k) for k in keys[:limit])
+    return text + (f", ... ({len(keys)} keys)" if len(keys) > limit else "")
+
+
 def key_from_text(text: str) -> Key:
     """Inverse of :func:`key_text`.
 

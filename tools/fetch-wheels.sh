@@ -1,7 +1,8 @@
 #!/bin/bash
-# Download (here, with network) the wheels the lent GPU machine lacks into .whl/.
-# Wraps ../shared/device/fetch-wheels.sh and adds what tiercache needs beyond it.
+# Download (here, with network) the wheels the lent GPU machine lacks into .whl/: kvikio and what
+# it needs (../shared/device/fetch-wheels.sh). The machine already has everything else tiercache
+# uses (numpy, typer, aiofiles, xxhash, CuPy, PyTorch...): carrying those replaces working
+# packages there (a newer typer needs pydantic, which it lacks). EXTRA="pkg==ver" adds more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .git/info && touch .git/info/exclude
-EXTRA="xxhash pydantic pydantic-core annotated-types typing-inspection ${EXTRA:-}" bash ../shared/device/fetch-wheels.sh
+bash ../shared/device/fetch-wheels.sh

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,3 +129,15 @@ def verify_file(path: Path) -> str | None:
     if checksum(data) != header.checksum:
         return f"{path.name}: data checksum mismatch"
     return None
+
+
+def write_stats(root: Path, stats: dict) -> None:
+    """Save a cache's ``stats`` (with this pid and the time) as ``<root>/`` :data:`STATS`,
+    atomically (temporary file, rename); best effort: an OSError leaves the old file."""
+    snap = {**stats, "pid": os.getpid(), "time": time.time()}
+    tmp = root / f".tmp.stats.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(snap))
+        os.replace(tmp, root / STATS)
+    except OSError:
+        pass

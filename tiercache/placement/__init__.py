@@ -10,8 +10,10 @@
 Depends on :mod:`tiercache.transfer` and :mod:`tiercache.files`.
 """
 
-from .policy import TIER_ORDER, Placement
+from .fileindex import FileIndex
+from .mover import BlockMover
+from .policy import TIER_ORDER, Placement, TierSlots
 
 __all__ = [
-    "Placement", "TIER_ORDER",
+    "BlockMover", "FileIndex", "Placement", "TIER_ORDER", "TierSlots",
 ]

@@ -10,8 +10,8 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from tiercache.errors import SlotRangeError, TierFullError
-from tiercache.keys import Key, key_text
+from tiercache.errors import KeyNotFoundError, PinnedBlockError, SlotRangeError, TierFullError
+from tiercache.keys import Key, format_keys, key_text
 
 TIER_ORDER = ("device", "host", "file")
 
@@ -153,6 +153,20 @@ class Placement:
                 self.pins[k] = n
             else:
                 self.pins.pop(k, None)
+
+    def require_present(self, keys: list[Key]) -> None:
+        """Raises:
+            KeyNotFoundError: naming the keys no tier holds."""
+        missing = [k for k in keys if not self.contains(k)]
+        if missing:
+            raise KeyNotFoundError(f"key(s) {format_keys(missing)} not stored in any tier")
+
+    def require_unpinned(self, keys: list[Key], action: str) -> None:
+        """Raises:
+            PinnedBlockError: naming the pinned keys and ``action`` (what was refused)."""
+        pinned = [k for k in keys if self.is_pinned(k)]
+        if pinned:
+            raise PinnedBlockError(f"cannot {action} pinned block(s) {format_keys(pinned)}; unpin them first")
 
     def victims(self, tier: str, count: int, protect: set[Key]) -> list[Key]:
         """The ``count`` least recently used keys of ``tier`` that may leave it: not pinned

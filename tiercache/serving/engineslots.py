@@ -12,23 +12,57 @@ names, per call, the keys (host/file blocks) and the device block ids they map t
 
 A host block may hold ``k`` device blocks (``blocks_per_host_block``), so small GPU pages
 spill as larger, disk-friendly units; which positions of a host block were filled is kept per
-key (and in the block files' headers, so it survives a restart) and checked on onboard.
+key (and in the block files' headers, so it survives a restart: :class:`~tiercache.placement.FileIndex`)
+and checked on onboard.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import numpy as np
 
-from tiercache.errors import KeyNotFoundError, SlotRangeError, TierUnavailableError
-from tiercache.keys import key_text, normalize_keys
+from tiercache.errors import SlotRangeError, TierUnavailableError
+from tiercache.keys import normalize_keys
+from tiercache.memory import as_cupy_stream
+from tiercache.placement import BlockMover, FileIndex, Placement
+from tiercache.serving.devicepools import DevicePools
 from tiercache.serving.layerwise import OnboardHandle
 from tiercache.serving.slotplan import device_slot_matrix, masks_of, plan_device_host
 
 
 class EngineSlots:
-    """Mixin of :class:`~tiercache.TierCache`: the engine-managed device tier."""
+    """The engine-managed device tier of a :class:`~tiercache.TierCache` (its
+    ``offload_slots`` / ``onboard_slots`` call these methods).
 
-    def _engine_stream(self, stream):
+    Args:
+        device_pools: the engine's tensors.
+        blocks_per_host_block: ``k``, device blocks per host/file block.
+        tiers: the cache's tiers (``host`` and/or ``file``; ``device`` is ``device_pools``).
+        placement, mover, file_index, engine, counters: the cache's parts.
+        guard: returns a context manager that holds the cache's lock and raises
+            :class:`~tiercache.errors.ClosedError` on a closed cache.
+        tier_name: ``tier_name(tier, default)``, the cache's check of a tier name (raises
+            :class:`~tiercache.errors.TierUnavailableError`).
+    """
+
+    def __init__(self, device_pools: DevicePools, blocks_per_host_block: int, tiers: dict, placement: Placement,
+                 mover: BlockMover, file_index: FileIndex, engine, counters: Counter,
+                 guard: Callable[[], AbstractContextManager], tier_name: Callable[[str | None, str], str]) -> None:
+        self.device_pools = device_pools
+        self.blocks_per_host_block = blocks_per_host_block
+        self.tiers = tiers
+        self.placement = placement
+        self.mover = mover
+        self.file_index = file_index
+        self.engine = engine
+        self.counters = counters
+        self._guard = guard
+        self._tier_name = tier_name
+
+    def engine_stream(self, stream=None):
         """The stream the engine computes on: ``stream``, else PyTorch's current stream for
         PyTorch tensors, else CuPy's current stream."""
         if stream is not None or not self.device_pools.on_device:
@@ -41,75 +75,42 @@ class EngineSlots:
 
     def _host_sync(self, stream) -> None:
         if self.engine.gpu:
-            from tiercache.memory import as_cupy_stream
-
             as_cupy_stream(stream).synchronize()
-
-    def _require_device_pools(self) -> None:
-        if self.device_pools is None:
-            raise TierUnavailableError("offload_slots/onboard_slots need the engine's tensors: create the cache "
-                                       "with TierCache.for_engine(DevicePools(...), ...)")
 
     def offload_slots(self, keys, device_slots, to: str | None = None, *, num_tokens: int | None = None,
                       stream=None, wait: bool = False):
-        """Copy the engine's device blocks into keyed host blocks (or files).
-
-        Args:
-            keys: ``n`` keys, one per host block.
-            device_slots: the engine's block ids, ``[n]`` (one device block per key) or
-                ``[n, k]`` for ``blocks_per_host_block = k``, ``-1`` for empty positions.
-            to: ``"host"`` (default when there is a host tier) or ``"file"`` (through the host
-                tier, whose copies are then dropped; straight from VRAM when there is none).
-            num_tokens: copy only the first ``num_tokens`` tokens of each device block.
-            stream: the engine's stream (CuPy, PyTorch, ``__cuda_stream__`` or handle; default:
-                the current stream of the tensors' library). The copy starts after the work
-                already queued there.
-            wait: block until the bytes are in place (host) instead of returning at once.
-
-        Returns:
-            The :class:`~tiercache.transfer.jobs.Job` of the device -> host copy (poll it, or
-            :meth:`get_finished`), or None for ``to="file"`` (done when it returns).
-
-        A key already stored is replaced. Room is made by spilling least recently used host
-        blocks to the file tier.
-
-        Raises:
-            SlotRangeError: bad ``device_slots`` shape or ids. TierUnavailableError: no
-            device pools, or ``to="file"`` with ``k > 1`` and no host tier. PinnedBlockError,
-            TierFullError, TransferError.
-        """
-        self._require_device_pools()
-        with self._lock:
-            self._check_open()
+        """:meth:`TierCache.offload_slots <tiercache.TierCache.offload_slots>` (its docstring has the
+        arguments, semantics and errors)."""
+        with self._guard():
             ks = normalize_keys(keys)
             dev = device_slot_matrix(device_slots, len(ks), self.blocks_per_host_block, self.device_pools.num_blocks)
             dst = self._tier_name(to, "host" if "host" in self.tiers else "file")
             existing = [k for k in ks if self.placement.contains(k)]
-            self._require_unpinned(existing, "replace")
+            self.placement.require_unpinned(existing, "replace")
             if "host" not in self.tiers:
                 return self._offload_to_file_direct(ks, dev, num_tokens, stream)
             ts = self.placement.tiers["host"]
             new = [k for k in ks if k not in ts]
-            self._make_room("host", len(new), set(ks))
+            self.mover.make_room("host", len(new), set(ks))
             ts.add(new)
             host_slots = np.array([ts.slot_of[k] for k in ks], dtype=np.int64)
             groups, dev_ledger, host_ledger = plan_device_host(
                 self.device_pools, self.tiers["host"].arrays, self.blocks_per_host_block, dev, host_slots,
                 to_device=False, layerwise=False, num_tokens=num_tokens)
-            self.engine.wait_for_stream(self._engine_stream(stream))
+            self.engine.wait_for_stream(self.engine_stream(stream))
             try:
                 job = self.engine.copy_rows("device", dev_ledger, "host", host_ledger, groups, direction="offload")
             except Exception:
                 ts.remove(new)
                 raise
-            self._forget_other_copies(existing, keep="host")
-            self._record_masks(ks, dev)
+            self.mover.drop_copies(existing, keep="host")
+            self.file_index.record_positions(ks, masks_of(dev).tolist())
             ts.touch(ks)
             self.counters["offloaded_blocks"] += len(ks)
             self.counters["bytes_device_to_host"] += job.nbytes
             if dst == "file":
                 job.wait_host()
-                self.offload(ks, to="file")
+                self.mover.offload(ks, "file", keep=False)
                 return None
         if wait:
             job.wait()
@@ -120,93 +121,38 @@ class EngineSlots:
             raise TierUnavailableError("offloading straight to files (no host tier) moves whole blocks with "
                                        "blocks_per_host_block = 1; add a host tier")
         # I/O threads read VRAM outside any stream order: the engine's writes must be complete
-        self._host_sync(self._engine_stream(stream))
+        self._host_sync(self.engine_stream(stream))
         ts = self.placement.tiers["file"]
         new = [k for k in ks if k not in ts]
-        self._make_room("file", len(new), set(ks))
+        self.mover.make_room("file", len(new), set(ks))
         ts.add(new)
-        failed = self._transfer(ks, "device", "file", dev[:, 0], [ts.slot_of[k] for k in ks])
+        failed = self.mover.transfer(ks, "device", "file", dev[:, 0], [ts.slot_of[k] for k in ks])
         ts.remove([k for k in failed if k in new])
-        self._raise_failed(failed, "device", "file")
+        self.mover.raise_failed(failed, "device", "file")
         ts.touch(ks)
         self.counters["offloaded_blocks"] += len(ks)
         return None
 
-    def _forget_other_copies(self, keys, keep: str) -> None:
-        """Replaced keys: drop their copies outside tier ``keep`` (files included)."""
-        for t in self.placement.order:
-            if t == keep:
-                continue
-            drop = [k for k in keys if k in self.placement.tiers[t]]
-            self.placement.tiers[t].remove(drop)
-            if t == "file" and drop:
-                self.tiers["file"].delete(drop)
 
-    def _record_masks(self, ks, dev: np.ndarray) -> None:
-        if self.blocks_per_host_block == 1:
-            return
-        full = (1 << self.blocks_per_host_block) - 1
-        ft = self.tiers.get("file")
-        masks = masks_of(dev).tolist()
-        self._forget_masks([k for k, m in zip(ks, masks) if m == full])
-        for k, m in zip(ks, masks):
-            if m != full:
-                self._sub_masks[k] = m
-                if ft is not None:
-                    ft.block_meta[k] = {"positions": m}
 
-    def _check_masks(self, ks, dev: np.ndarray) -> None:
-        if self.blocks_per_host_block == 1 or not self._sub_masks:
-            return
-        want = masks_of(dev).tolist()
-        for k, m in zip(ks, want):
-            have = self._sub_masks.get(k)
-            if have is not None and m & ~have:
-                missing = [j for j in range(self.blocks_per_host_block) if (m & ~have) >> j & 1]
-                raise KeyNotFoundError(f"key {key_text(k)}: position(s) {missing} of its host block were never "
-                                       f"offloaded (it holds positions "
-                                       f"{[j for j in range(self.blocks_per_host_block) if have >> j & 1]})")
 
     def onboard_slots(self, keys, device_slots, *, layerwise: bool = False, num_tokens: int | None = None,
                       stream=None) -> OnboardHandle:
-        """Copy keyed host/file blocks into the engine's device blocks.
-
-        Args:
-            keys: ``n`` stored keys.
-            device_slots: destination block ids, ``[n]`` or ``[n, k]`` (``-1``: skip that
-                position); no block id twice.
-            layerwise: copy layer 0 of every block, then layer 1, ...; the handle then has one
-                completion per layer (:meth:`OnboardHandle.wait_layer`).
-            num_tokens: copy only the first ``num_tokens`` tokens of each device block.
-            stream: the engine's stream (default: the tensors' library's current stream). The
-                copy starts after work already queued there (which may still read the old
-                contents of these blocks). Without ``layerwise``, that stream also waits for
-                the copy, on the device, before anything queued after this call; with
-                ``layerwise`` the engine calls ``wait_layer`` itself.
-
-        Keys only in the file tier are first read into the host tier (the call returns
-        after those reads); with no host tier, files go straight into VRAM.
-
-        Raises:
-            KeyNotFoundError: a key not stored, or a position its host block never held.
-            SlotRangeError, TierUnavailableError, TransferError (file reads that failed; the
-            bad files are quarantined).
-        """
-        self._require_device_pools()
-        with self._lock:
-            self._check_open()
+        """:meth:`TierCache.onboard_slots <tiercache.TierCache.onboard_slots>` (its docstring has the
+        arguments, semantics and errors)."""
+        with self._guard():
             ks = normalize_keys(keys)
             dev = device_slot_matrix(device_slots, len(ks), self.blocks_per_host_block, self.device_pools.num_blocks)
-            self._require_present(ks)
-            self._check_masks(ks, dev)
-            engine_stream = self._engine_stream(stream)
+            self.placement.require_present(ks)
+            self.file_index.check_positions(ks, masks_of(dev).tolist())
+            engine_stream = self.engine_stream(stream)
             if "host" not in self.tiers:
                 handle = self._onboard_from_file_direct(ks, dev, num_tokens, engine_stream)
             else:
                 ts = self.placement.tiers["host"]
                 below = [k for k in ks if k not in ts]
                 if below:
-                    self._copy_into(below, "host", set(ks))
+                    self.mover.copy_into(below, "host", set(ks))
                 host_slots = np.array([ts.slot_of[k] for k in ks], dtype=np.int64)
                 groups, dev_ledger, host_ledger = plan_device_host(
                     self.device_pools, self.tiers["host"].arrays, self.blocks_per_host_block, dev, host_slots,
@@ -215,7 +161,7 @@ class EngineSlots:
                 job = self.engine.copy_rows("host", host_ledger, "device", dev_ledger, groups, direction="onboard")
                 ts.touch(ks)
                 self.counters["bytes_host_to_device"] += job.nbytes
-                handle = OnboardHandle(job, ks, lambda: self._engine_stream(stream), len(groups))
+                handle = OnboardHandle(job, ks, lambda: self.engine_stream(stream), len(groups))
             self.counters["onboarded_blocks"] += len(ks)
         if not layerwise and self.engine.gpu and self.device_pools.on_device:
             handle.wait(engine_stream)
@@ -229,7 +175,7 @@ class EngineSlots:
             raise SlotRangeError("a device block appears twice as a destination")
         ts = self.placement.tiers["file"]
         self._host_sync(engine_stream)  # the engine may still read these blocks' old contents
-        failed = self._transfer(ks, "file", "device", [ts.slot_of[k] for k in ks], dev[:, 0])
-        self._raise_failed(failed, "file", "device")
+        failed = self.mover.transfer(ks, "file", "device", [ts.slot_of[k] for k in ks], dev[:, 0])
+        self.mover.raise_failed(failed, "file", "device")
         ts.touch(ks)
         return OnboardHandle(None, ks, lambda: engine_stream, 1)

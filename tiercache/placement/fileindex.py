@@ -1,0 +1,99 @@
+"""What the placement knows of the file tier beyond slots: the index rebuilt from a root's
+files when a cache opens, and which positions of partial host blocks hold device blocks.
+
+A host block may hold ``k`` device blocks (``blocks_per_host_block``); when an engine offloads
+fewer than ``k`` of them, the positions it filled are kept here and in the block files' headers
+(``extra.positions``), so that an onboard of a position never written is refused, after a
+restart too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from tiercache.errors import KeyNotFoundError
+from tiercache.files import FileTier, ScanResult
+from tiercache.keys import Key, key_text
+from tiercache.placement.policy import Placement
+
+log = logging.getLogger("tiercache")
+
+
+class FileIndex:
+    """The file tier's index and the positions of partial host blocks.
+
+    Args:
+        file_tier: the cache's file tier, or None (positions are then kept in memory only).
+        placement: where every key sits.
+        blocks_per_host_block: ``k``, device blocks per host block (positions are bits
+            ``0 .. k-1``).
+        counters: the cache's counters (``evicted_blocks``, ``quarantined_files``).
+    """
+
+    def __init__(self, file_tier: FileTier | None, placement: Placement, blocks_per_host_block: int,
+                 counters: Counter) -> None:
+        self.file_tier = file_tier
+        self.placement = placement
+        self.k = blocks_per_host_block
+        self.counters = counters
+        #: key -> bit mask of the positions its host block holds, for partial host blocks only
+        self.positions: dict[Key, int] = {}
+
+    def rebuild(self) -> ScanResult:
+        """Register the root's valid block files in the file tier (the most recent ones when
+        there are more files than slots: the rest are evicted), with their positions; bad
+        files were quarantined by the scan. Returns the scan."""
+        ft = self.file_tier
+        scan = ft.scan()
+        blocks = scan.blocks
+        extra = len(blocks) - ft.num_slots
+        if extra > 0:  # more files than slots: keep the most recent
+            ft.delete([k for k, _ in blocks[:extra]])
+            self.counters["evicted_blocks"] += extra
+            blocks = blocks[extra:]
+        self.placement.tiers["file"].add([k for k, _ in blocks])
+        for k, meta in scan.extra.items():
+            if "positions" in meta and self.k > 1:
+                self.positions[k] = int(meta["positions"])
+                ft.block_meta[k] = {"positions": int(meta["positions"])}
+        self.counters["quarantined_files"] += len(scan.quarantined)
+        if scan.quarantined or scan.removed_tmp:
+            log.warning("tiercache: reopened %s: %d block(s), %d temporary file(s) removed, %d file(s) quarantined",
+                        ft.root, len(blocks), scan.removed_tmp, len(scan.quarantined))
+        return scan
+
+    def forget_positions(self, keys: list[Key]) -> None:
+        """``keys``' host blocks are now whole (or gone): no partial-position record."""
+        if self.positions:
+            for k in keys:
+                self.positions.pop(k, None)
+                if self.file_tier is not None:
+                    self.file_tier.block_meta.pop(k, None)
+
+    def record_positions(self, keys: list[Key], masks: list[int]) -> None:
+        """After an offload: key ``keys[i]``'s host block holds the positions of ``masks[i]``."""
+        if self.k == 1:
+            return
+        full = (1 << self.k) - 1
+        self.forget_positions([k for k, m in zip(keys, masks) if m == full])
+        for k, m in zip(keys, masks):
+            if m != full:
+                self.positions[k] = m
+                if self.file_tier is not None:
+                    self.file_tier.block_meta[k] = {"positions": m}
+
+    def check_positions(self, keys: list[Key], masks: list[int]) -> None:
+        """Before an onboard of positions ``masks[i]`` of ``keys[i]``.
+
+        Raises:
+            KeyNotFoundError: a position its host block never held (named, with those it holds).
+        """
+        if self.k == 1 or not self.positions:
+            return
+        for k, m in zip(keys, masks):
+            have = self.positions.get(k)
+            if have is not None and m & ~have:
+                missing = [j for j in range(self.k) if (m & ~have) >> j & 1]
+                raise KeyNotFoundError(f"key {key_text(k)}: position(s) {missing} of its host block were never "
+                                       f"offloaded (it holds positions {[j for j in range(self.k) if have >> j & 1]})")

@@ -1,0 +1,171 @@
+"""Moving keyed blocks between tiers: copies through the transfer engine, and room made by
+spilling least recently used blocks down.
+
+:class:`BlockMover` is the part of :class:`~tiercache.TierCache` that turns placement
+decisions (:class:`~tiercache.placement.policy.Placement`) into copies. It keeps the rules
+docs/architecture.md states: a block leaves a tier only after its copy below is complete; a
+failed copy registers nothing at the destination and leaves the source registered; a block file
+that fails to verify is quarantined and dropped from the file tier.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from tiercache.errors import CorruptBlockError, TransferError
+from tiercache.files import FileTier
+from tiercache.geometry import PoolSpec
+from tiercache.keys import Key, format_keys
+from tiercache.placement.policy import Placement
+from tiercache.transfer import TransferEngine
+
+
+class BlockMover:
+    """Copies blocks between a cache's tiers and makes room in them.
+
+    Not thread-safe on its own: the owning cache calls it under its lock.
+
+    Args:
+        tiers: tier name -> its memory (:class:`~tiercache.memory.MemoryTier`) or
+            :class:`~tiercache.files.FileTier`.
+        placement: where every key sits.
+        engine: the transfer engine over ``tiers``.
+        pools: the cache's pools (a block is one slot in each).
+        counters: the cache's counters; this class adds ``bytes_{src}_to_{dst}``,
+            ``failed_transfers``, ``corrupt_blocks``, ``spilled_blocks``, ``evicted_blocks``
+            and ``offloaded_blocks``.
+    """
+
+    def __init__(self, tiers: dict, placement: Placement, engine: TransferEngine, pools: tuple[PoolSpec, ...],
+                 counters: Counter) -> None:
+        self.tiers = tiers
+        self.placement = placement
+        self.engine = engine
+        self.pools = {p.name: p for p in pools}
+        self.counters = counters
+
+    def transfer(self, keys: list[Key], src: str, dst: str, src_rows, dst_rows,
+                 src_arrays: dict | None = None, dst_arrays: dict | None = None) -> dict[Key, BaseException]:
+        """Copy ``keys`` from rows ``src_rows`` of tier ``src`` to rows ``dst_rows`` of ``dst``
+        and wait. ``*_arrays`` are caller arrays ``{pool: array}`` (tier ``"caller"``). Reads
+        from files that fail to verify quarantine the file and drop the key from the file tier.
+
+        Returns:
+            The keys that failed, with their errors (empty when all landed).
+        """
+        pools = list(src_arrays or dst_arrays or self.pools)
+        job = self.engine.copy(src, src_rows, dst, dst_rows, keys=keys, pools=pools,
+                               src_arrays=src_arrays, dst_arrays=dst_arrays)
+        job.wait_host()
+        res = job.result()
+        failed = {(keys[k] if isinstance(k, int) and "file" not in (src, dst) else k): e for k, e in res.failed.items()}
+        if src == "file":
+            self._quarantine_bad_reads(failed)
+        block = sum(self.pools[p].block_nbytes for p in pools)
+        self.counters[f"bytes_{src}_to_{dst}"] += (len(keys) - len(failed)) * block
+        self.counters["failed_transfers"] += len(failed)
+        return failed
+
+    def _quarantine_bad_reads(self, failed: dict[Key, BaseException]) -> None:
+        ft: FileTier = self.tiers["file"]
+        for k, exc in failed.items():
+            if isinstance(exc, (CorruptBlockError, FileNotFoundError)):
+                ft.quarantine_block(k, str(exc))
+                self.placement.tiers["file"].remove([k])
+                self.counters["corrupt_blocks"] += 1
+
+    @staticmethod
+    def raise_failed(failed: dict[Key, BaseException], src: str, dst: str) -> None:
+        """Raise :class:`TransferError` naming the failed keys (``failed_keys``), chained to
+        the first error; nothing when ``failed`` is empty."""
+        if failed:
+            first = next(iter(failed.values()))
+            raise TransferError(
+                f"{len(failed)} block(s) failed {src} -> {dst}: {format_keys(list(failed))}: "
+                f"{type(first).__name__}: {first}", list(failed)
+            ) from first
+
+    def make_room(self, tier: str, count: int, protect: set[Key]) -> None:
+        """Free ``count`` slots in ``tier``: its least recently used blocks that are neither
+        pinned nor in ``protect`` are dropped when a copy below exists, copied down first
+        otherwise (recursively making room there), or evicted from the bottom tier.
+
+        Raises:
+            TierFullError: too few blocks may leave. TransferError: a spill failed (the
+            victims stay where they were).
+        """
+        ts = self.placement.tiers[tier]
+        need = count - ts.free_count
+        if need <= 0:
+            return
+        victims = self.placement.victims(tier, need, protect)
+        spill = [k for k in victims if not self.placement.has_copy_below(k, tier)]
+        below = self.placement.below(tier)
+        if spill and below:
+            self.copy_into(spill, below[0], protect | set(victims))
+            self.counters["spilled_blocks"] += len(spill)
+        elif spill:  # bottom tier: the block leaves the cache
+            self.counters["evicted_blocks"] += len(spill)
+            if tier == "file":
+                self.tiers["file"].delete(spill)
+        ts.remove(victims)
+
+    def copy_into(self, keys: list[Key], dst: str, protect: set[Key]) -> np.ndarray:
+        """Copy ``keys`` into tier ``dst`` from the nearest tier holding each (keys already in
+        ``dst`` stay as they are) and mark them recently used.
+
+        Returns:
+            Their slots in ``dst`` (``int64``, in key order).
+
+        Raises:
+            TierFullError. TransferError: after the other keys completed; the failed keys are
+            not registered in ``dst`` and stay registered where they were.
+        """
+        ts = self.placement.tiers[dst]
+        new = [k for k in keys if k not in ts]
+        self.make_room(dst, len(new), protect | set(keys))
+        dst_slots = dict(zip(new, ts.add(new)))
+        groups: dict[str, list[Key]] = {}
+        order = self.placement.order
+        for k in new:
+            held = [t for t in order if t != dst and k in self.placement.tiers[t]]
+            # nearest source: the closest tier above or below dst
+            src = min(held, key=lambda t: abs(order.index(t) - order.index(dst)))
+            groups.setdefault(src, []).append(k)
+        failures: dict[Key, BaseException] = {}
+        for src, ks in groups.items():
+            src_ts = self.placement.tiers[src]
+            try:
+                failed = self.transfer(ks, src, dst, [src_ts.slot_of[k] for k in ks], [dst_slots[k] for k in ks])
+            except Exception as exc:  # the whole batch failed (e.g. a CUDA error)
+                failed = {k: exc for k in ks}
+            failures.update(failed)
+            src_ts.touch(ks)
+        if failures:
+            ts.remove(list(failures))
+            self.raise_failed(failures, "/".join(groups), dst)
+        ts.touch(keys)
+        return np.array([ts.slot_of[k] for k in keys], dtype=np.int64)
+
+    def offload(self, keys: list[Key], dst: str, keep: bool) -> np.ndarray:
+        """:meth:`copy_into` ``dst``, counted as an offload; without ``keep`` the copies above
+        ``dst`` are then dropped. Returns the slots in ``dst``."""
+        slots = self.copy_into(keys, dst, set(keys))
+        self.counters["offloaded_blocks"] += len(keys)
+        if not keep:
+            for t in self.placement.above(dst):
+                self.placement.tiers[t].remove(keys)
+        return slots
+
+    def drop_copies(self, keys: list[Key], keep: str) -> None:
+        """Drop ``keys`` from every tier but ``keep`` (their files too): the copies a
+        replaced key leaves behind once its new bytes are in ``keep``."""
+        for t in self.placement.order:
+            if t == keep:
+                continue
+            drop = [k for k in keys if k in self.placement.tiers[t]]
+            self.placement.tiers[t].remove(drop)
+            if t == "file" and drop:
+                self.tiers["file"].delete(drop)
