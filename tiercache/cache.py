@@ -102,7 +102,7 @@ class TierCache:
                 config.root, config.pools, config.file_capacity_slots, self.io_path, fsync=config.fsync,
                 verify=config.verify_checksums, io_threads=config.io_threads, device_id=config.device_id,
                 direct_io=config.direct_io, kvikio_task_size=config.kvikio_task_size,
-                kvikio_gds_threshold=config.kvikio_gds_threshold,
+                kvikio_gds_threshold=config.kvikio_gds_threshold, check_root_owner=config.check_root_owner,
             )
         if not self.tiers:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
@@ -700,7 +700,7 @@ class TierCache:
         """The latest stats in the root, for ``tiercache inspect`` (on flush and close)."""
         ft = self.tiers.get("file")
         if ft is not None:
-            write_stats(ft.root, self.stats())
+            write_stats(ft.dir, self.stats())
 
     def __enter__(self) -> TierCache:
         return self

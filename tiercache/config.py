@@ -15,6 +15,7 @@ library's ``tomllib``)::
     fsync = "data"                 # none | data | data+dir
     verify_checksums = true
     io_threads = 8
+    check_root_owner = true        # refuse a root of another user or writable by others
 
     [pools.kv]                     # a KV-cache pool (layer_major or token_major layout)
     num_layers = 32
@@ -53,7 +54,7 @@ MAX_IO_THREADS = 256
 
 _TIER_KEYS = {"device_slots", "host_slots", "file_slots", "host_huge_pages"}
 _FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "capacity_bytes", "direct_io",
-              "kvikio_task_size", "kvikio_gds_threshold"}
+              "kvikio_task_size", "kvikio_gds_threshold", "check_root_owner"}
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes", "batch_streams",
                   "bulk_shape", "bulk_sms", "staged_min_run_bytes", "offload_staged_min_run_bytes", "carveout_sms"}
@@ -101,6 +102,9 @@ class CacheConfig:
             measured 97% of raw with it, 80% without; spills do not evict the page cache).
             Blocks whose size is not a multiple of 4096, and filesystems without O_DIRECT
             (tmpfs), use buffered I/O.
+        check_root_owner: refuse a root that another user owns or that group or others may
+            write (the default; README, "The file tier on disk": whoever can write a root can
+            plant blocks, since checksums detect corruption, not forgery). ``False`` accepts it.
         kvikio_task_size: bytes per kvikio task (None: kvikio's default, 4 MiB).
         kvikio_gds_threshold: I/O smaller than this skips cuFile in kvikio (None: default).
         device_id: CUDA device ordinal of the device tier.
@@ -158,6 +162,7 @@ class CacheConfig:
     io_threads: int = 8
     capacity_bytes: int = 0
     direct_io: bool = True
+    check_root_owner: bool = True
     kvikio_task_size: int | None = None
     kvikio_gds_threshold: int | None = None
     device_id: int = 0
@@ -204,7 +209,7 @@ class CacheConfig:
         _check_int("carveout_sms", self.carveout_sms, 0, 1025)
         _check_choice("io_mode", self.io_mode, IO_MODES)
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
-        for key in ("verify_checksums", "direct_io"):
+        for key in ("verify_checksums", "direct_io", "check_root_owner"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} = {getattr(self, key)!r} must be true or false")
         _check_int("capacity_bytes", self.capacity_bytes, 0, 1 << 62)
@@ -281,6 +286,7 @@ class CacheConfig:
             "io_threads": self.io_threads,
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
+            "check_root_owner": self.check_root_owner,
             "streams_per_direction": self.streams_per_direction,
             "copy_kernel_sms": self.copy_kernel_sms,
             "memcpy_min_bytes": self.memcpy_min_bytes,

@@ -72,16 +72,25 @@ def format_keys(keys: list[Key], limit: int = 5) -> str:
 
 
 def key_from_text(text: str) -> Key:
-    """Inverse of :func:`key_text`.
+    """Inverse of :func:`key_text`: ASCII decimal digits (an int key) or ``x`` and an even
+    number of hex digits (a bytes key). Leading zeros and upper-case hex are accepted here (the
+    CLI's ``--keys``); block file names use only :func:`key_text`'s spelling.
 
     Raises:
-        InvalidKeyError: not a key text.
+        InvalidKeyError: not a key text, or a key out of range (named with the range).
     """
-    try:
-        if text.startswith("x"):
-            return normalize_key(bytes.fromhex(text[1:]))
-        if text.isdigit():
-            return normalize_key(int(text))
-    except ValueError:
-        pass
+    if text.startswith("x") and text[1:].isascii():
+        try:
+            raw = bytes.fromhex(text[1:])
+        except ValueError:
+            raw = None
+        if raw is not None and " " not in text:
+            if not 1 <= len(raw) <= MAX_BYTES_KEY:
+                raise InvalidKeyError(f"bytes key {text!r} has {len(raw)} bytes; bytes keys have 1..{MAX_BYTES_KEY}")
+            return raw
+    elif text.isascii() and text.isdigit():
+        k = int(text)
+        if k > MAX_INT_KEY:
+            raise InvalidKeyError(f"int key {text} out of range: int keys are in [0, 2**63) (at most {MAX_INT_KEY})")
+        return k
     raise InvalidKeyError(f"{text!r} is not a key text (decimal int or x<hex>)")

@@ -15,11 +15,12 @@ Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 from .blockfile import DATA_OFFSET, block_filename, file_size
 from .file_tier import FileTier, ScanResult
 from .iopath import IOPath, select_io_path
-from .rootdir import DIR_MODE, QUARANTINE, RootLock, is_root, lock_holder
-from .rootsurvey import STATS, RootSurvey, survey, verify_file, write_stats
+from .rootdir import DIR_MODE, QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, is_root, lock_holder
+from .rootsurvey import STATS, RootSurvey, is_own_block_file, survey, verify_file, write_stats
 
 __all__ = [
-    "DATA_OFFSET", "DIR_MODE", "FileTier", "IOPath", "QUARANTINE", "RootLock", "RootSurvey",
-    "STATS", "ScanResult", "block_filename", "file_size", "is_root", "lock_holder",
+    "DATA_OFFSET", "DIR_MODE", "FileTier", "IOPath", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
+    "RootPath", "RootSurvey",
+    "STATS", "ScanResult", "block_filename", "file_size", "is_own_block_file", "is_root", "lock_holder",
     "select_io_path", "survey", "verify_file", "write_stats",
 ]

@@ -35,8 +35,13 @@ DATA_OFFSET = 4096
 ALIGN = 4096
 CHECKSUM_ALGO = "xxh3_64"
 _PREFIX = struct.Struct("<8sIIQ")
-FILE_RE = re.compile(r"^block_(\d+|x[0-9a-f]+)_pool_([A-Za-z0-9][A-Za-z0-9_.-]*)\.bin$")
+#: a block file's name: ASCII only, one spelling per key (no leading zeros, lower-case hex)
+FILE_RE = re.compile(r"block_(0|[1-9][0-9]*|x(?:[0-9a-f]{2})+)_pool_([A-Za-z0-9][A-Za-z0-9_.-]*)\.bin", re.ASCII)
 TMP_PREFIX = ".tmp."
+#: temporary files tiercache writes: a block file's (``.tmp.<name>.<pid>.<hex>``) or its own
+#: marker and stats files' (``.tmp.own.<name>.<pid>``; ``.tmp.stats.<pid>`` from before)
+TMP_RE = re.compile(r"\.tmp\.(?:(block_[A-Za-z0-9_.-]+\.bin)\.[0-9]+\.[0-9a-f]+|own\.[A-Za-z0-9_.-]+\.[0-9]+|stats\.[0-9]+)",
+                    re.ASCII)
 
 
 def block_filename(key: Key, pool: str) -> str:
@@ -45,14 +50,24 @@ def block_filename(key: Key, pool: str) -> str:
 
 
 def parse_filename(name: str) -> tuple[Key, str] | None:
-    """``(key, pool)`` for a block file name, or None for any other name."""
-    m = FILE_RE.match(name)
+    """``(key, pool)`` for a block file name in its one canonical spelling (the name
+    :func:`block_filename` gives), or None for any other name (``block_012_...``, non-ASCII
+    digits, a trailing newline, an int key past ``2**63 - 1``)."""
+    m = FILE_RE.fullmatch(name)
     if not m:
         return None
     try:
-        return key_from_text(m.group(1)), m.group(2)
+        key = key_from_text(m.group(1))
     except ValueError:
         return None
+    return (key, m.group(2)) if block_filename(key, m.group(2)) == name else None
+
+
+def is_temporary_name(name: str) -> bool:
+    """True for the names of tiercache's temporary files (:data:`TMP_RE`), whose block part,
+    if any, is a canonical block file name."""
+    m = TMP_RE.fullmatch(name)
+    return m is not None and (m.group(1) is None or parse_filename(m.group(1)) is not None)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

@@ -1,8 +1,9 @@
 """The file tier: one file per block and pool under a root directory that tiercache owns
-(marker and single-writer lock: :mod:`tiercache.files.rootdir`). Blocks are written atomically (see :mod:`tiercache.files.posix_io`); when a
-cache reopens a root, :meth:`FileTier.scan` rebuilds the index from the files, removes
-leftover temporary files, and moves files that fail their header check into
-``quarantine/``.
+(marker, single-writer lock and the trust boundary: :mod:`tiercache.files.rootdir`). Blocks
+are written atomically (see :mod:`tiercache.files.posix_io`); when a cache reopens a root,
+:meth:`FileTier.scan` rebuilds the index from the files, removes leftover temporary files,
+and moves files that fail their header check into ``quarantine/``. Every operation goes
+through the root's directory descriptor and follows no symlink.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from pathlib import Path
 
 from tiercache.errors import CorruptBlockError
 from tiercache.files import kvikio_io, posix_io
-from tiercache.files.blockfile import block_filename, parse_filename
+from tiercache.files.blockfile import block_filename, file_size, parse_filename
 from tiercache.files.iopath import IOPath
-from tiercache.files.rootdir import DIR_MODE, QUARANTINE, RootLock, open_root
+from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootLock, RootPath, open_root
 from tiercache.files.rootsurvey import classify
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
@@ -63,18 +64,26 @@ class FileTier:
         verify: verify checksums on read.
         io_threads: worker threads.
         device_id: CUDA device of device buffers.
+        check_root_owner: refuse a root owned by another user or writable by others.
 
     Raises:
-        RootError: see :func:`open_root`.
+        RootError: see :func:`~tiercache.files.rootdir.open_root` and
+            :class:`~tiercache.files.rootdir.RootLock`; ``quarantine`` in the root is a
+            symlink or not a directory.
     """
 
     def __init__(self, root: Path, pools: tuple[PoolSpec, ...], num_slots: int, io_path: IOPath,
                  fsync: str = "data", verify: bool = True, io_threads: int = 8, device_id: int = 0,
                  direct_io: bool = False, kvikio_task_size: int | None = None,
-                 kvikio_gds_threshold: int | None = None) -> None:
-        open_root(root)
-        self._lock = RootLock(root)
-        self.root = root
+                 kvikio_gds_threshold: int | None = None, check_root_owner: bool = True) -> None:
+        self.dir = open_root(root, check_root_owner)
+        try:
+            self._lock = RootLock(self.dir)
+            self.dir.subdir(QUARANTINE)  # a symlink or file there is refused now, not followed later
+        except BaseException:
+            self.dir.close()
+            raise
+        self.root = Path(root)
         self.pools = {p.name: p for p in pools}
         self.num_slots = num_slots
         self.io_path = io_path
@@ -91,28 +100,31 @@ class FileTier:
             kvikio_io.configure(io_threads, kvikio_task_size, kvikio_gds_threshold)
 
     # -- paths -------------------------------------------------------------------------
-    def path(self, key: Key, pool: str) -> Path:
-        """Path of the file of ``key`` in ``pool``."""
-        return self.root / block_filename(key, pool)
+    def path(self, key: Key, pool: str) -> RootPath:
+        """The file of ``key`` in ``pool`` (relative to the root's descriptor)."""
+        return self.dir.child(block_filename(key, pool))
 
     # -- index rebuild -----------------------------------------------------------------
     def scan(self) -> ScanResult:
         """Rebuild the list of complete blocks from the files in the root (see class doc)."""
         result = ScanResult()
         found: dict[Key, dict[str, os.DirEntry]] = {}
-        for entry in os.scandir(self.root):
+        with self.dir.scandir() as entries:
+            listing = list(entries)
+        for entry in listing:
             kind = classify(entry.name)
-            if kind == "temporary":  # left by a writer that died (this process holds the lock)
-                try:
-                    os.unlink(entry.path)
+            try:
+                regular = entry.is_file(follow_symlinks=False)
+            except OSError:
+                regular = False
+            if kind == "temporary" and regular:  # left by a writer that died (this process holds the lock)
+                if self.dir.child(entry.name).unlink():
                     result.removed_tmp += 1
-                except FileNotFoundError:
-                    pass
                 continue
             if kind == "own":
                 continue
             parsed = parse_filename(entry.name)
-            if parsed is None or parsed[1] not in self.pools or not entry.is_file():
+            if parsed is None or parsed[1] not in self.pools or not regular:
                 result.foreign.append(entry.name)
                 continue
             found.setdefault(parsed[0], {})[parsed[1]] = entry
@@ -124,13 +136,17 @@ class FileTier:
             reasons = [bad[(key, p)] for p in by_pool if bad[(key, p)]]
             if reasons:
                 for pool, entry in by_pool.items():
-                    self._quarantine(Path(entry.path), bad[(key, pool)] or "another pool's file of this block is bad")
+                    self._quarantine(self.dir.child(entry.name), bad[(key, pool)] or "another pool's file of this block is bad")
                     result.quarantined.append((entry.name, bad[(key, pool)] or "sibling bad"))
                 continue
             if set(by_pool) != set(self.pools):
                 result.incomplete.append(key)
                 continue
-            mtime = max(e.stat().st_mtime for e in by_pool.values())
+            try:
+                mtime = max(e.stat(follow_symlinks=False).st_mtime for e in by_pool.values())
+            except FileNotFoundError:  # removed while we looked (not by a tiercache writer: we hold the lock)
+                result.incomplete.append(key)
+                continue
             result.blocks.append((key, mtime))
             extra = checked[(key, next(iter(by_pool)))][1]
             if extra:
@@ -140,23 +156,28 @@ class FileTier:
 
     def _check_file(self, key: Key, pool: str, entry: os.DirEntry) -> tuple[str | None, dict]:
         """``(why the file is bad or None, its header's extra metadata)``."""
+        want = file_size(self.pools[pool].block_nbytes)
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.dir.child(entry.name).open(os.O_RDONLY)
             try:
                 header = posix_io.read_header(fd, key, self.pools[pool], entry.name)
+                size = os.fstat(fd).st_size
             finally:
                 os.close(fd)
         except CorruptBlockError as exc:
             return str(exc), {}
+        except NotRegularFileError:
+            return f"{entry.name}: not a regular file", {}
         except OSError as exc:
             return f"{entry.name}: unreadable ({exc.strerror})", {}
+        if size != want:
+            return f"{entry.name}: {size} bytes, expected {want} (trailing bytes)", {}
         return None, header.extra
 
-    def _quarantine(self, path: Path, reason: str) -> None:
-        qdir = self.root / QUARANTINE
-        qdir.mkdir(mode=DIR_MODE, exist_ok=True)
+    def _quarantine(self, path: RootPath, reason: str) -> None:
+        qdir = self.dir.subdir(QUARANTINE, create=True)
         try:
-            os.replace(path, qdir / path.name)
+            path.rename(qdir.child(path.name))
         except FileNotFoundError:
             return
         log.warning("tiercache: quarantined %s: %s", path.name, reason)
@@ -265,13 +286,14 @@ class FileTier:
         return self._wait(self.submit("read", items))
 
     def delete(self, keys: list[Key]) -> None:
-        """Remove the files of ``keys`` (missing files are ignored)."""
+        """Remove the files of ``keys`` (missing files are ignored; a directory under a block's
+        name is left in place, with a warning)."""
         for key in keys:
             for pool in self.pools:
                 try:
-                    os.unlink(self.path(key, pool))
-                except FileNotFoundError:
-                    pass
+                    self.path(key, pool).unlink()
+                except NotRegularFileError as exc:
+                    log.warning("tiercache: %s", exc)
 
     def describe_key(self, key: Key) -> str:
         """A short name of the files of ``key``, for messages."""
@@ -281,3 +303,4 @@ class FileTier:
         """Stop the I/O threads (after the running ones finish) and release the root's lock."""
         self._executor.shutdown(wait=True)
         self._lock.release()
+        self.dir.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 from tiercache.errors import CorruptBlockError
 from tiercache.files.blockfile import DATA_OFFSET, checksum, encode_header
 from tiercache.files.posix_io import atomic_write, read_header
+from tiercache.files.rootdir import NotRegularFileError, RootPath, proc_path
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key
 
@@ -36,38 +37,43 @@ def _device_checksum(dev, staging) -> int:
     return checksum(host)
 
 
-def write_block(final: Path, key: Key, pool: PoolSpec, dev, staging, fsync: str, extra: dict | None = None) -> None:
+def write_block(final: RootPath | Path, key: Key, pool: PoolSpec, dev, staging, fsync: str, extra: dict | None = None) -> None:
     """Write device buffer ``dev`` (a 1-D CuPy ``uint8`` array of ``block_nbytes``) to
     ``final`` atomically; ``staging`` is a pinned host buffer for the checksum."""
     import kvikio
 
     header = encode_header(key, pool, _device_checksum(dev, staging), extra)
 
-    def write_data(_fd: int, tmp: Path) -> None:
-        with kvikio.CuFile(tmp, "r+") as f:
+    def write_data(fd: int) -> None:
+        # the temporary file tiercache created (O_EXCL), reopened by kvikio through its descriptor
+        with kvikio.CuFile(proc_path(fd), "r+") as f:
             n = f.pwrite(dev, pool.block_nbytes, file_offset=DATA_OFFSET).get()
         if n != pool.block_nbytes:
-            raise OSError(f"kvikio wrote {n} of {pool.block_nbytes} bytes to {tmp}")
+            raise OSError(f"kvikio wrote {n} of {pool.block_nbytes} bytes to {final}")
 
     atomic_write(final, header, pool.block_nbytes, fsync, write_data)
 
 
-def read_block(path: Path, key: Key, pool: PoolSpec, dev, staging, verify: bool) -> None:
+def read_block(path: RootPath | Path, key: Key, pool: PoolSpec, dev, staging, verify: bool) -> None:
     """Read a block file into device buffer ``dev``, checking header and (when ``verify``)
     checksum through host ``staging``.
 
     Raises:
-        CorruptBlockError: the file does not verify.
+        CorruptBlockError: the file does not verify, or is not a regular file.
     """
     import kvikio
 
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = RootPath.of(path).open(os.O_RDONLY)
+    except NotRegularFileError as exc:
+        raise CorruptBlockError(str(exc)) from None
     try:
         header = read_header(fd, key, pool, str(path))
+        # kvikio opens the very file checked above (no symlink in between)
+        with kvikio.CuFile(proc_path(fd), "r") as f:
+            n = f.pread(dev, pool.block_nbytes, file_offset=DATA_OFFSET).get()
     finally:
         os.close(fd)
-    with kvikio.CuFile(path, "r") as f:
-        n = f.pread(dev, pool.block_nbytes, file_offset=DATA_OFFSET).get()
     if n != pool.block_nbytes:
         raise CorruptBlockError(f"{path}: truncated (kvikio read {n} of {pool.block_nbytes} bytes)")
     if verify and _device_checksum(dev, staging) != header.checksum:

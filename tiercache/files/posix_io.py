@@ -4,6 +4,10 @@ Every write goes to a temporary file in the same directory (``O_EXCL``, mode 060
 flushed according to the fsync policy, and is renamed over the final name, so a reader never
 sees a torn block and a crash leaves either the old file, the new file, or a temporary file
 that the next open removes.
+
+Paths are :class:`~tiercache.files.rootdir.RootPath` (a root's directory descriptor and a
+plain name) or plain paths; no open follows a symlink in the last component, and a name that
+is not a regular file reads as a corrupt block.
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ from tiercache.files.blockfile import (
     encode_header,
     file_size,
 )
+from tiercache.files.rootdir import FILE_MODE, NotRegularFileError, RootPath
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key
 
-FILE_MODE = 0o600
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _local = threading.local()
 
@@ -50,15 +54,16 @@ def direct_ok(buf) -> bool:
     return bool(O_DIRECT) and arr.ctypes.data % 4096 == 0 and arr.nbytes % 4096 == 0
 
 
-def _open(path, flags: int, direct: bool, mode: int = FILE_MODE) -> tuple[int, bool]:
-    """Open with O_DIRECT when asked and supported (filesystems such as tmpfs refuse it)."""
+def _open(path: RootPath, flags: int, direct: bool, mode: int = FILE_MODE) -> tuple[int, bool]:
+    """Open a regular file without following a symlink, with O_DIRECT when asked and
+    supported (filesystems such as tmpfs refuse it)."""
     if direct:
         try:
-            return os.open(path, flags | O_DIRECT, mode), True
+            return path.open(flags | O_DIRECT, mode), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, mode), False
+    return path.open(flags, mode), False
 
 
 def _advance(views: list[memoryview], n: int) -> None:
@@ -94,23 +99,28 @@ def _preadv_all(fd: int, buffers: list) -> int:
     return total
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that a rename in it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_dir(path: RootPath) -> None:
+    """fsync the directory that holds ``path`` so that a rename in it is durable."""
+    if path.dir_fd is not None:
+        os.fsync(path.dir_fd)
+        return
+    fd = os.open(Path(os.fspath(path)).parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def atomic_write(final: Path, header: bytes, nbytes: int, fsync: str,
-                 write_data: Callable[[int, Path], None], direct: bool = False) -> None:
-    """Create ``final`` atomically: header at 0, data (written by ``write_data(fd, tmp_path)``
-    at :data:`DATA_OFFSET`), padded to :func:`file_size`, flushed per ``fsync``, renamed.
+def atomic_write(final: RootPath | Path, header: bytes, nbytes: int, fsync: str,
+                 write_data: Callable[[int], None], direct: bool = False) -> None:
+    """Create ``final`` atomically: header at 0, data (written by ``write_data(fd)`` at
+    :data:`DATA_OFFSET`), padded to :func:`file_size`, flushed per ``fsync``, renamed over
+    ``final`` (a symlink there is replaced, never followed; a directory there fails the write).
     ``direct`` opens the file with O_DIRECT (the data must then be page-aligned).
 
     On any error the temporary file is removed and ``final`` is untouched.
     """
+    final = RootPath.of(final)
     tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd, direct = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, direct)
     try:
@@ -120,33 +130,30 @@ def atomic_write(final: Path, header: bytes, nbytes: int, fsync: str,
             pwrite_all(fd, [page], 0)
         else:
             pwrite_all(fd, [header], 0)
-        write_data(fd, tmp)
+        write_data(fd)
         os.ftruncate(fd, file_size(nbytes))
         if fsync != "none":
             os.fdatasync(fd)
         os.close(fd)
         fd = -1
-        os.rename(tmp, final)
+        tmp.rename(final)
     except BaseException:
         if fd >= 0:
             os.close(fd)
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        tmp.unlink()
         raise
     if fsync == "data+dir":
-        fsync_dir(final.parent)
+        fsync_dir(final)
 
 
-def write_block(final: Path, key: Key, pool: PoolSpec, data, fsync: str, direct: bool = False,
+def write_block(final: RootPath | Path, key: Key, pool: PoolSpec, data, fsync: str, direct: bool = False,
                 extra: dict | None = None) -> None:
     """Write one block from host memory ``data`` (``block_nbytes`` bytes) to ``final``;
     ``direct`` uses O_DIRECT where ``data`` is page-aligned in address and length; ``extra``
     goes into the header."""
     header = encode_header(key, pool, checksum(data), extra)
     atomic_write(final, header, pool.block_nbytes, fsync,
-                 lambda fd, _tmp: pwrite_all(fd, [data], DATA_OFFSET), direct=direct and direct_ok(data))
+                 lambda fd: pwrite_all(fd, [data], DATA_OFFSET), direct=direct and direct_ok(data))
 
 
 def read_header(fd: int, key: Key, pool: PoolSpec, where: str):
@@ -165,15 +172,19 @@ def read_header(fd: int, key: Key, pool: PoolSpec, where: str):
     return header
 
 
-def read_block(path: Path, key: Key, pool: PoolSpec, out, verify: bool, direct: bool = False) -> None:
+def read_block(path: RootPath | Path, key: Key, pool: PoolSpec, out, verify: bool, direct: bool = False) -> None:
     """Read one block into host buffer ``out`` (``block_nbytes`` bytes), checking its header
     and, when ``verify``, its checksum; ``direct`` uses O_DIRECT where ``out`` is page-aligned.
 
     Raises:
-        CorruptBlockError: the file does not verify.
+        CorruptBlockError: the file does not verify, or is not a regular file.
         FileNotFoundError / OSError: the file cannot be read.
     """
-    fd, _ = _open(path, os.O_RDONLY | os.O_CLOEXEC, direct and direct_ok(out))
+    path = RootPath.of(path)
+    try:
+        fd, _ = _open(path, os.O_RDONLY, direct and direct_ok(out))
+    except NotRegularFileError as exc:
+        raise CorruptBlockError(str(exc)) from None
     try:
         # header and data in one request (one I/O instead of a small one and a large one)
         page = _page()

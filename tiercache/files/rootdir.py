@@ -1,4 +1,4 @@
-"""The file-tier root: tiercache's marker and the lock that keeps one writer per root.
+"""The file-tier root: a trust boundary that no operation crosses.
 
 ``<root>/.tiercache-root`` (JSON with the format version) marks a directory as tiercache's own;
 a non-empty directory without it is refused, so tiercache never writes into, or purges,
@@ -7,13 +7,25 @@ process that opens the root for writing, for as long as it has it open; the kern
 lock when that process dies (even by SIGKILL), so a crash never leaves a root locked. Several
 processes (ranks) work side by side in separate roots, for example ``root/rank0``,
 ``root/rank1``.
+
+The trust model (README, "The file tier on disk"): the root's *path* is named by the operator
+and trusted; what is *inside* the root is not. A :class:`RootDir` holds a directory descriptor
+of the root, and every operation on its contents (open, create, rename, unlink, stat, listing,
+the ``quarantine/`` folder) goes through that descriptor (``openat``-style ``dir_fd``) with
+``O_NOFOLLOW``, on plain names without a ``/``: a symbolic link, a directory or a device node
+planted under one of tiercache's names is refused, never followed out of the root. By default
+the root must also belong to this user and be writable by nobody else (``check_root_owner``):
+block checksums (XXH3-64) detect corruption, not forgery, so whoever can write the root can
+plant blocks.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -24,75 +36,341 @@ MARKER = ".tiercache-root"
 LOCK = ".tiercache-root.lock"
 QUARANTINE = "quarantine"
 DIR_MODE = 0o700
+FILE_MODE = 0o600
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def is_root(path: Path) -> bool:
-    """True when ``path`` carries tiercache's marker."""
-    return (path / MARKER).is_file()
+class NotRegularFileError(OSError):
+    """A name in the root that is not a regular file (a symlink, directory, device or FIFO)."""
 
 
-def check_marker(root: Path) -> None:
+class RootPath(os.PathLike):
+    """One name inside an open root: the root's directory descriptor and a plain name.
+
+    ``os.fspath`` gives the whole path (for messages and libraries that open by path, which
+    should open :meth:`proc_path` of a descriptor from :meth:`open` instead).
+    """
+
+    __slots__ = ("dir_fd", "name", "_full")
+
+    def __init__(self, dir_fd: int | None, name: str, full: str) -> None:
+        self.dir_fd = dir_fd
+        self.name = name
+        self._full = full
+
+    @classmethod
+    def of(cls, path: os.PathLike | str) -> RootPath:
+        """``path`` as a :class:`RootPath` (a plain path keeps ``dir_fd`` None: relative to the
+        working directory, still without following a symlink in its last component)."""
+        if isinstance(path, RootPath):
+            return path
+        return cls(None, os.fspath(path), os.fspath(path))
+
+    def __fspath__(self) -> str:
+        return self._full
+
+    def __str__(self) -> str:
+        return self._full
+
+    def __repr__(self) -> str:
+        return f"RootPath({self._full!r})"
+
+    def with_name(self, name: str) -> RootPath:
+        """A sibling: ``name`` in the same directory."""
+        if self.dir_fd is None:
+            return RootPath(None, str(Path(self._full).with_name(name)), str(Path(self._full).with_name(name)))
+        return RootPath(self.dir_fd, name, os.path.join(os.path.dirname(self._full), name))
+
+    def open(self, flags: int, mode: int = FILE_MODE, regular: bool = True) -> int:
+        """``openat`` with ``O_NOFOLLOW``; with ``regular``, anything but a regular file is
+        refused (:class:`NotRegularFileError`; a FIFO never blocks the open).
+
+        Raises:
+            NotRegularFileError, FileNotFoundError, OSError.
+        """
+        try:
+            fd = os.open(self.name, flags | _NOFOLLOW | (os.O_NONBLOCK if regular else 0), mode, dir_fd=self.dir_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise NotRegularFileError(exc.errno, f"{self}: not a regular file (a symlink or directory)") from None
+            raise
+        if regular:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise NotRegularFileError(errno.EINVAL, f"{self}: not a regular file")
+            os.set_blocking(fd, True)
+        return fd
+
+    def lstat(self) -> os.stat_result | None:
+        """The name's own status (a symlink is not followed), or None when it is gone."""
+        try:
+            return os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def is_file(self) -> bool:
+        """A regular file (not a symlink to one)."""
+        st = self.lstat()
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def unlink(self) -> bool:
+        """Remove the name (a symlink is removed, not its target). Returns False when it was
+        gone.
+
+        Raises:
+            NotRegularFileError: the name is a directory (left in place).
+        """
+        try:
+            os.unlink(self.name, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            return False
+        except (IsADirectoryError, PermissionError) as exc:
+            st = self.lstat()
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                raise NotRegularFileError(errno.EISDIR, f"{self}: a directory, not a block file; left in place") from None
+            raise exc
+        return True
+
+    def rename(self, dst: RootPath) -> None:
+        """Rename (atomically replacing ``dst``) within or between open directories; links
+        are moved as links."""
+        os.replace(self.name, dst.name, src_dir_fd=self.dir_fd, dst_dir_fd=dst.dir_fd)
+
+
+def proc_path(fd: int) -> str:
+    """A path that names the open file ``fd`` itself (``/proc/self/fd/N``), for libraries
+    that open by path (kvikio): they reach the very file tiercache opened with ``O_NOFOLLOW``."""
+    return f"/proc/self/fd/{fd}"
+
+
+class RootDir:
+    """An open root directory: the descriptor every operation on its contents goes through.
+
+    Args:
+        path: the root (the operator's path: symlinks in it are followed once, here).
+        check_owner: refuse a root owned by another user or writable by group or others.
+
+    Raises:
+        RootError: no such directory, not a directory, or (``check_owner``) owned by another
+            user or writable by others.
+    """
+
+    def __init__(self, path: os.PathLike | str, check_owner: bool = True) -> None:
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise RootError(f"file-tier root {str(self.path)!r} does not exist") from None
+        except NotADirectoryError:
+            raise RootError(f"file-tier root {str(self.path)!r} exists and is not a directory") from None
+        except OSError as exc:
+            raise RootError(f"cannot open file-tier root {str(self.path)!r}: {exc.strerror}") from None
+        if check_owner:
+            try:
+                check_owner_and_mode(os.fstat(self.fd), str(self.path))
+            except RootError:
+                self.close()
+                raise
+        self._subdirs: dict[str, RootDir] = {}
+
+    def child(self, name: str) -> RootPath:
+        """``name`` (a plain name, no ``/``) inside this directory."""
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"{name!r} is not a plain file name")
+        return RootPath(self.fd, name, os.path.join(str(self.path), name))
+
+    def scandir(self):
+        """Entries of the directory (``entry.path`` is the plain name; use :meth:`child`)."""
+        return os.scandir(self.fd)
+
+    def subdir(self, name: str, create: bool = False) -> RootDir | None:
+        """The sub-directory ``name`` (mode 0700 when created), opened without following a
+        symlink; None when it does not exist and ``create`` is False.
+
+        Raises:
+            RootError: ``name`` exists but is a symlink or not a directory.
+        """
+        if name in self._subdirs:
+            return self._subdirs[name]
+        if create:
+            try:
+                os.mkdir(name, DIR_MODE, dir_fd=self.fd)
+            except FileExistsError:
+                pass
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise RootError(f"{self.path / name} is a symlink or not a directory; tiercache keeps its own "
+                                f"files there: remove it") from None
+            raise
+        sub = RootDir.__new__(RootDir)
+        sub.path, sub.fd, sub._subdirs = self.path / name, fd, {}
+        self._subdirs[name] = sub
+        return sub
+
+    def close(self) -> None:
+        for sub in self._subdirs.values():
+            sub.close()
+        self._subdirs = {}
+        if getattr(self, "fd", -1) >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> RootDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_owner_and_mode(st: os.stat_result, where: str) -> None:
+    """Raises:
+        RootError: the directory belongs to another user, or group or others may write it."""
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise RootError(f"file-tier root {where!r} belongs to uid {st.st_uid}, not this user (uid {uid}): anyone who "
+                        "can write a root can plant blocks; use a root of your own, or set check_root_owner = false")
+    if st.st_mode & 0o022:
+        raise RootError(f"file-tier root {where!r} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}):"
+                        f" anyone who can write a root can plant blocks; chmod 700 it, or set check_root_owner = false")
+
+
+def _read_small(p: RootPath, limit: int = 4096) -> bytes:
+    fd = p.open(os.O_RDONLY)
+    try:
+        return os.pread(fd, limit, 0)
+    finally:
+        os.close(fd)
+
+
+def is_root(path: os.PathLike | str) -> bool:
+    """True when ``path`` carries tiercache's marker (a regular file, not a symlink)."""
+    try:
+        st = os.stat(Path(path) / MARKER, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode)
+
+
+def check_marker(root: RootDir) -> None:
     """Check the marker's format version.
 
     Raises:
-        RootError: unreadable marker or another format version.
+        RootError: unreadable marker (or not a regular file) or another format version.
     """
     try:
-        fmt = json.loads((root / MARKER).read_text()).get("format")
+        fmt = json.loads(_read_small(root.child(MARKER))).get("format")
     except (OSError, ValueError, AttributeError):
-        raise RootError(f"file-tier root {str(root)!r} has an unreadable marker {MARKER}") from None
+        raise RootError(f"file-tier root {str(root.path)!r} has an unreadable marker {MARKER}") from None
     if fmt != FORMAT_VERSION:
-        raise RootError(f"file-tier root {str(root)!r} has format {fmt!r}; this tiercache reads {FORMAT_VERSION}")
+        raise RootError(f"file-tier root {str(root.path)!r} has format {fmt!r}; this tiercache reads {FORMAT_VERSION}")
 
 
-def open_root(root: Path) -> None:
-    """Create ``root`` (mode 0700) with its marker, or check an existing one.
+def write_atomic(root: RootDir, name: str, data: bytes) -> None:
+    """Create or replace ``name`` in ``root`` with ``data``: a new temporary file (``O_EXCL``,
+    no symlink followed), then a rename over ``name``.
 
     Raises:
-        RootError: ``root`` is not a directory, cannot be created or written, or is a
-            non-empty directory without tiercache's marker.
+        OSError: the temporary file is removed and ``name`` is untouched.
     """
-    if root.exists() and not root.is_dir():
-        raise RootError(f"file-tier root {str(root)!r} exists and is not a directory")
+    tmp = root.child(f"{TMP_OWN}{name.lstrip('.')}.{os.getpid()}")
+    fd = tmp.open(os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC)
     try:
-        root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RootError(f"cannot create file-tier root {str(root)!r}: {exc.strerror}") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise RootError(f"file-tier root {str(root)!r} is not writable by this user")
-    if is_root(root):
-        check_marker(root)
-        return
-    if any(root.iterdir()):
-        raise RootError(
-            f"refusing to use {str(root)!r} as a file-tier root: it is not empty and has no "
-            f"{MARKER} marker (not created by tiercache); give an empty or new directory"
-        )
-    tmp = root / f".{MARKER}.{os.getpid()}"
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        tmp.rename(root.child(name))
+    except BaseException:
+        tmp.unlink()
+        raise
+
+
+#: prefix of tiercache's own temporary files other than block files' (marker, stats)
+TMP_OWN = ".tmp.own."
+
+
+def open_root(path: os.PathLike | str, check_owner: bool = True) -> RootDir:
+    """Create ``path`` (mode 0700) with its marker, or check an existing one; returns it open.
+
+    Raises:
+        RootError: ``path`` is not a directory, cannot be created or written, is a non-empty
+            directory without tiercache's marker, or fails the owner check.
+    """
+    path = Path(path)
+    if os.path.lexists(path) and not path.is_dir():
+        raise RootError(f"file-tier root {str(path)!r} exists and is not a directory")
     try:
-        tmp.write_text(json.dumps({"format": FORMAT_VERSION, "created": time.time()}))
-        os.replace(tmp, root / MARKER)
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     except OSError as exc:
-        raise RootError(f"cannot write marker in file-tier root {str(root)!r}: {exc.strerror}") from None
+        raise RootError(f"cannot create file-tier root {str(path)!r}: {exc.strerror}") from None
+    root = RootDir(path, check_owner)
+    try:
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise RootError(f"file-tier root {str(path)!r} is not writable by this user")
+        marker = root.child(MARKER).lstat()
+        if marker is not None:
+            if not stat.S_ISREG(marker.st_mode):
+                raise RootError(f"file-tier root {str(path)!r}: its marker {MARKER} is not a regular file "
+                                "(a symlink?); refusing the root")
+            check_marker(root)
+            return root
+        with root.scandir() as it:
+            if any(True for _ in it):
+                raise RootError(
+                    f"refusing to use {str(path)!r} as a file-tier root: it is not empty and has no "
+                    f"{MARKER} marker (not created by tiercache); give an empty or new directory"
+                )
+        try:
+            write_atomic(root, MARKER, json.dumps({"format": FORMAT_VERSION, "created": time.time()}).encode())
+        except OSError as exc:
+            raise RootError(f"cannot write marker in file-tier root {str(path)!r}: {exc.strerror}") from None
+    except BaseException:
+        root.close()
+        raise
+    return root
 
 
 class RootLock:
     """An exclusive ``flock`` on ``<root>/.tiercache-root.lock``, held until :meth:`release`.
 
+    The lock file is opened without following a symlink and must be a regular file with one
+    link (so it is never a way to truncate a file elsewhere).
+
+    Args:
+        root: the root (an open :class:`RootDir`, or its path).
+
     Raises:
-        RootError: another process holds it (its pid is named when known).
+        RootError: another process holds it (its pid is named when known), or the lock's name
+            is taken by something else than a regular file.
     """
 
-    def __init__(self, root: Path) -> None:
-        self.path = root / LOCK
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def __init__(self, root: RootDir | os.PathLike | str) -> None:
+        own = not isinstance(root, RootDir)
+        rd = RootDir(root, check_owner=False) if own else root
+        self.path = rd.path / LOCK
+        try:
+            try:
+                self.fd = rd.child(LOCK).open(os.O_RDWR | os.O_CREAT)
+            except NotRegularFileError:
+                raise RootError(f"{self.path} is not a regular file (a symlink?): refusing the root") from None
+            if os.fstat(self.fd).st_nlink != 1:
+                os.close(self.fd)
+                raise RootError(f"{self.path} has other hard links: refusing the root")
+        finally:
+            if own:
+                rd.close()
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
             raise RootError(
-                f"file-tier root {str(root)!r} is in use by another process (pid {holder}); one process "
+                f"file-tier root {str(self.path.parent)!r} is in use by another process (pid {holder}); one process "
                 "writes a root at a time: give each process (rank) its own root, e.g. root/rank0"
             ) from None
         os.ftruncate(self.fd, 0)
@@ -105,12 +383,12 @@ class RootLock:
             self.fd = -1
 
 
-def lock_holder(root: Path) -> str | None:
-    """The pid (as text) of the process holding ``root``'s lock, or None when it is free."""
-    path = root / LOCK
+def lock_holder(root: os.PathLike | str) -> str | None:
+    """The pid (as text) of the process holding ``root``'s lock, or None when it is free
+    (or the lock's name is not a regular file: no tiercache process can hold it)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = RootPath.of(Path(root) / LOCK).open(os.O_RDONLY)
+    except OSError:
         return None
     try:
         try:

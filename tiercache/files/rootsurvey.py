@@ -1,19 +1,34 @@
 """Read-only views of a file-tier root, for the CLI (``inspect``, ``purge``, ``verify``): what is
 in it, and whether each block file verifies on its own (no configuration needed: a block file
 describes itself).
+
+Like the file tier, the survey goes through the root's directory descriptor and follows no
+symlink: a symlink, directory or device under a block's name is listed as foreign, and a
+``quarantine`` that is not a real directory is never looked into.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiercache.errors import CorruptBlockError
-from tiercache.files.blockfile import DATA_OFFSET, TMP_PREFIX, checksum, decode_header, parse_filename
-from tiercache.files.rootdir import MARKER, QUARANTINE, is_root, lock_holder
+from tiercache.errors import CorruptBlockError, RootError
+from tiercache.files.blockfile import DATA_OFFSET, checksum, decode_header, file_size, is_temporary_name, parse_filename
+from tiercache.files.rootdir import (
+    LOCK,
+    MARKER,
+    QUARANTINE,
+    NotRegularFileError,
+    RootDir,
+    RootPath,
+    is_root,
+    lock_holder,
+    write_atomic,
+)
 from tiercache.keys import Key
 
 STATS = ".tiercache-root.stats.json"
@@ -33,7 +48,9 @@ class FileEntry:
 
 @dataclass
 class RootSurvey:
-    """Everything in a root, by kind."""
+    """Everything in a root, by kind. ``foreign`` lists what tiercache did not write (names
+    that are not canonical block names, blocks' names taken by symlinks or directories);
+    ``problems`` says what the survey could not look into (``quarantine`` a symlink)."""
 
     root: Path
     marked: bool
@@ -43,6 +60,7 @@ class RootSurvey:
     quarantined: list[FileEntry] = field(default_factory=list)
     foreign: list[FileEntry] = field(default_factory=list)
     stats: dict | None = None
+    problems: list[str] = field(default_factory=list)
 
     def by_pool(self) -> dict[str, dict]:
         """``{pool: {"files": n, "bytes": b}}`` of the block files."""
@@ -61,83 +79,142 @@ class RootSurvey:
             "root": str(self.root), "tiercache_root": self.marked, "locked_by_pid": self.lock_holder,
             "block_files": total(self.blocks), "blocks": len({e.key for e in self.blocks}),
             "pools": self.by_pool(), "temporary": total(self.temporary), "quarantined": total(self.quarantined),
-            "foreign": [e.name for e in self.foreign], "live_stats": self.stats,
+            "foreign": [e.name for e in self.foreign], "problems": self.problems, "live_stats": self.stats,
         }
 
 
 def classify(name: str) -> str:
-    """``block``, ``temporary``, ``own`` (marker, lock, stats, quarantine dir) or ``foreign``."""
-    if name.startswith(TMP_PREFIX):
+    """``block`` (a canonical block file name), ``temporary`` (one of tiercache's temporary
+    file names), ``own`` (marker, lock, stats, quarantine dir) or ``foreign``. Names only: the
+    callers check that the name is a regular file."""
+    if is_temporary_name(name):
         return "temporary"
-    if name.startswith(MARKER) or name == QUARANTINE:
+    if name in (MARKER, LOCK, STATS, QUARANTINE):
         return "own"
     return "block" if parse_filename(name) is not None else "foreign"
 
 
-def _entry(path: Path) -> FileEntry:
-    st = path.stat()
-    parsed = parse_filename(path.name)
-    return FileEntry(path.name, st.st_size, st.st_mtime, *(parsed or (None, None)))
+def _entries(d: RootDir) -> list[tuple[os.DirEntry, os.stat_result | None]]:
+    """Each entry with its own status (None when it vanished while listed)."""
+    with d.scandir() as it:
+        listing = list(it)
+    out = []
+    for e in listing:
+        try:
+            out.append((e, e.stat(follow_symlinks=False)))
+        except OSError:
+            out.append((e, None))
+    return out
+
+
+def _file_entry(e: os.DirEntry, st: os.stat_result) -> FileEntry:
+    parsed = parse_filename(e.name)
+    return FileEntry(e.name, st.st_size, st.st_mtime, *(parsed or (None, None)))
 
 
 def survey(root: Path) -> RootSurvey:
-    """List ``root`` without changing anything.
+    """List ``root`` without changing anything (and without following a symlink inside it).
 
     Raises:
-        FileNotFoundError / NotADirectoryError: no such directory.
+        NotADirectoryError: no such directory.
     """
     root = Path(root)
-    if not root.is_dir():
-        raise NotADirectoryError(f"{root} is not a directory")
-    sv = RootSurvey(root, is_root(root), lock_holder(root) if is_root(root) else None)
-    for entry in os.scandir(root):
-        kind = classify(entry.name)
-        if kind == "own":
-            continue
-        if kind == "foreign" or not entry.is_file():
-            sv.foreign.append(FileEntry(entry.name, 0, 0.0))
-            continue
-        getattr(sv, "blocks" if kind == "block" else "temporary").append(_entry(Path(entry.path)))
-    qdir = root / QUARANTINE
-    if qdir.is_dir():
-        sv.quarantined = [_entry(p) for p in qdir.iterdir() if p.is_file()]
     try:
-        sv.stats = json.loads((root / STATS).read_text())
-    except (OSError, ValueError):
-        sv.stats = None
+        d = RootDir(root, check_owner=False)
+    except RootError as exc:
+        raise NotADirectoryError(str(exc)) from None
+    with d:
+        sv = RootSurvey(root, is_root(root), lock_holder(root) if is_root(root) else None)
+        for e, st in _entries(d):
+            if st is None:
+                continue
+            kind = classify(e.name)
+            if kind == "own":
+                continue
+            if kind == "foreign" or not stat.S_ISREG(st.st_mode):
+                sv.foreign.append(FileEntry(e.name, 0, 0.0))
+                continue
+            getattr(sv, "blocks" if kind == "block" else "temporary").append(_file_entry(e, st))
+        try:
+            q = d.subdir(QUARANTINE)
+        except RootError as exc:
+            q = None
+            sv.problems.append(str(exc))
+        if q is not None:
+            sv.quarantined = [_file_entry(e, st) for e, st in _entries(q) if st is not None and stat.S_ISREG(st.st_mode)]
+        try:
+            sv.stats = json.loads(_read_regular(d.child(STATS)))
+        except (OSError, ValueError):
+            sv.stats = None
     sv.blocks.sort(key=lambda e: e.name)
     return sv
 
 
-def verify_file(path: Path) -> str | None:
-    """Check one block file against itself: header, name, size and data checksum. Returns the
-    problem, or None when it verifies."""
-    parsed = parse_filename(path.name)
+def _read_regular(p: RootPath, limit: int = 1 << 20) -> bytes:
+    fd = p.open(os.O_RDONLY)
     try:
-        with open(path, "rb") as f:
-            head = f.read(DATA_OFFSET)
-            header = decode_header(head, path.name)
+        return os.pread(fd, limit, 0)
+    finally:
+        os.close(fd)
+
+
+def verify_file(path: RootPath | Path) -> str | None:
+    """Check one block file against itself: a regular file (not a symlink), its header, that
+    the header names the file's key and pool, its exact size and its data checksum. Returns the
+    problem, or None when it verifies."""
+    path = RootPath.of(path)
+    name = path.name.rsplit("/", 1)[-1]
+    parsed = parse_filename(name)
+    try:
+        fd = path.open(os.O_RDONLY)
+    except NotRegularFileError:
+        return f"{name}: not a regular file (a symlink or directory)"
+    except OSError as exc:
+        return f"{name}: unreadable ({exc.strerror})"
+    try:
+        with os.fdopen(fd, "rb") as f:
+            header = decode_header(f.read(DATA_OFFSET), name)
             if parsed is None or (header.key, header.pool) != parsed:
-                return f"{path.name}: header names key/pool {header.key!r}/{header.pool!r}, not its file name"
+                return f"{name}: header names key/pool {header.key!r}/{header.pool!r}, not its file name"
             data = f.read(header.nbytes)
+            size = os.fstat(f.fileno()).st_size
     except CorruptBlockError as exc:
         return str(exc)
     except OSError as exc:
-        return f"{path.name}: unreadable ({exc.strerror})"
+        return f"{name}: unreadable ({exc.strerror})"
     if len(data) < header.nbytes:
-        return f"{path.name}: truncated ({len(data)} of {header.nbytes} data bytes)"
+        return f"{name}: truncated ({len(data)} of {header.nbytes} data bytes)"
+    if size != file_size(header.nbytes):
+        return f"{name}: {size} bytes, expected {file_size(header.nbytes)} (trailing bytes)"
     if checksum(data) != header.checksum:
-        return f"{path.name}: data checksum mismatch"
+        return f"{name}: data checksum mismatch"
     return None
 
 
-def write_stats(root: Path, stats: dict) -> None:
-    """Save a cache's ``stats`` (with this pid and the time) as ``<root>/`` :data:`STATS`,
-    atomically (temporary file, rename); best effort: an OSError leaves the old file."""
-    snap = {**stats, "pid": os.getpid(), "time": time.time()}
-    tmp = root / f".tmp.stats.{os.getpid()}"
+def is_own_block_file(path: RootPath) -> bool:
+    """True when ``path`` is a regular file whose header is tiercache's and names the same key
+    and pool as its file name: what ``purge`` may delete (corrupt data included)."""
+    parsed = parse_filename(path.name)
+    if parsed is None:
+        return False
     try:
-        tmp.write_text(json.dumps(snap))
-        os.replace(tmp, root / STATS)
+        fd = path.open(os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        header = decode_header(os.pread(fd, DATA_OFFSET, 0), path.name)
+    except (CorruptBlockError, OSError):
+        return False
+    finally:
+        os.close(fd)
+    return (header.key, header.pool) == parsed
+
+
+def write_stats(root: RootDir, stats: dict) -> None:
+    """Save a cache's ``stats`` (with this pid and the time) as ``<root>/`` :data:`STATS`,
+    atomically; best effort: an OSError leaves the old file."""
+    snap = {**stats, "pid": os.getpid(), "time": time.time()}
+    try:
+        write_atomic(root, STATS, json.dumps(snap).encode())
     except OSError:
         pass
