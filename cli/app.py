@@ -14,13 +14,54 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from tiercache.bench.mainjob import format_report, run_main_job
 from tiercache.config import load_config
 from tiercache.errors import TierCacheError
 
+
+def _is(exc: BaseException, name: str) -> bool:
+    """``exc`` is click's exception ``name`` (click's own, or the copy newer typers vendor)."""
+    return any(c.__name__ == name for c in type(exc).__mro__)
+
+
+def one_line(exc: Exception) -> str:
+    """A click usage error as one line: the command, what was wrong, where help is."""
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "tiercache"
+    text = " ".join(exc.format_message().split())
+    return f"tiercache: error: {where}: {text} (see {where} --help)"
+
+
+class OneLineErrors(TyperGroup):
+    """Every usage error (a bad option value, an unknown option, a missing argument), whether
+    typer or a command raises it, is one line on stderr with exit code 2, like the errors the
+    commands report themselves; an abort (no answer to a question) is exit code 2 too."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except Exception as exc:
+            if _is(exc, "UsageError"):
+                typer.echo(one_line(exc), err=True)
+                rv = 2
+            elif _is(exc, "ClickException"):
+                typer.echo(f"tiercache: error: {' '.join(exc.format_message().split())}", err=True)
+                rv = exc.exit_code
+            elif _is(exc, "Abort"):
+                typer.echo("tiercache: error: aborted", err=True)
+                rv = 2
+            else:
+                raise
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
     name="tiercache",
+    cls=OneLineErrors,
     help="Tiered block cache (VRAM -> pinned DRAM -> NVMe files): benchmarks and tools.",
     no_args_is_help=False,
     add_completion=False,
@@ -98,7 +139,7 @@ def bench(
     size: Annotated[Optional[str], typer.Option("--size", help="Bytes per job (e.g. 256m).", rich_help_panel="fio job")] = None,
     nblocks: Annotated[Optional[int], typer.Option("--nblocks", help="Blocks per job (instead of --size).", rich_help_panel="fio job")] = None,
     iodepth: Annotated[Optional[int], typer.Option("--iodepth", help="Blocks in flight per job.", rich_help_panel="fio job")] = None,
-    iodepth_batch: Annotated[Optional[int], typer.Option("--iodepth_batch", "--iodepth-batch", help="Blocks per engine request (default: iodepth).", rich_help_panel="fio job")] = None,
+    iodepth_batch: Annotated[Optional[int], typer.Option("--iodepth_batch", "--iodepth-batch", help="Blocks per engine request (default: iodepth/4, at least 1).", rich_help_panel="fio job")] = None,
     numjobs: Annotated[Optional[int], typer.Option("--numjobs", help="Jobs (threads) running at once.", rich_help_panel="fio job")] = None,
     runtime: Annotated[Optional[float], typer.Option("--runtime", help="Seconds to run.", rich_help_panel="fio job")] = None,
     time_based: Annotated[bool, typer.Option("--time_based", "--time-based", help="Loop over the blocks until --runtime.", rich_help_panel="fio job")] = False,

@@ -12,7 +12,7 @@ import typer
 from tiercache.config import load_config
 from tiercache.errors import TierCacheError
 
-from .common import DEFAULT_CONFIG, fail
+from .common import DEFAULT_CONFIG, EXIT_USAGE, fail
 
 
 def calibrate(
@@ -33,5 +33,8 @@ def calibrate(
         log = (lambda s: None) if as_json else (lambda s: typer.echo(s, err=True))
         rep = run(cfg.device_id, cfg.copy_kernel_sms, tolerance=tolerance, quick=quick, log=log)
     except TierCacheError as exc:
+        if as_json:  # the error as JSON too, for scripts that parse the output
+            typer.echo(json.dumps({"ok": False, "error": str(exc)}, indent=2))
+            raise typer.Exit(EXIT_USAGE) from None
         fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if as_json else format_calibration(rep))

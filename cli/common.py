@@ -52,3 +52,16 @@ def resolve_root(root: Path | None, config: Path | None) -> Path:
         return load_config(config or DEFAULT_CONFIG).root
     except TierCacheError as exc:
         fail(str(exc))
+
+
+def not_a_root(root: Path) -> str:
+    """Why ``root`` is not a tiercache root, naming the roots directly inside it (``tiercache
+    bench --keep`` leaves its files in ``ROOT/bench-<time>-<pid>/``)."""
+    from tiercache.files import is_root
+
+    try:
+        inside = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink() and is_root(p))
+    except OSError:
+        inside = []
+    hint = f"; tiercache roots inside it: {', '.join(str(root / n) for n in inside[:5])}" if inside else ""
+    return f"{str(root)!r} is not a tiercache root (no .tiercache-root marker){hint}"

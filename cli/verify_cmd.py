@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,9 +11,9 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import DIR_MODE, QUARANTINE, RootLock, is_root, survey, verify_file
+from tiercache.files import QUARANTINE, RootDir, RootLock, classify, is_root, survey, verify_file
 
-from .common import EXIT_FINDING, fail, resolve_root
+from .common import EXIT_FINDING, fail, not_a_root, resolve_root
 
 
 def verify(
@@ -24,21 +23,27 @@ def verify(
     threads: Annotated[int, typer.Option(help="Files checked in parallel.", min=1, max=256)] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Check every block file (header, name, size, XXH3-64 checksum of the data). Exit code 1 if
-    any is bad, listing them."""
+    """Check every block file (a regular file, header, name, exact size, XXH3-64 checksum of the
+    data). Exit code 1 if any is bad, listing them. Nothing is followed through a symlink;
+    with --quarantine bad files move into the root's own quarantine/ (never out of the root)."""
     root = resolve_root(root, config)
     if not root.is_dir():
         fail(f"root {str(root)!r} does not exist or is not a directory")
     if not is_root(root):
-        fail(f"{str(root)!r} is not a tiercache root (no .tiercache-root marker)")
+        fail(not_a_root(root))
     lock = None
-    if quarantine:
-        try:
-            lock = RootLock(root)
-        except RootError as exc:
-            fail(str(exc))
     try:
-        files = [root / e.name for e in survey(root).blocks]
+        rd = RootDir(root, check_owner=False)
+        if quarantine:
+            lock = RootLock(rd)
+            qdir = rd.subdir(QUARANTINE, create=True)
+    except RootError as exc:
+        fail(str(exc))
+    try:
+        sv = survey(root)
+        # names that should be blocks but are symlinks, directories...: bad too
+        files = [rd.child(e.name) for e in sv.blocks] + [rd.child(e.name) for e in sv.foreign
+                                                          if classify(e.name) == "block"]
         bad: list[tuple[str, str]] = []
         with Progress(transient=True, disable=as_json) as progress, ThreadPoolExecutor(threads) as pool:
             task = progress.add_task("verifying", total=len(files))
@@ -48,14 +53,16 @@ def verify(
                 progress.advance(task)
         moved = 0
         if quarantine and bad:
-            qdir = root / QUARANTINE
-            qdir.mkdir(mode=DIR_MODE, exist_ok=True)
             for name, _ in bad:
-                os.replace(root / name, qdir / name)
-                moved += 1
+                try:
+                    rd.child(name).rename(qdir.child(name))
+                    moved += 1
+                except FileNotFoundError:
+                    pass
     finally:
         if lock is not None:
             lock.release()
+        rd.close()
     if as_json:
         typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p in bad],
                                "quarantined": moved}, indent=2))

@@ -179,7 +179,8 @@ class TierCache:
         if cuda.available or _logged_no_cuda:
             return
         _logged_no_cuda = True
-        level = logging.WARNING if cuda.cupy_installed else logging.INFO
+        # a warning where the GPU was expected (CUDA packages installed, or device slots asked for)
+        level = logging.WARNING if cuda.cupy_installed or self.config.device_slots else logging.INFO
         log.log(level, "tiercache: CUDA unavailable (%s): device tier off, file I/O through POSIX", cuda.reason)
 
     # -- small accessors ------------------------------------------------------------------

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from tiercache.dtypes import ITEMSIZE, canonical_dtype
 from tiercache.errors import ConfigError
 
-POOL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", re.ASCII)
+#: the largest block of one pool (bytes): far above any KV block, far below an overflow
+MAX_BLOCK_NBYTES = 1 << 36
 
 #: axis names of the TensorRT-LLM-style KV block layout
 KV_LAYOUT_LAYER_MAJOR = ("num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim")
@@ -32,7 +37,9 @@ class PoolSpec:
         layout: ``"layer_major"``, ``"token_major"`` or None for a plain pool.
 
     Raises:
-        ConfigError: bad name, empty or non-positive shape, unknown dtype.
+        ConfigError: bad name, a shape that is not a non-empty list of positive integers (a
+            float, bool or string dimension included), a block over :data:`MAX_BLOCK_NBYTES`,
+            unknown dtype.
     """
 
     name: str
@@ -43,18 +50,19 @@ class PoolSpec:
     block_nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not POOL_NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not POOL_NAME_RE.fullmatch(self.name):
             raise ConfigError(
                 f"invalid pool name {self.name!r}: use 1-64 characters of [A-Za-z0-9_.-], "
                 "starting with a letter or digit"
             )
-        try:
-            shape = tuple(int(d) for d in self.block_shape)
-        except (TypeError, ValueError):
+        dims = self.block_shape
+        if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__") or not all(
+                isinstance(d, numbers.Integral) and not isinstance(d, (bool, np.bool_)) for d in dims):
             raise ConfigError(
                 f"pool {self.name!r}: block_shape {self.block_shape!r} must be a list of "
                 "positive integers"
-            ) from None
+            )
+        shape = tuple(int(d) for d in dims)
         if not shape or any(d <= 0 for d in shape):
             raise ConfigError(
                 f"pool {self.name!r}: block_shape {self.block_shape!r} must be a non-empty "
@@ -66,7 +74,13 @@ class PoolSpec:
             raise ConfigError(
                 f"pool {self.name!r}: token_axis {self.token_axis} outside [0, {len(shape)})"
             )
-        object.__setattr__(self, "block_nbytes", math.prod(shape) * ITEMSIZE[self.dtype])
+        nbytes = math.prod(shape) * ITEMSIZE[self.dtype]
+        if nbytes > MAX_BLOCK_NBYTES:
+            raise ConfigError(
+                f"pool {self.name!r}: a block of shape {list(shape)} {self.dtype} is {nbytes} bytes; "
+                f"blocks may have at most {MAX_BLOCK_NBYTES} bytes (64 GiB)"
+            )
+        object.__setattr__(self, "block_nbytes", nbytes)
 
     @property
     def itemsize(self) -> int:

@@ -155,6 +155,7 @@ def run_main_job(config: CacheConfig, batch: int = 32, blocks: int | None = None
         "tiers": {t: {"slots": v["slots"]} for t, v in stats["tiers"].items()},
         "pools": stats["pools"],
         "root": str(root),
+        "kept": keep,
         "stages": [s.as_dict() for s in stages],
         "verify": [{"round": r, "verified_blocks": v, "mismatched_keys": bad[:20], "mismatched": len(bad)}
                    for r, v, bad in verify_results],
@@ -187,6 +188,8 @@ def format_report(rep: dict) -> str:
         f"  {'stage':<24}{'path':<17}{'blocks':>7}{'MiB':>10}{'GB/s':>8}{'blocks/s':>10}"
         f"{'lat p50 ms':>12}{'p99 ms':>9}",
     ]
+    if rep.get("kept"):
+        lines.insert(3, f"  block files kept in {rep['root']} (tiercache verify --root {rep['root']})")
     for s in rep["stages"]:
         lines.append(
             f"  {s['stage']:<24}{s['path']:<17}{s['blocks']:>7}{s['bytes'] / 2**20:>10.1f}"

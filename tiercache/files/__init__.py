@@ -16,11 +16,11 @@ from .blockfile import DATA_OFFSET, block_filename, file_size
 from .file_tier import FileTier, ScanResult
 from .iopath import IOPath, select_io_path
 from .rootdir import DIR_MODE, QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, is_root, lock_holder
-from .rootsurvey import STATS, RootSurvey, is_own_block_file, survey, verify_file, write_stats
+from .rootsurvey import STATS, RootSurvey, classify, is_own_block_file, survey, verify_file, write_stats
 
 __all__ = [
     "DATA_OFFSET", "DIR_MODE", "FileTier", "IOPath", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
     "RootPath", "RootSurvey",
-    "STATS", "ScanResult", "block_filename", "file_size", "is_own_block_file", "is_root", "lock_holder",
+    "STATS", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
     "select_io_path", "survey", "verify_file", "write_stats",
 ]

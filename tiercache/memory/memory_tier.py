@@ -8,8 +8,10 @@ the array library has that dtype.
 
 from __future__ import annotations
 
+import os
+
 from tiercache.dtypes import numpy_dtype
-from tiercache.errors import UnknownPoolError
+from tiercache.errors import TierUnavailableError, UnknownPoolError
 from tiercache.geometry import PoolSpec
 from tiercache.memory.hostmem import alloc_host
 
@@ -88,14 +90,35 @@ def make_host_tier(num_slots: int, pools: tuple[PoolSpec, ...], pinned: bool | N
     :func:`~tiercache.memory.hostmem.alloc_host`).
 
     Raises:
-        TierUnavailableError: ``huge_pages = "on"`` and too few huge pages are free.
+        TierUnavailableError: ``huge_pages = "on"`` and too few huge pages are free, or the
+            memory cannot be had (naming the bytes needed and the machine's memory).
     """
     from tiercache.cuda import cuda_status
 
     is_pinned = cuda_status().available if pinned is None else pinned
+    need, have = sum(num_slots * p.block_nbytes for p in pools), total_host_memory()
+    if have and need > have:
+        raise TierUnavailableError(
+            f"cannot allocate the host tier: host_slots = {num_slots} of {sum(p.block_nbytes for p in pools)} bytes "
+            f"need {_gib(need)}, and this machine has {_gib(have)} of memory: lower host_slots")
     arrays, owners = {}, []
     for p in pools:
-        flat, owner = alloc_host(num_slots * p.block_nbytes, pinned=is_pinned, huge_pages=huge_pages)
+        nbytes = num_slots * p.block_nbytes
+        try:
+            flat, owner = alloc_host(nbytes, pinned=is_pinned, huge_pages=huge_pages)
+        except TierUnavailableError:
+            raise
+        except (MemoryError, OSError, OverflowError, ValueError) as exc:
+            raise TierUnavailableError(
+                f"cannot allocate the host tier: pool {p.name!r} needs {num_slots} slots x {p.block_nbytes} bytes = "
+                f"{_gib(nbytes)} of {'pinned ' if is_pinned else ''}host memory ({_gib(total_host_memory())} in this "
+                f"machine): lower host_slots ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:  # CuPy's allocation errors
+            if "memory" not in str(exc).lower() and "alloc" not in type(exc).__name__.lower():
+                raise
+            raise TierUnavailableError(
+                f"cannot allocate the host tier: pool {p.name!r} needs {_gib(nbytes)} of pinned host memory "
+                f"({_gib(total_host_memory())} in this machine): lower host_slots ({exc})") from None
         arrays[p.name] = flat.reshape(num_slots, p.block_nbytes)
         owners.append(owner)
     return MemoryTier("host", num_slots, pools, arrays, on_device=False, pinned=is_pinned, owners=owners)
@@ -105,11 +128,31 @@ def make_device_tier(num_slots: int, pools: tuple[PoolSpec, ...], device_id: int
     """A device tier of ``num_slots`` slots per pool, allocated with CuPy on ``device_id``.
 
     Raises:
-        TierUnavailableError: no usable CUDA device.
+        TierUnavailableError: no usable CUDA device, or too little device memory (naming the
+            bytes needed and free).
     """
     from tiercache.cuda import require_cupy
 
     cupy = require_cupy()
     with cupy.cuda.Device(device_id):
-        arrays = {p.name: cupy.empty((num_slots, p.block_nbytes), dtype=cupy.uint8) for p in pools}
+        try:
+            arrays = {p.name: cupy.empty((num_slots, p.block_nbytes), dtype=cupy.uint8) for p in pools}
+        except cupy.cuda.memory.OutOfMemoryError:
+            need = sum(num_slots * p.block_nbytes for p in pools)
+            free, total = cupy.cuda.runtime.memGetInfo()
+            raise TierUnavailableError(
+                f"cannot allocate the device tier: {num_slots} slots need {_gib(need)} of device memory, "
+                f"{_gib(free)} of {_gib(total)} free on device {device_id}: lower device_slots") from None
     return MemoryTier("device", num_slots, pools, arrays, on_device=True, pinned=False)
+
+
+def total_host_memory() -> int:
+    """Bytes of memory in this machine (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
