@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,6 +15,9 @@ from tiercache.errors import RootError
 from tiercache.files import QUARANTINE, RootDir, RootLock, classify, is_root, survey, verify_file
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
+
+#: names that look like block files (what a canonical name is not is said by parse_filename)
+LOOKS_LIKE_BLOCK = re.compile(r"block_.*_pool_.*\.bin")
 
 
 def verify(
@@ -44,7 +48,10 @@ def verify(
         # names that should be blocks but are symlinks, directories...: bad too
         files = [rd.child(e.name) for e in sv.blocks] + [rd.child(e.name) for e in sv.foreign
                                                           if classify(e.name) == "block"]
-        bad: list[tuple[str, str]] = []
+        bad: list[tuple[str, str]] = [
+            (e.name, f"{e.name}: not a canonical block file name (one spelling per key, ASCII digits): the cache "
+                     "ignores it, so it is a stray copy or junk")
+            for e in sv.foreign if classify(e.name) == "foreign" and LOOKS_LIKE_BLOCK.match(e.name)]
         with Progress(transient=True, disable=as_json) as progress, ThreadPoolExecutor(threads) as pool:
             task = progress.add_task("verifying", total=len(files))
             for path, problem in zip(files, pool.map(verify_file, files)):

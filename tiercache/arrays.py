@@ -26,7 +26,8 @@ def raw_view(arr, pool: PoolSpec, n: int, device_id: int | None, what: str = "ar
     Returns a NumPy array for host memory or a CuPy array for device memory.
 
     Raises:
-        ArrayMismatchError: wrong shape, dtype, memory layout, or device.
+        ArrayMismatchError: wrong shape, dtype, memory layout, or device; for ``what="out"``
+            (an array tiercache writes into), a read-only array.
     """
     where = f"{what} for pool {pool.name!r}"
     if _is_torch(arr):
@@ -45,6 +46,8 @@ def raw_view(arr, pool: PoolSpec, n: int, device_id: int | None, what: str = "ar
             "with __array_interface__ / __cuda_array_interface__)"
         )
     _check(tuple(a.shape), a.dtype, bool(a.flags.c_contiguous), pool, n, where)
+    if what == "out" and isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ArrayMismatchError(f"{where} is read-only; pass a writable array to fill")
     return a.view(np.uint8).reshape(n, pool.block_nbytes)
 
 
@@ -71,9 +74,15 @@ def _check(shape: tuple, dtype, contiguous: bool, pool: PoolSpec, n: int, where:
     raw = (n, pool.block_nbytes)
     if name == "uint8" and shape == raw and pool.dtype != "uint8":
         pass
+    elif name == "uint8" and pool.dtype != "uint8":  # raw bytes of the wrong shape
+        raise ArrayMismatchError(
+            f"{where} is uint8 (raw bytes) of shape {shape}; raw bytes of {n} block(s) have shape {raw} "
+            f"(or pass {pool.dtype} of shape {typed})"
+        )
     elif name != pool.dtype:
         raise ArrayMismatchError(
-            f"{where} has dtype {name}; expected {pool.dtype} (shape {typed}) or uint8 raw bytes (shape {raw})"
+            f"{where} has dtype {name} and shape {shape}; expected {pool.dtype} (shape {typed}) or uint8 raw bytes "
+            f"(shape {raw})"
         )
     elif shape != typed:
         raise ArrayMismatchError(f"{where} has shape {shape}; expected {typed} for {n} block(s)")

@@ -77,10 +77,13 @@ class FileTier:
                  direct_io: bool = False, kvikio_task_size: int | None = None,
                  kvikio_gds_threshold: int | None = None, check_root_owner: bool = True) -> None:
         self.dir = open_root(root, check_root_owner)
+        self._lock = None
         try:
             self._lock = RootLock(self.dir)
             self.dir.subdir(QUARANTINE)  # a symlink or file there is refused now, not followed later
         except BaseException:
+            if self._lock is not None:
+                self._lock.release()
             self.dir.close()
             raise
         self.root = Path(root)

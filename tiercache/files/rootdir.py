@@ -158,6 +158,8 @@ class RootDir:
 
     def __init__(self, path: os.PathLike | str, check_owner: bool = True) -> None:
         self.path = Path(path)
+        self._subdirs: dict[str, RootDir] = {}
+        self.fd = -1
         try:
             self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -172,7 +174,6 @@ class RootDir:
             except RootError:
                 self.close()
                 raise
-        self._subdirs: dict[str, RootDir] = {}
 
     def child(self, name: str) -> RootPath:
         """``name`` (a plain name, no ``/``) inside this directory."""

@@ -185,10 +185,12 @@ class Placement:
             out.append(k)
             if len(out) == count:
                 return out
-        busy = sum(1 for k in ts.lru if k in protect or self.is_pinned(k))
+        pinned = [k for k in ts.lru if self.is_pinned(k)]
+        in_use = sum(1 for k in ts.lru if k in protect and not self.is_pinned(k))
+        if not pinned and not in_use:  # an empty tier too small for the request
+            raise TierFullError(f"{tier} tier has {ts.num_slots} slots; {count + ts.free_count} needed")
         raise TierFullError(
-            f"{tier} tier is full: {count} more slot(s) needed, {ts.free_count} free of "
-            f"{ts.num_slots}, and {busy} block(s) are pinned or in use by this operation "
-            f"(e.g. key {key_text(next(iter(ts.lru)))})" if ts.lru else
-            f"{tier} tier has {ts.num_slots} slots; {count + ts.free_count} needed"
+            f"{tier} tier is full: {count} more slot(s) needed, {ts.free_count} free of {ts.num_slots}; "
+            + (f"{len(pinned)} block(s) are pinned (e.g. key {key_text(pinned[0])}), " if pinned else "")
+            + f"{in_use} block(s) are in use by this operation" + (" and cannot spill" if in_use else "")
         )
