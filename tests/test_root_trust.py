@@ -403,3 +403,76 @@ def test_bench_keep_names_the_root_and_verify_finds_roots_inside_a_parent(tmp_pa
     assert runner.invoke(app, ["verify", "--root", kept]).exit_code == 0
     line = one_line_error(runner.invoke(app, ["verify", "--root", str(tmp_path / "r")]))
     assert kept in line
+
+
+# -- fuzz: random hostile trees ----------------------------------------------------------------
+def _hostile_tree(rng, root, outside, keys, pools) -> None:
+    """Put 1..12 random entries under ``root``: regular files, directories, symlinks (to
+    files and directories outside and inside, dangling), hard links to outside files, under
+    tiercache's own names, block names of stored and new keys (canonical or not), temporary
+    names and random ones; sometimes damage a stored block file."""
+    names = [".tiercache-root", ".tiercache-root.lock", ".tiercache-root.stats.json", "quarantine",
+             ".tmp.x", ".tmp.block_5_pool_kv.bin.1.ab", ".tmp.own.marker.9", "notes.txt",
+             "block_7_pool_nosuch.bin", "block_0007_pool_kv.bin", "block_\u0667_pool_kv.bin"]
+    names += [block_filename(k, p.name) for k in keys for p in pools] + [block_filename(99, p.name) for p in pools]
+    existing = [p for p in root.iterdir() if p.is_file() and not p.is_symlink()]
+    for _ in range(int(rng.integers(1, 13))):
+        name = str(rng.choice(names))
+        p = root / name
+        kind = rng.choice(["file", "dir", "link_out_file", "link_out_dir", "link_in", "dangling", "hardlink",
+                           "damage"])
+        if kind == "damage":
+            victims = [q for q in existing if q.name.startswith("block_") and q.is_file() and not q.is_symlink()]
+            if victims:
+                with open(victims[int(rng.integers(len(victims)))], "r+b") as f:
+                    f.seek(int(rng.integers(0, 4200)))
+                    f.write(rng.bytes(int(rng.integers(1, 64))))
+            continue
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        if kind == "file":
+            p.write_bytes(rng.bytes(int(rng.integers(0, 9000))))
+        elif kind == "dir":
+            p.mkdir()
+            (p / "inner").write_text("x")
+        elif kind == "link_out_file":
+            p.symlink_to(outside / str(rng.choice(["precious.txt", "x", "block_1_pool_kv.bin"])))
+        elif kind == "link_out_dir":
+            p.symlink_to(outside)
+        elif kind == "link_in" and existing:
+            p.symlink_to(existing[int(rng.integers(len(existing)))])
+        elif kind == "hardlink":
+            os.link(outside / "x", p)
+        else:
+            p.symlink_to(root / "nowhere")
+
+
+def test_random_hostile_trees_never_reach_outside_the_root(make_config, tmp_path, rng, outside):
+    (outside / "sub").mkdir()
+    (outside / "sub" / "deep.txt").write_text("deep")
+    for trial in range(12):
+        cfg = make_config(host_slots=8, root=tmp_path / f"root{trial}")
+        with TierCache(cfg) as c:
+            exp = put_random(c, random_keys(rng, 4, "int"), rng)
+            c.flush()
+        _hostile_tree(rng, cfg.root, outside, list(exp), cfg.pools)
+        before = tree(outside)
+        try:
+            with TierCache(cfg) as c:
+                served = [k for k in c.keys() if k in exp]
+                assert set(c.keys()) <= set(exp)  # nothing planted is served as a block
+                try:
+                    assert_bytes(c, {k: exp[k] for k in served})
+                except TransferError as exc:  # a damaged file: quarantined, never served wrong
+                    assert isinstance(exc, TransferError)
+                    assert_bytes(c, {k: exp[k] for k in c.keys()})
+        except RootError:
+            pass  # a refused root (symlinked lock or quarantine, broken marker) is a clean error
+        for args in (["verify", "--root", str(cfg.root)], ["verify", "--root", str(cfg.root), "--quarantine"],
+                     ["inspect", "--root", str(cfg.root), "--json"], ["purge", "--root", str(cfg.root), "--yes"]):
+            res = runner.invoke(app, args)
+            assert res.exception is None or isinstance(res.exception, SystemExit), (args, res.output)
+            assert res.exit_code in (0, 1, 2) and "Traceback" not in res.output, (args, res.output)
+        assert tree(outside) == before, f"trial {trial}: something outside the root changed"
