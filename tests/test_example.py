@@ -20,3 +20,16 @@ def test_hf_example_tokens_identical(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "identical tokens: yes" in run.stdout
     assert "MiB written to files" in run.stdout
+
+
+def test_readme_api_snippet_runs_as_written(tmp_path, monkeypatch):
+    """The README's API example runs unchanged (on the CPU here, where it uses host and file
+    tiers; with a GPU on the GPU machine)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## The API"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md (The API)", "exec"), {})
+    assert (tmp_path / "tiercache-demo" / ".tiercache-root").is_file()
