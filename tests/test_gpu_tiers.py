@@ -107,3 +107,37 @@ def test_torch_tensors(make_config, rng):
         assert torch.equal(out, t_kv)
         with pytest.raises(ArrayMismatchError, match="dtype bfloat16"):
             c.put([7], {"kv": t_kv[:1].to(torch.bfloat16), "act": t_act[:1]})
+
+
+@pytest.mark.parametrize("io_mode", ["compat", "posix"])
+def test_device_reads_never_follow_a_symlinked_block_file(make_config, rng, tmp_path, io_mode):
+    """kvikio opens the very file tiercache opened without following a symlink (through
+    /proc/self/fd), so a block file swapped for a symlink is quarantined, not read."""
+    import os
+    import shutil
+
+    from tiercache.errors import TransferError
+    from tiercache.files import block_filename
+
+    cfg = make_config(device_slots=4, host_slots=0, file_slots=16, io_mode=io_mode)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with TierCache(cfg) as c:
+        keys = [21, 22]
+        data = {p.name: _device_random(p, 2, rng) for p in cfg.pools}
+        c.put(keys, data)
+        exp = {k: {p: data[p][i].get() for p in data} for i, k in enumerate(keys)}
+        c.offload(keys, to="file")  # device -> file straight (no host tier)
+        name = block_filename(21, "kv")
+        shutil.copy(cfg.root / name, outside / "copy.bin")
+        os.unlink(cfg.root / name)
+        (cfg.root / name).symlink_to(outside / "copy.bin")
+        before = (outside / "copy.bin").read_bytes()
+        with pytest.raises(TransferError, match="not a regular file"):
+            c.onboard(keys, to="device")
+        assert 21 not in c and (cfg.root / "quarantine" / name).is_symlink()
+        slots = c.onboard([22], to="device")
+        for p in cfg.pools:
+            got = c.device_array(p.name, typed=False)[int(slots[0])].get()
+            assert np.array_equal(got, exp[22][p.name])
+        assert (outside / "copy.bin").read_bytes() == before
