@@ -89,6 +89,13 @@ class Job(str, Enum):
     layerwise = "layerwise"
 
 
+class Baseline(str, Enum):
+    auto = "auto"
+    fio = "fio"
+    naive = "naive"
+    none = "none"
+
+
 class IOMode(str, Enum):
     auto = "auto"
     gds = "gds"
@@ -146,7 +153,8 @@ def bench(
     direct: Annotated[Optional[int], typer.Option("--direct", help="1: O_DIRECT block files.", min=0, max=1, rich_help_panel="fio job")] = None,
     tiers: Annotated[Optional[str], typer.Option("--tiers", help="device:host | host:file | device:file.", rich_help_panel="fio job")] = None,
     verify: Annotated[Optional[int], typer.Option("--verify", help="1: check every block's bytes after the run.", min=0, max=1, rich_help_panel="fio job")] = None,
-    baseline: Annotated[Optional[bool], typer.Option("--baseline/--no-baseline", help="Also run the naive way on the same bytes and print the ratio.", rich_help_panel="fio job")] = None,
+    baseline: Annotated[Optional[Baseline], typer.Option("--baseline", help="What the job is measured against, in the same run: fio on the same directory with the same job (file tiers), the naive way, or nothing; auto: fio where installed, else naive.", rich_help_panel="fio job")] = None,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Same as --baseline none.", rich_help_panel="fio job")] = False,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of bandwidth vs baseline and latency percentiles (needs matplotlib).", rich_help_panel="fio job")] = None,
 ) -> None:
     """Benchmarks. With no fio options: the main job (fill the top tier with random blocks,
@@ -159,7 +167,8 @@ def bench(
     """
     fio_opts = {"rw": rw, "bs": bs, "size": size, "nblocks": nblocks, "iodepth": iodepth, "iodepth_batch": iodepth_batch,
                 "numjobs": numjobs, "runtime": runtime, "direct": direct, "tiers": tiers, "verify": verify,
-                "baseline": baseline, "io": io.value if io else None, "time_based": time_based or None}
+                "baseline": "none" if no_baseline else (baseline.value if baseline else None),
+                "io": io.value if io else None, "time_based": time_based or None}
     fio_opts = {k: v for k, v in fio_opts.items() if v is not None}
     if jobfiles or (set(fio_opts) - {"io"}) or plot_path is not None:
         from .fio_cmd import run_fio

@@ -185,3 +185,42 @@ def test_fio_subprocess(root_args):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["jobs"][0]["read"]["total_ios"] == 8
+
+
+needs_fio = pytest.mark.skipif(__import__("shutil").which("fio") is None, reason="fio is not installed (apt-get install fio)")
+
+
+@needs_fio
+@pytest.mark.parametrize("rw", ["randread", "randwrite"])
+def test_fio_is_the_baseline_on_the_same_directory(root_args, rw):
+    """With fio installed, a file job is compared with fio running the same job (same bs,
+    iodepth, bytes, direct) on the same directory; writes also durably (fdatasync=1)."""
+    res = runner.invoke(app, ["bench", "--rw", rw, "--bs", "16k", "--nblocks", "64", "--iodepth", "8",
+                              "--tiers", "host:file", "--baseline", "fio", "--output-format", "json", *root_args])
+    assert res.exit_code == 0, res.output
+    (rec,) = json.loads(res.stdout)["jobs"]
+    op = rw.removeprefix("rand")
+    tc = rec["tiercache"]
+    b = tc["baseline"]
+    assert b["method"].startswith("fio") and b["op"] == op and b["bw_bytes"] > 0 and b["clat_p99_ns"] > 0
+    assert "--bs=16384" in b["command"] and "--iodepth=8" in b["command"] and f"--rw={rw}" in b["command"]
+    assert f"--size={64 * 16384}" in b["command"] and "--direct=1" in b["command"]
+    assert b["ratio"] == pytest.approx(rec[op]["bw_bytes"] / b["bw_bytes"], rel=0.01)
+    assert b["tiercache_clat_p99_ns"] == rec[op]["clat_ns"]["percentile"]["99.000000"]
+    assert ("baseline_durable" in tc) == (op == "write")
+    if op == "write":
+        assert "fdatasync=1" in tc["baseline_durable"]["method"]
+    text = runner.invoke(app, ["bench", "--rw", rw, "--bs", "16k", "--nblocks", "16", "--iodepth", "4",
+                               "--tiers", "host:file", *root_args]).output
+    assert "baseline (fio" in text and "clat p50/p99 (usec): fio" in text
+
+
+def test_without_fio_auto_is_naive_and_fio_is_a_clear_error(root_args, monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERCACHE_FIO", str(tmp_path / "no-fio-here"))
+    res = runner.invoke(app, ["bench", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--iodepth", "4",
+                              "--tiers", "host:file", "--output-format", "json", *root_args])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["jobs"][0]["tiercache"]["baseline"]["method"].startswith("pread/pwrite")
+    res = runner.invoke(app, ["bench", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--tiers", "host:file",
+                              "--baseline", "fio", *root_args])
+    assert res.exit_code == 2 and "fio is not installed" in res.output

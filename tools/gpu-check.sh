@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PWD/.tools:$PATH
 # huge pages for the host tier (host_huge_pages = "auto" takes them) and for the GPU tests that
 # need them: HUGEPAGES=0 runs everything on 4 KiB pages
 if [ -w /proc/sys/vm/nr_hugepages ]; then echo "${HUGEPAGES:-1536}" > /proc/sys/vm/nr_hugepages; fi

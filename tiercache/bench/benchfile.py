@@ -1,9 +1,11 @@
 """The file benchmark: per-block files against the best raw I/O of the same bytes on the same
 directory, in one run.
 
-Raw baselines: ``dd`` with O_DIRECT (write with ``conv=fsync``, read to /dev/null) and tiercache's
-own O_DIRECT pwrite/pread of one big file in 8 MiB requests, plus (with a GPU) one big kvikio
-read into VRAM. Per-block files: durable writes (fsync policy ``data``, buffered and O_DIRECT),
+Raw baselines: ``dd`` with O_DIRECT (write with ``conv=fsync``, read to /dev/null), tiercache's
+own O_DIRECT pwrite/pread of one big file in 8 MiB requests, fio where installed (the same block
+size and ``io_threads`` in flight on one file: writes durable per block with ``fdatasync=1`` like
+the block files' policy, and as fio usually runs them with ``end_fsync=1``; reads with
+``direct=1``; :mod:`tiercache.bench.fiobase`), plus (with a GPU) one big kvikio read into VRAM. Per-block files: durable writes (fsync policy ``data``, buffered and O_DIRECT),
 cold reads (page cache dropped with ``posix_fadvise(DONTNEED)`` after fsync) with and without
 checksum verification, warm reads, reads through ``aiofiles`` against tiercache's worker pool,
 and (with a GPU) VRAM <-> file through kvikio. Ratios are per-block over the best raw figure.
@@ -123,6 +125,7 @@ def run_file_bench(root: Path, pool: PoolSpec, blocks: int = 256, io_threads: in
         drop_cache([big])
         add("dd cold read (iflag=direct)", "dd", _dd([f"if={big}", "of=/dev/null", f"bs={CHUNK}", f"count={count}",
                                                      "iflag=direct"]))
+        _fio_stages(work / "fio", pool, blocks, io_threads, add)
         keys = list(range(blocks))
         results = {}
         for direct in (False, True):
@@ -153,12 +156,13 @@ def run_file_bench(root: Path, pool: PoolSpec, blocks: int = 256, io_threads: in
                 add("block files cold read via aiofiles", "aiofiles", dt)
             ft.close()
         _gpu_stages(work, pool, blocks, host, io_threads, io_mode, add, rep)
-        best_w = min(r["seconds"] for r in rows if r["stage"].startswith(("raw write", "dd write")))
-        best_r = min(r["seconds"] for r in rows if r["stage"].startswith(("raw cold", "dd cold")))
+        raw = ("raw", "dd", "fio")
+        best_w = min(r["seconds"] for r in rows if r["stage"].startswith(tuple(f"{x} write" for x in raw)))
+        best_r = min(r["seconds"] for r in rows if r["stage"].startswith(tuple(f"{x} cold" for x in raw)))
         for r in rows:
-            if "write" in r["stage"] and not r["stage"].startswith(("raw", "dd")):
+            if "write" in r["stage"] and not r["stage"].startswith(raw):
                 r["ratio_to_raw"] = best_w / r["seconds"]
-            elif "cold read" in r["stage"] and not r["stage"].startswith(("raw", "dd")):
+            elif "cold read" in r["stage"] and not r["stage"].startswith(raw):
                 r["ratio_to_raw"] = best_r / r["seconds"]
         rep["raw_write_gbps"] = nbytes / best_w / 1e9
         rep["raw_read_gbps"] = nbytes / best_r / 1e9
@@ -167,6 +171,23 @@ def run_file_bench(root: Path, pool: PoolSpec, blocks: int = 256, io_threads: in
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rep
+
+
+def _fio_stages(directory: Path, pool: PoolSpec, blocks: int, io_threads: int, add) -> None:
+    """fio rows (where fio is installed): durable and plain writes, cold reads, of ``blocks``
+    blocks at the block size with ``io_threads`` in flight."""
+    from tiercache.bench.fiobase import fio_binary, run_fio
+    from tiercache.bench.fiospec import FioJob
+
+    if fio_binary() is None:
+        return
+    job = FioJob(name="fiobase", rw="write", iodepth=max(1, io_threads), direct=True)
+    nbytes = blocks * pool.block_nbytes
+    for label, op, durable in (("fio write (fdatasync=1)", "write", True), ("fio write (end_fsync=1)", "write", False),
+                               ("fio cold read (direct=1)", "read", False)):
+        b = run_fio(job, pool.block_nbytes, blocks, directory, op, durable=durable)
+        add(label, b["engine"], nbytes / max(b["bw_bytes"], 1), {"fio": b})
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _cold_reads(ft: FileTier, files, keys, pool: PoolSpec, rows, same) -> list[tuple[bool, float]]:

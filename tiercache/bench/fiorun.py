@@ -5,10 +5,16 @@ directory under the root for files), fills them with random blocks (not timed), 
 ``numjobs`` threads. A thread keeps ``iodepth`` blocks in flight as requests of
 ``iodepth_batch`` blocks, each one :meth:`TransferEngine.copy`; a block's completion latency is
 the time from its request's submission to the host seeing the request finished. With
-``verify``, every block's bytes are checked at the end. With ``baseline``, the same bytes are
-moved the naive way in the same run (one ``cudaMemcpyAsync`` per block for device <-> host;
-O_DIRECT pread/pwrite of one file in ``bs`` requests for files; one kvikio read/write per block
-for device <-> file), and the ratio is reported.
+``verify``, every block's bytes are checked at the end. The baseline runs in the same run:
+
+- ``fio`` (jobs with files; ``auto`` where fio is installed): fio itself on the same directory
+  with the same block size, queue depth, jobs, bytes, ``direct`` and mix
+  (:mod:`tiercache.bench.fiobase`); writes also durably (``fdatasync=1``, like the default fsync
+  policy ``data``). The ratio of bandwidths and both sides' completion-latency p50/p99 are
+  reported;
+- ``naive``: the same bytes moved the naive way (one ``cudaMemcpyAsync`` per block for device
+  <-> host; O_DIRECT pread/pwrite of one file in ``bs`` requests for files; one kvikio
+  read/write per block for device <-> file).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tiercache.bench.fiobase import fio_binary, run_fio
 from tiercache.bench.fiospec import FioJob
 from tiercache.cuda import cuda_status
 from tiercache.errors import ConfigError
@@ -110,8 +117,15 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
         record = _record(job, pool, stats, wall, io_path)
         if job.verify:
             record["tiercache"]["verified_blocks"] = _verify(eng, tiers, pool, src_rows, keys)
-        if job.baseline:
+        kind = _baseline_kind(job)
+        if kind == "naive":
             record["tiercache"]["baseline"] = _baseline(job, pool, tiers, src_rows, work, record)
+        elif kind == "fio":
+            for t in list(tiers.values()):  # fio gets the disk to itself
+                if isinstance(t, FileTier):
+                    t.close()
+            tiers.clear()
+            record["tiercache"].update(_fio_baselines(job, pool, n, work / "fio", record))
         return record
     finally:
         for t in tiers.values():
@@ -200,6 +214,36 @@ def _verify(eng: TransferEngine, tiers: dict, pool: PoolSpec, src_rows: np.ndarr
     return total * len(tiers)
 
 
+def _baseline_kind(job: FioJob) -> str:
+    """``fio``, ``naive`` or ``none`` for this job (``auto``: fio for file jobs where installed)."""
+    if job.baseline == "auto":
+        return "fio" if job.lower == "file" and fio_binary() is not None else "naive"
+    if job.baseline == "fio" and job.lower != "file":
+        raise ConfigError(f"job {job.name!r}: baseline = fio needs files (tiers host:file or device:file), "
+                          f"not {job.tiers}")
+    return job.baseline
+
+
+def _fio_baselines(job: FioJob, pool: PoolSpec, n: int, directory: Path, rec: dict) -> dict:
+    """fio on the same directory: ``baseline`` (as fio runs it) and, for writes,
+    ``baseline_durable`` (``fdatasync=1``); each with the bandwidth ratio and both p50/p99."""
+    op = "read" if rec["read"]["total_ios"] >= rec["write"]["total_ios"] else "write"
+    out = {}
+    for key, durable in (("baseline", False), ("baseline_durable", True)):
+        if durable and op != "write":
+            continue
+        b = run_fio(job, pool.block_nbytes, n, directory, op, durable=durable)
+        ours = rec[op]
+        b["ratio"] = (ours["bw_bytes"] or 1) / max(b["bw_bytes"], 1)
+        pct = ours["clat_ns"]["percentile"]
+        b["tiercache_clat_p50_ns"] = int(pct.get("50.000000", 0))
+        b["tiercache_clat_p99_ns"] = int(pct.get("99.000000", 0))
+        b["p99_ratio"] = b["tiercache_clat_p99_ns"] / max(b["clat_p99_ns"], 1)
+        out[key] = b
+    shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
 def _baseline(job: FioJob, pool: PoolSpec, tiers: dict, src_rows: np.ndarray, work: Path, rec: dict) -> dict:
     """The naive way, same blocks, same direction mix (read if the job read, else write)."""
     op = "read" if rec["read"]["total_ios"] >= rec["write"]["total_ios"] else "write"
@@ -283,10 +327,16 @@ def format_fio(records: list[dict]) -> str:
             out.append("    clat percentiles (usec): " + ", ".join(f"{float(k):.2f}th=[{p[k] / 1e3:.0f}]" for k in keys if k in p))
         if "verified_blocks" in tc:
             out.append(f"  verify: {tc['verified_blocks']} blocks byte-exact")
-        b = tc.get("baseline")
-        if b:
-            out.append(f"  baseline ({b['method']}, {b['op']}): BW={b['bw_bytes'] / 2**20:.1f}MiB/s "
+        for key, label in (("baseline", "baseline"), ("baseline_durable", "durable baseline")):
+            b = tc.get(key)
+            if not b:
+                continue
+            out.append(f"  {label} ({b['method']}, {b['op']}): BW={b['bw_bytes'] / 2**20:.1f}MiB/s "
                        f"({b['bw_bytes'] / 1e9:.2f}GB/s); tiercache/baseline = {b['ratio']:.2f}")
+            if "clat_p99_ns" in b:
+                out.append(f"    clat p50/p99 (usec): fio {b['clat_p50_ns'] / 1e3:.0f}/{b['clat_p99_ns'] / 1e3:.0f}, "
+                           f"tiercache {b['tiercache_clat_p50_ns'] / 1e3:.0f}/{b['tiercache_clat_p99_ns'] / 1e3:.0f} "
+                           f"(p99 x{b['p99_ratio']:.2f})")
         out.append("")
     return "\n".join(out).rstrip()
 
@@ -319,7 +369,7 @@ def plot(records: list[dict], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(names) + 4), 4.5))
     x = np.arange(len(names))
     a1.bar(x - 0.2, ours, 0.4, label="tiercache")
-    a1.bar(x + 0.2, base, 0.4, label="baseline (naive)")
+    a1.bar(x + 0.2, base, 0.4, label="baseline (fio or naive)")
     a1.set_xticks(x, [f"{n}\n{r['tiercache']['tiers']} {op}" for n, r, op in zip(names, records, ops)], fontsize=8)
     a1.set_ylabel("GB/s")
     a1.set_title("bandwidth")

@@ -19,6 +19,9 @@ from tiercache.errors import ConfigError
 RW = ("read", "write", "randread", "randwrite", "rw", "randrw", "readwrite")
 TIER_PAIRS = ("device:host", "host:file", "device:file")
 IO_MODES = ("auto", "gds", "compat", "posix")
+#: what a job is compared with: fio on the same directory (``auto``: fio where installed, else
+#: the naive way), the naive way in Python, or nothing
+BASELINES = ("auto", "fio", "naive", "none")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -58,7 +61,8 @@ class FioJob:
     ``rw``: read = onboard (lower tier -> upper), write = offload (upper -> lower); ``rand*``
     visits the blocks in random order; ``rw``/``randrw`` mixes them (``rwmixread`` percent
     reads). ``bs`` 0 means the config's pool geometry. ``iodepth`` blocks are in flight per job,
-    submitted ``iodepth_batch`` per engine request (default ``iodepth // 4``).
+    submitted ``iodepth_batch`` per engine request (default ``iodepth // 4``). ``baseline`` is one
+    of :data:`BASELINES` (``True``/``False`` mean ``auto``/``none``).
     """
 
     name: str = "job"
@@ -76,9 +80,13 @@ class FioJob:
     io: str = "auto"
     verify: bool = True
     rwmixread: int = 50
-    baseline: bool = True
+    baseline: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.baseline, bool):
+            object.__setattr__(self, "baseline", "auto" if self.baseline else "none")
+        if self.baseline not in BASELINES:
+            raise ConfigError(f"job {self.name!r}: baseline = {self.baseline!r}; valid: {', '.join(BASELINES)}")
         if self.rw not in RW:
             raise ConfigError(f"job {self.name!r}: rw = {self.rw!r}; valid: {', '.join(RW)}")
         if self.tiers not in TIER_PAIRS:
@@ -123,7 +131,7 @@ _CONVERT = {
     "iodepth_batch": int, "iodepth_batch_submit": int, "numjobs": int, "rwmixread": int,
     "runtime": lambda v: float(str(v).rstrip("s") or 0), "time_based": lambda v: parse_bool(v, "time_based"),
     "direct": lambda v: parse_bool(v, "direct"), "verify": lambda v: parse_bool(v, "verify"),
-    "baseline": lambda v: parse_bool(v, "baseline"), "rw": str, "readwrite": str, "tiers": str, "io": str,
+    "baseline": lambda v: str(v).strip().lower() if str(v).strip().lower() in BASELINES else parse_bool(v, "baseline"), "rw": str, "readwrite": str, "tiers": str, "io": str,
     "ioengine": str, "blocksize": lambda v: parse_size(v, "bs"),
 }
 _ALIASES = {"readwrite": "rw", "iodepth_batch_submit": "iodepth_batch", "blocksize": "bs"}

@@ -1,0 +1,104 @@
+"""fio itself as the baseline of the file benchmarks: the same job on the same directory.
+
+fio is what users measure their disks with, so a block-file figure is reported as a ratio to
+fio run in the same process's run, on the same directory, with the same block size, queue
+depth, number of jobs, bytes, ``direct`` flag and read/write mix. fio reads and writes one
+file per job with ``ioengine=io_uring`` (``libaio``, then ``psync``, where io_uring is refused);
+the binary is ``$TIERCACHE_FIO`` or ``fio`` on ``PATH``.
+
+Writes are run twice: as fio usually runs them (``end_fsync=1``: one flush at the end) and
+durably per block (``fdatasync=1``: a flush after every write, what tiercache's default fsync
+policy ``data`` promises for each block file), so a durable figure is compared like for like.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from tiercache.bench.fiospec import FioJob
+from tiercache.errors import ConfigError
+
+ENGINES = ("io_uring", "libaio", "psync")
+
+
+def fio_binary() -> str | None:
+    """The fio to run: ``$TIERCACHE_FIO`` if set, else ``fio`` on ``PATH``, else None."""
+    env = os.environ.get("TIERCACHE_FIO")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    return shutil.which("fio")
+
+
+def fio_version(binary: str) -> str:
+    try:
+        return subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "fio"
+
+
+def fio_args(job: FioJob, block_bytes: int, blocks: int, directory: Path, rw: str, engine: str,
+             durable: bool = False) -> list[str]:
+    """fio's options for ``job`` at ``block_bytes`` per I/O, ``blocks`` blocks per job, in
+    ``directory`` (one file per fio job); ``rw`` is fio's (``read``, ``randwrite``...)."""
+    args = [f"--name={job.name}", f"--directory={directory}", f"--rw={rw}", f"--bs={block_bytes}",
+            f"--size={blocks * block_bytes}", f"--iodepth={job.iodepth}", f"--numjobs={job.numjobs}",
+            f"--ioengine={engine}", f"--direct={int(job.direct)}", "--group_reporting", "--output-format=json",
+            "--randrepeat=0", "--invalidate=1"]
+    if rw in ("rw", "randrw", "readwrite"):
+        args.append(f"--rwmixread={job.rwmixread}")
+    if job.runtime:
+        args.append(f"--runtime={job.runtime}")
+        if job.time_based:
+            args.append("--time_based")
+    if "write" in rw or rw in ("rw", "randrw", "readwrite"):
+        args.append("--fdatasync=1" if durable else "--end_fsync=1")
+    return args
+
+
+def _fio_rw(job: FioJob, op: str) -> str:
+    """fio's ``rw`` for the direction ``op`` of ``job`` (its mix, when the job mixes)."""
+    if job.rw in ("rw", "randrw", "readwrite"):
+        return job.rw
+    return ("rand" if job.rw.startswith("rand") else "") + op
+
+
+def run_fio(job: FioJob, block_bytes: int, blocks: int, directory: Path, op: str, durable: bool = False,
+            binary: str | None = None) -> dict:
+    """Run fio for direction ``op`` (``read`` or ``write``) of ``job``; returns ``method``,
+    ``op``, ``bw_bytes`` (bytes/s), ``iops``, ``clat_p50_ns``, ``clat_p99_ns``, ``engine``.
+
+    Raises:
+        ConfigError: no fio, or fio failed with every engine (its message).
+    """
+    binary = binary or fio_binary()
+    if binary is None:
+        raise ConfigError("fio is not installed (apt-get install fio), or set TIERCACHE_FIO to its path")
+    directory.mkdir(parents=True, exist_ok=True)
+    last = ""
+    for engine in ENGINES:
+        cmd = [binary, *fio_args(job, block_bytes, blocks, directory, _fio_rw(job, op), engine, durable)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            out = json.loads(res.stdout[res.stdout.index("{"):])
+            rec = out["jobs"][0]
+        except (ValueError, KeyError, IndexError):
+            last = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
+            last = last[0]
+            continue
+        if rec.get("error"):
+            last = f"fio error {rec['error']} with {engine}"
+            continue
+        d = rec[op]
+        pct = d["clat_ns"].get("percentile", {})
+        for f in directory.glob(f"{job.name}.*"):
+            f.unlink(missing_ok=True)
+        return {"method": f"{fio_version(binary)} {engine} direct={int(job.direct)}"
+                          + (" fdatasync=1" if durable else (" end_fsync=1" if op == "write" else "")),
+                "op": op, "engine": engine, "durable": durable, "bw_bytes": int(d["bw_bytes"]),
+                "iops": float(d["iops"]), "clat_p50_ns": int(pct.get("50.000000", 0)),
+                "clat_p99_ns": int(pct.get("99.000000", 0)), "command": " ".join(cmd)}
+    raise ConfigError(f"fio failed with every engine ({', '.join(ENGINES)}): {last}")
