@@ -139,7 +139,7 @@ def bench(
                                           "against dd / raw O_DIRECT / kvikio on the root's disk; layerwise: layer-wise "
                                           "onboarding into engine tensors against onboarding all first (GPU).")] = Job.main,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy job).")] = False,
-    repeat: Annotated[int, typer.Option(help="Passes of the file job (medians, ratios per pass).", min=1, max=20)] = 1,
+    repeat: Annotated[int, typer.Option(help="Alternated passes of the file job and of fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
                                                            "(read = onboard, write = offload).", rich_help_panel="fio job")] = None,
     bs: Annotated[Optional[str], typer.Option("--bs", help="Block size (16k, 2m; default: the config's pool).", rich_help_panel="fio job")] = None,
@@ -173,7 +173,7 @@ def bench(
     if jobfiles or (set(fio_opts) - {"io"}) or plot_path is not None:
         from .fio_cmd import run_fio
 
-        run_fio(jobfiles or [], fio_opts, config, root, output_format is OutputFormat.json, plot_path)
+        run_fio(jobfiles or [], fio_opts, config, root, output_format is OutputFormat.json, plot_path, repeat)
         return
     if job is Job.copy:
         _copy_job(config, output_format, quick)

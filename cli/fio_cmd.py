@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from tiercache import __version__
-from tiercache.bench.fiorun import format_fio, plot, run_job
+from tiercache.bench.fiorun import format_fio, merge_passes, plot, run_job
 from tiercache.bench.fiospec import job_from_options, load_job_file
 from tiercache.config import load_config
 from tiercache.errors import TierCacheError
@@ -17,8 +17,10 @@ from .common import DEFAULT_CONFIG, EXIT_FINDING, fail
 
 
 def run_fio(jobfiles: list[Path], overrides: dict, config: Path | None, root: Path | None, as_json: bool,
-            plot_path: Path | None) -> None:
-    """Run the jobs of ``jobfiles`` (or one job from the command-line options) and print them."""
+            plot_path: Path | None, repeat: int = 1) -> None:
+    """Run the jobs of ``jobfiles`` (or one job from the command-line options) and print them;
+    ``repeat`` alternated passes of each (tiercache, then its baseline), merged at the median
+    ratio."""
     try:
         cfg = load_config(config or DEFAULT_CONFIG, root=root)
         if jobfiles:
@@ -29,7 +31,8 @@ def run_fio(jobfiles: list[Path], overrides: dict, config: Path | None, root: Pa
         records = []
         for job in jobs:
             log(f"  ... {job.name}")
-            records.append(run_job(job, cfg.root, config_pool=cfg.pools[0], io_threads=cfg.io_threads, log=log))
+            records.append(merge_passes([run_job(job, cfg.root, config_pool=cfg.pools[0], io_threads=cfg.io_threads,
+                                                 log=log) for _ in range(repeat)]))
         if plot_path is not None:
             plot(records, plot_path)
     except TierCacheError as exc:

@@ -224,3 +224,14 @@ def test_without_fio_auto_is_naive_and_fio_is_a_clear_error(root_args, monkeypat
     res = runner.invoke(app, ["bench", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--tiers", "host:file",
                               "--baseline", "fio", *root_args])
     assert res.exit_code == 2 and "fio is not installed" in res.output
+
+
+def test_repeat_reports_the_median_of_alternated_passes(root_args):
+    res = runner.invoke(app, ["bench", "--rw", "randread", "--bs", "16k", "--nblocks", "16", "--iodepth", "4",
+                              "--tiers", "host:file", "--baseline", "naive", "--repeat", "3", "--output-format", "json",
+                              *root_args])
+    assert res.exit_code == 0, res.output
+    tc = json.loads(res.stdout)["jobs"][0]["tiercache"]
+    ratios = sorted(p["baseline_ratio"] for p in tc["passes"])
+    assert len(ratios) == 3 and tc["baseline"]["ratio_median"] == ratios[1] == tc["baseline"]["ratio"]
+    assert tc["baseline"]["ratio_range"] == [ratios[0], ratios[2]]

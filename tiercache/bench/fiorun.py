@@ -134,6 +134,32 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
         shutil.rmtree(work, ignore_errors=True)
 
 
+def merge_passes(records: list[dict]) -> dict:
+    """One record for several alternated passes of a job (each pass: tiercache, then its
+    baseline): the pass with the median ratio to the baseline, plus ``tiercache.passes`` (each
+    pass's GB/s, the baseline's and the ratios) and the median and range of the ratios."""
+    if len(records) == 1:
+        return records[0]
+    def ratio(r, key="baseline"):
+        return r["tiercache"].get(key, {}).get("ratio")
+    ranked = sorted(records, key=lambda r: ratio(r) or 0.0)
+    rec = ranked[len(ranked) // 2]
+    passes = []
+    for r in records:
+        op = "read" if r["read"]["total_ios"] >= r["write"]["total_ios"] else "write"
+        passes.append({"bw_bytes": r[op]["bw_bytes"], "clat_p99_ns": r[op]["clat_ns"]["percentile"].get("99.000000", 0),
+                       **{f"{k}_{f}": r["tiercache"][k][f] for k in ("baseline", "baseline_durable")
+                          if k in r["tiercache"] for f in ("bw_bytes", "ratio")}})
+    tc = rec["tiercache"]
+    tc["passes"] = passes
+    for key in ("baseline", "baseline_durable"):
+        vals = sorted(p[f"{key}_ratio"] for p in passes if f"{key}_ratio" in p)
+        if vals:
+            tc[key]["ratio_median"] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            tc[key]["ratio_range"] = [vals[0], vals[-1]]
+    return rec
+
+
 def _worker(job: FioJob, eng: TransferEngine, w: int, n: int, stats: dict, t0: float, errors: list) -> None:
     try:
         _work(job, eng, w, n, stats, t0)
@@ -332,7 +358,9 @@ def format_fio(records: list[dict]) -> str:
             if not b:
                 continue
             out.append(f"  {label} ({b['method']}, {b['op']}): BW={b['bw_bytes'] / 2**20:.1f}MiB/s "
-                       f"({b['bw_bytes'] / 1e9:.2f}GB/s); tiercache/baseline = {b['ratio']:.2f}")
+                       f"({b['bw_bytes'] / 1e9:.2f}GB/s); tiercache/baseline = {b['ratio']:.2f}"
+                       + (f" (median of {len(tc['passes'])} alternated passes; range {b['ratio_range'][0]:.2f}-"
+                          f"{b['ratio_range'][1]:.2f})" if "ratio_median" in b else ""))
             if "clat_p99_ns" in b:
                 out.append(f"    clat p50/p99 (usec): fio {b['clat_p50_ns'] / 1e3:.0f}/{b['clat_p99_ns'] / 1e3:.0f}, "
                            f"tiercache {b['tiercache_clat_p50_ns'] / 1e3:.0f}/{b['tiercache_clat_p99_ns'] / 1e3:.0f} "

@@ -37,9 +37,12 @@ def _device_checksum(dev, staging) -> int:
     return checksum(host)
 
 
-def write_block(final: RootPath | Path, key: Key, pool: PoolSpec, dev, staging, fsync: str, extra: dict | None = None) -> None:
+def write_block(final: RootPath | Path, key: Key, pool: PoolSpec, dev, staging, fsync: str, extra: dict | None = None,
+                publish: bool = True) -> RootPath | None:
     """Write device buffer ``dev`` (a 1-D CuPy ``uint8`` array of ``block_nbytes``) to
-    ``final`` atomically; ``staging`` is a pinned host buffer for the checksum."""
+    ``final`` atomically; ``staging`` is a pinned host buffer for the checksum. With
+    ``publish=False``, returns the unflushed temporary file for a group commit
+    (:func:`~tiercache.files.posix_io.atomic_write`)."""
     import kvikio
 
     header = encode_header(key, pool, _device_checksum(dev, staging), extra)
@@ -51,7 +54,7 @@ def write_block(final: RootPath | Path, key: Key, pool: PoolSpec, dev, staging, 
         if n != pool.block_nbytes:
             raise OSError(f"kvikio wrote {n} of {pool.block_nbytes} bytes to {final}")
 
-    atomic_write(final, header, pool.block_nbytes, fsync, write_data)
+    return atomic_write(final, header, pool.block_nbytes, fsync, write_data, publish=publish)
 
 
 def read_block(path: RootPath | Path, key: Key, pool: PoolSpec, dev, staging, verify: bool) -> None:

@@ -12,7 +12,9 @@ is not a regular file reads as a corrupt block.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import itertools
 import mmap
 import os
 import secrets
@@ -24,6 +26,7 @@ import numpy as np
 
 from tiercache.errors import CorruptBlockError
 from tiercache.files.blockfile import (
+    ALIGN,
     DATA_OFFSET,
     TMP_PREFIX,
     check_header,
@@ -37,6 +40,7 @@ from tiercache.geometry import PoolSpec
 from tiercache.keys import Key
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+_tmp_ids = itertools.count(secrets.randbits(32))
 _local = threading.local()
 
 
@@ -112,30 +116,43 @@ def fsync_dir(path: RootPath) -> None:
 
 
 def atomic_write(final: RootPath | Path, header: bytes, nbytes: int, fsync: str,
-                 write_data: Callable[[int], None], direct: bool = False) -> None:
-    """Create ``final`` atomically: header at 0, data (written by ``write_data(fd)`` at
-    :data:`DATA_OFFSET`), padded to :func:`file_size`, flushed per ``fsync``, renamed over
-    ``final`` (a symlink there is replaced, never followed; a directory there fails the write).
-    ``direct`` opens the file with O_DIRECT (the data must then be page-aligned).
+                 write_data: Callable[[int], None] | None = None, direct: bool = False, data=None,
+                 publish: bool = True) -> RootPath | None:
+    """Create ``final`` atomically: header at 0 and the data at :data:`DATA_OFFSET` (``data``,
+    written in the same ``pwritev`` as the header, or by ``write_data(fd)``), padded to
+    :func:`file_size`, flushed per ``fsync``, renamed over ``final`` (a symlink there is
+    replaced, never followed; a directory there fails the write). ``direct`` opens the file
+    with O_DIRECT (the data must then be page-aligned).
+
+    With ``publish=False`` the temporary file is written but neither flushed nor renamed: it is
+    returned for a group commit (:func:`sync_filesystem`, then :func:`publish_tmp`).
 
     On any error the temporary file is removed and ``final`` is untouched.
     """
     final = RootPath.of(final)
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd, direct = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, direct)
+    # unique in this process (a counter, no getrandom per block); O_EXCL guards the rest
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{next(_tmp_ids):x}")
+    fd, direct = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, direct)
     try:
         if direct:
             page = _page()
             page[:] = header
-            pwrite_all(fd, [page], 0)
+            head = page
         else:
-            pwrite_all(fd, [header], 0)
-        write_data(fd)
-        os.ftruncate(fd, file_size(nbytes))
-        if fsync != "none":
+            head = header
+        if data is not None:  # header and data in one request: one extent, one syscall
+            pwrite_all(fd, [head, data], 0)
+        else:
+            pwrite_all(fd, [head], 0)
+            write_data(fd)
+        if nbytes % ALIGN:
+            os.ftruncate(fd, file_size(nbytes))
+        if fsync != "none" and publish:
             os.fdatasync(fd)
         os.close(fd)
         fd = -1
+        if not publish:
+            return tmp
         tmp.rename(final)
     except BaseException:
         if fd >= 0:
@@ -144,16 +161,53 @@ def atomic_write(final: RootPath | Path, header: bytes, nbytes: int, fsync: str,
         raise
     if fsync == "data+dir":
         fsync_dir(final)
+    return None
+
+
+def publish_tmp(tmp: RootPath, final: RootPath) -> None:
+    """Rename a temporary file of :func:`atomic_write` (``publish=False``) over ``final``.
+
+    Raises:
+        OSError: the temporary file is removed and ``final`` is untouched.
+    """
+    try:
+        tmp.rename(final)
+    except BaseException:
+        tmp.unlink()
+        raise
+
+
+try:
+    _syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+except (AttributeError, OSError):  # not Linux
+    _syncfs = None
+
+
+def sync_filesystem(dir_fd: int) -> None:
+    """Make every write to the filesystem holding the directory ``dir_fd`` durable: one
+    ``syncfs`` (one journal commit and device flush for a whole batch of files; Linux), else
+    ``sync``. The group commit of :class:`~tiercache.files.FileTier`.
+
+    Raises:
+        OSError: ``syncfs`` failed.
+    """
+    if _syncfs is None:
+        os.sync()
+        return
+    if _syncfs(dir_fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}")
 
 
 def write_block(final: RootPath | Path, key: Key, pool: PoolSpec, data, fsync: str, direct: bool = False,
-                extra: dict | None = None) -> None:
+                extra: dict | None = None, publish: bool = True) -> RootPath | None:
     """Write one block from host memory ``data`` (``block_nbytes`` bytes) to ``final``;
     ``direct`` uses O_DIRECT where ``data`` is page-aligned in address and length; ``extra``
-    goes into the header."""
+    goes into the header. With ``publish=False``, returns the unflushed temporary file for a
+    group commit (see :func:`atomic_write`)."""
     header = encode_header(key, pool, checksum(data), extra)
-    atomic_write(final, header, pool.block_nbytes, fsync,
-                 lambda fd: pwrite_all(fd, [data], DATA_OFFSET), direct=direct and direct_ok(data))
+    return atomic_write(final, header, pool.block_nbytes, fsync, direct=direct and direct_ok(data),
+                        data=memoryview(np.asarray(data)).cast("B"), publish=publish)
 
 
 def read_header(fd: int, key: Key, pool: PoolSpec, where: str):
