@@ -389,3 +389,26 @@ def test_cpu_only_cache_reports_posix(make_config):
         assert s["io_path"]["name"] == "posix"
         assert set(s["tiers"]) == {"host", "file"}
         assert s["tiers"]["host"]["slots"] == 8
+
+
+def test_put_of_more_blocks_than_the_tier_streams_through_it(make_config, rng):
+    """put of 7 blocks into a 4-slot host tier (one slot pinned) with files below: the blocks
+    go in pieces of what the tier can hold (3), each spilling the previous ones down; the tier
+    ends with the 3 most recent, the rest are in files, every byte exact. With no tier below it
+    is still a TierFullError."""
+    with TierCache(make_config(host_slots=4, file_slots=64)) as c:
+        pinned = random_keys(rng, 1)
+        exp = put_random(c, pinned, rng)
+        c.pin(pinned)
+        keys = random_keys(rng, 7)
+        data = {p.name: rng.integers(1, 256, size=(7, p.block_nbytes), dtype=np.uint8) for p in c.config.pools}
+        slots = c.put(keys, data)
+        exp.update({k: {p: data[p][i] for p in data} for i, k in enumerate(keys)})
+        assert [set(c.lookup(k)) for k in keys] == [{"file"}] * 4 + [{"host"}] * 3
+        assert list(slots[:4]) == [-1] * 4 and list(slots[4:]) == list(c.slots(keys[4:], tier="host"))
+        assert "host" in c.lookup(pinned[0])
+        assert c.stats()["counters"]["streamed_puts"] == 1
+        assert_bytes(c, exp)
+    with TierCache(make_config(host_slots=4, file_slots=0)) as c:
+        with pytest.raises(TierFullError, match="host tier has 4 slots; 6 needed"):
+            put_random(c, random_keys(rng, 6), rng)

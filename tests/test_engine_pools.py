@@ -191,3 +191,26 @@ def test_no_host_tier_goes_straight_to_files(tmp_path, rng, backend):
         _check_onboarded(pools, before, dev.reshape(-1, 1), dst.reshape(-1, 1))
         with pytest.raises(TierUnavailableError, match="host tier"):
             c.onboard_slots(keys[:1], dst[:1], num_tokens=2)
+
+
+def test_batches_larger_than_the_host_tier_stream_through_it(tmp_path, rng, backend):
+    """offload_slots(to="file") and onboard_slots of more blocks than the host tier holds go
+    through it in pieces (host tier of 2, 7 blocks), bytes exact; a pinned host block shrinks
+    the pieces."""
+    pools = make_pools("vllm", rng, backend, nb=24)
+    before = snapshot(pools)
+    keys = random_keys(rng, 7)
+    dev = rng.permutation(pools.num_blocks)[:7].astype(np.int64)
+    with _cache(pools, tmp_path, 1, host_slots=3) as c:
+        c.offload_slots([b"pinned"], [int(dev[0])], wait=True)
+        c.pin([b"pinned"])  # the host tier has room for 2 at a time
+        assert c.offload_slots(keys, dev, to="file") is None
+        assert all(set(c.lookup(k)) == {"file"} for k in keys)
+        assert c.stats()["counters"]["streamed_offloads"] == 1
+        scramble(pools, rng)
+        dst = rng.permutation(pools.num_blocks)[:7].astype(np.int64)
+        h = c.onboard_slots(keys, dst, layerwise=True)
+        assert h.done() and all(h.layer_done(i) for i in range(h.num_layers)) and h.num_layers == len(pools.layers)
+        _check_onboarded(pools, before, dev.reshape(-1, 1), dst.reshape(-1, 1))
+        assert c.stats()["counters"]["streamed_onboards"] == 1
+        assert "host" in c.lookup(b"pinned")

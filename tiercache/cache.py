@@ -28,6 +28,7 @@ from tiercache.errors import (
     KeyNotFoundError,
     SlotRangeError,
     TierUnavailableError,
+    TransferError,
 )
 from tiercache.files import FileTier, IOPath, select_io_path, write_stats
 from tiercache.keys import Key, format_keys, normalize_keys
@@ -349,10 +350,14 @@ class TierCache:
             tier: ``"device"``, ``"host"`` or ``"file"``.
 
         Returns:
-            The slots the blocks took in ``tier`` (``int64``, in key order).
+            The slots the blocks took in ``tier`` (``int64``, in key order); ``-1`` for blocks
+            that streamed through it to the tier below.
 
         A key already stored is replaced: its new bytes go in, then its other copies are
-        dropped. Room is made by spilling least recently used blocks.
+        dropped. Room is made by spilling least recently used blocks. More new blocks than
+        ``tier`` can hold (its slots less its pinned blocks) stream through it when a tier lies
+        below: they go in pieces of that size, each spilling the previous ones down, so the last
+        piece stays in ``tier`` and the rest land below (as ``put`` piece by piece would).
 
         Raises:
             InvalidKeyError, ArrayMismatchError, UnknownPoolError, TierUnavailableError,
@@ -366,21 +371,38 @@ class TierCache:
             existing = [k for k in ks if self.placement.contains(k)]
             self.placement.require_unpinned(existing, "replace")
             ts = self.placement.tiers[name]
-            # old copies in other tiers go after the new bytes are in; in this tier, reuse slots
-            new = [k for k in ks if k not in ts]
-            self.mover.make_room(name, len(new), set(ks))
-            ts.add(new)
-            rows = [ts.slot_of[k] for k in ks]
-            failed = self.mover.transfer(ks, "caller", name, np.arange(len(ks)), rows, src_arrays=arrays)
-            if failed:
-                ts.remove([k for k in failed if k in new])
-            ok = [k for k in ks if k not in failed]
-            self.file_index.forget_positions(ok)
-            self.mover.drop_copies(ok, keep=name)
-            ts.touch(ok)
-            self.counters["put_blocks"] += len(ok)
+            room = self.placement.room(name)
+            if len([k for k in ks if k not in ts]) <= room or not self.placement.below(name) or room < 1:
+                return self._put_chunk(ks, arrays, name)
+            # more new blocks than the tier can hold: they stream through it, a tier-full at a time
+            failed: dict = {}
+            for start in range(0, len(ks), room):
+                part = ks[start:start + room]
+                try:
+                    self._put_chunk(part, {p: a[start:start + room] for p, a in arrays.items()}, name)
+                except TransferError as exc:
+                    failed.update({k: exc for k in exc.failed_keys})
+            self.counters["streamed_puts"] += 1
             self.mover.raise_failed(failed, "caller", name)
-            return np.array(rows, dtype=np.int64)
+            return np.array([ts.slot_of.get(k, -1) for k in ks], dtype=np.int64)
+
+    def _put_chunk(self, ks: list[Key], arrays: dict, name: str) -> np.ndarray:
+        ts = self.placement.tiers[name]
+        # old copies in other tiers go after the new bytes are in; in this tier, reuse slots
+        new = [k for k in ks if k not in ts]
+        self.mover.make_room(name, len(new), set(ks))
+        ts.add(new)
+        rows = [ts.slot_of[k] for k in ks]
+        failed = self.mover.transfer(ks, "caller", name, np.arange(len(ks)), rows, src_arrays=arrays)
+        if failed:
+            ts.remove([k for k in failed if k in new])
+        ok = [k for k in ks if k not in failed]
+        self.file_index.forget_positions(ok)
+        self.mover.drop_copies(ok, keep=name)
+        ts.touch(ok)
+        self.counters["put_blocks"] += len(ok)
+        self.mover.raise_failed(failed, "caller", name)
+        return np.array(rows, dtype=np.int64)
 
     def allocate(self, keys, tier: str | None = None, slots=None) -> np.ndarray:
         """Reserve slots in memory tier ``tier`` (default: the top tier) for new ``keys``
@@ -589,7 +611,8 @@ class TierCache:
             :meth:`get_finished`), or None for ``to="file"`` (done when it returns).
 
         A key already stored is replaced. Room is made by spilling least recently used host
-        blocks to the file tier.
+        blocks to the file tier. With ``to="file"``, more blocks than the host tier holds (its
+        slots less its pinned blocks) stream through it in pieces of that size.
 
         Raises:
             SlotRangeError: bad ``device_slots`` shape or ids. TierUnavailableError: no
@@ -616,7 +639,10 @@ class TierCache:
                 ``layerwise`` the engine calls ``wait_layer`` itself.
 
         Keys only in the file tier are first read into the host tier (the call returns
-        after those reads); with no host tier, files go straight into VRAM.
+        after those reads); with no host tier, files go straight into VRAM. When more of them
+        than the host tier holds (its slots less its pinned blocks) must come from files, they
+        stream through it in pieces of that size, each complete before the next; the call then
+        returns when every block is on the device, and every layer of the handle is done.
 
         Raises:
             KeyNotFoundError: a key not stored, or a position its host block never held.

@@ -154,6 +154,11 @@ class Placement:
             else:
                 self.pins.pop(k, None)
 
+    def room(self, tier: str) -> int:
+        """Slots of ``tier`` an operation may fill at once: its slots less its pinned blocks."""
+        ts = self.tiers[tier]
+        return ts.num_slots - sum(1 for k in ts.slot_of if self.is_pinned(k))
+
     def require_present(self, keys: list[Key]) -> None:
         """Raises:
             KeyNotFoundError: naming the keys no tier holds."""

@@ -87,6 +87,14 @@ class EngineSlots:
             dst = self._tier_name(to, "host" if "host" in self.tiers else "file")
             existing = [k for k in ks if self.placement.contains(k)]
             self.placement.require_unpinned(existing, "replace")
+            room = self.placement.room("host") if "host" in self.tiers else 0
+            if dst == "file" and 0 < room < len([k for k in ks if k not in self.placement.tiers["host"]]):
+                # more blocks than the host tier holds: they stream through it to the files
+                for start in range(0, len(ks), room):
+                    self.offload_slots(ks[start:start + room], dev[start:start + room], "file", num_tokens=num_tokens,
+                                       stream=stream)
+                self.counters["streamed_offloads"] += 1
+                return None
             if "host" not in self.tiers:
                 return self._offload_to_file_direct(ks, dev, num_tokens, stream)
             ts = self.placement.tiers["host"]
@@ -146,6 +154,16 @@ class EngineSlots:
             self.placement.require_present(ks)
             self.file_index.check_positions(ks, masks_of(dev).tolist())
             engine_stream = self.engine_stream(stream)
+            room = self.placement.room("host") if "host" in self.tiers else 0
+            if 0 < room < len([k for k in ks if k not in self.placement.tiers["host"]]):
+                # more file-only blocks than the host tier holds: they stream through it, a
+                # host tier's worth at a time, each piece complete before the next
+                for start in range(0, len(ks), room):
+                    self.onboard_slots(ks[start:start + room], dev[start:start + room], num_tokens=num_tokens,
+                                       stream=stream).synchronize()
+                self.counters["streamed_onboards"] += 1
+                return OnboardHandle(None, ks, lambda: engine_stream,
+                                     len(self.device_pools.layers) if layerwise else 1)
             if "host" not in self.tiers:
                 handle = self._onboard_from_file_direct(ks, dev, num_tokens, engine_stream)
             else:
