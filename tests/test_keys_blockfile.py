@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiercache import CorruptBlockError, InvalidKeyError, PoolSpec
@@ -80,3 +80,33 @@ def test_keys_normalized_and_duplicates_rejected():
     assert normalize_keys(5) == [5] and normalize_keys(b"ab") == [b"ab"]
     with pytest.raises(InvalidKeyError, match="appears twice"):
         normalize_keys([1, 2, 1])
+
+
+@settings(max_examples=200)
+@given(key=st.one_of(st.integers(0, 2**63 - 1), st.binary(min_size=1, max_size=64)),
+       checksum_value=st.integers(0, 2**64 - 1), extra=st.sampled_from([None, {"positions": 5}]),
+       flip=st.one_of(st.none(), st.integers(0, 400)), dtype=st.sampled_from(["float16", "bfloat16", "uint8"]))
+def test_header_checksum_agrees_with_the_full_decode(key, checksum_value, extra, flip, dtype):
+    """The fast header check returns exactly what decode_header + check_header give, and
+    refuses (CorruptBlockError) every header they refuse: a flipped byte anywhere in the header
+    or its metadata, another key, another pool geometry."""
+    from tiercache.files.blockfile import header_checksum
+
+    pool = PoolSpec.kv("kv", num_layers=2, kv_factor=2, num_kv_heads=2, tokens_per_block=8, head_dim=16, dtype=dtype)
+    head = bytearray(encode_header(key, pool, checksum_value, extra))
+    if flip is not None:
+        head[flip] ^= 0x41
+    try:
+        want = decode_header(bytes(head), "f")
+        check_header(want, key, pool, "f")
+    except CorruptBlockError:
+        with pytest.raises(CorruptBlockError):
+            header_checksum(head, key, pool, "f")
+    else:
+        assert header_checksum(head, key, pool, "f") == want.checksum
+    other = PoolSpec("kv", (pool.block_nbytes,), "uint8")
+    with pytest.raises(CorruptBlockError):
+        header_checksum(bytes(encode_header(key, pool, checksum_value, extra)), key, other, "f")
+    wrong_key = (key + 1) if isinstance(key, int) and key < 2**63 - 1 else b"other-key"
+    with pytest.raises(CorruptBlockError):
+        header_checksum(bytes(encode_header(key, pool, checksum_value, extra)), wrong_key, pool, "f")

@@ -18,6 +18,7 @@ and cuFile (GDS) move it without bounce copies. The checksum is xxHash's XXH3-64
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -155,6 +156,45 @@ def decode_header(buf: bytes, where: str = "block file") -> BlockHeader:
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptBlockError(f"{where}: malformed header metadata ({exc})") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _meta_tail(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """The metadata that :func:`encode_header` writes after a key for this geometry, up to the
+    checksum's hex digits."""
+    return json.dumps({"pool": name, "dtype": dtype, "block_shape": list(shape), "nbytes": nbytes,
+                       "checksum_algo": CHECKSUM_ALGO, "checksum": ""}, separators=(",", ":"))[1:-2].encode()
+
+
+def header_checksum(buf, key: Key, pool: PoolSpec, where: str) -> int:
+    """The data checksum of a block file's header ``buf`` (its first :data:`DATA_OFFSET`
+    bytes), checked to be a tiercache header of ``key`` in ``pool`` with the pool's geometry.
+
+    The usual header (no ``extra``) is checked by comparing its bytes with the ones
+    :func:`encode_header` writes for ``key`` and ``pool`` (byte equality: every field equal),
+    with no JSON parse; any other header goes through :func:`decode_header` and
+    :func:`check_header`, which also name what is wrong.
+
+    Raises:
+        CorruptBlockError: as :func:`decode_header` and :func:`check_header`.
+    """
+    if len(buf) >= _PREFIX.size:
+        magic, version, meta_len, meta_hash = _PREFIX.unpack_from(buf)
+        head = b'{"key":"' + key_text(key).encode() + b'",' + _meta_tail(pool.name, pool.dtype, pool.block_shape,
+                                                                            pool.block_nbytes)
+        end = _PREFIX.size + meta_len
+        if (magic == MAGIC and version == FORMAT_VERSION and meta_len == len(head) + 18 and end <= len(buf)):
+            meta = bytes(buf[_PREFIX.size:end])
+            digits = meta[len(head):-2]
+            if (meta.startswith(head) and meta.endswith(b'"}') and _HEX16.fullmatch(digits)
+                    and xxhash.xxh3_64_intdigest(meta) == meta_hash):
+                return int(digits, 16)
+    header = decode_header(bytes(buf), where)
+    check_header(header, key, pool, where)
+    return header.checksum
+
+
+_HEX16 = re.compile(rb"[0-9a-f]{16}")
 
 
 def check_header(header: BlockHeader, key: Key, pool: PoolSpec, where: str) -> None:

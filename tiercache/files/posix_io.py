@@ -34,6 +34,7 @@ from tiercache.files.blockfile import (
     decode_header,
     encode_header,
     file_size,
+    header_checksum,
 )
 from tiercache.files.rootdir import FILE_MODE, NotRegularFileError, RootPath
 from tiercache.geometry import PoolSpec
@@ -245,11 +246,10 @@ def read_block(path: RootPath | Path, key: Key, pool: PoolSpec, out, verify: boo
         view = memoryview(np.asarray(out)).cast("B")
         want = DATA_OFFSET + len(view)
         got = _preadv_all(fd, [page, view])
-        header = decode_header(bytes(page), str(path))
-        check_header(header, key, pool, str(path))
+        want_sum = header_checksum(page, key, pool, str(path))
         if got < want:
             raise CorruptBlockError(f"{path}: truncated ({got} bytes, expected {file_size(pool.block_nbytes)})")
     finally:
         os.close(fd)
-    if verify and checksum(out) != header.checksum:
+    if verify and checksum(out) != want_sum:
         raise CorruptBlockError(f"{path}: data checksum mismatch")
