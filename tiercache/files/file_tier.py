@@ -52,6 +52,18 @@ class ScanResult:
     extra: dict = field(default_factory=dict)
 
 
+def _before_io(i: int, deps, delay_s: float, skip) -> None:
+    """In an I/O thread, before item ``i`` touches its buffers: wait for the jobs it depends
+    on, the debug delay, and fail it (``OSError``) when ``skip(i)`` gives a reason."""
+    for dep in deps:
+        dep.wait_host()
+    if delay_s:
+        time.sleep(delay_s)
+    why = skip(i) if skip is not None else None
+    if why:
+        raise OSError(why)
+
+
 class FileTier:
     """Block files under ``root``, read and written by a pool of I/O threads.
 
@@ -324,14 +336,7 @@ class FileTier:
         fn = self._write_key if kind == "write" else self._read_key
 
         def task(i: int, key: Key, bufs: dict) -> None:
-            for dep in deps:
-                dep.wait_host()
-            if delay_s:
-                time.sleep(delay_s)
-            if skip is not None:
-                why = skip(i)
-                if why:
-                    raise OSError(why)
+            _before_io(i, deps, delay_s, skip)
             fn(key, bufs)
 
         return [(key, self._executor.submit(task, i, key, bufs)) for i, (key, bufs) in enumerate(items)]
@@ -344,13 +349,7 @@ class FileTier:
 
         def task(i: int, key: Key, bufs: dict) -> None:
             try:
-                for dep in deps:
-                    dep.wait_host()
-                if delay_s:
-                    time.sleep(delay_s)
-                why = skip(i) if skip is not None else None
-                if why:
-                    raise OSError(why)
+                _before_io(i, deps, delay_s, skip)
                 staged[i] = self._stage_key(key, bufs)
             except BaseException as exc:
                 futures[i].set_exception(exc)
