@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 
@@ -81,3 +82,65 @@ def make_config(tmp_path, rng):
         return CacheConfig(**base)
 
     return make
+
+
+def _engines() -> list[str]:
+    from tiercache.files import native_status, uring_status
+
+    out = ["python"]
+    if native_status()[0]:
+        out.append("threads")
+        if uring_status()[0]:
+            out.append("io_uring")
+    return out
+
+
+#: the file I/O engines that run here (the native ones where kernels/blockio.c builds)
+ENGINES = _engines()
+
+
+@pytest.fixture(params=ENGINES)
+def io_engine(request):
+    """Each file I/O engine that runs here, in turn."""
+    return request.param
+
+
+class _WriteFaults:
+    """Writes of chosen keys' block files fail with an errno: the python engine's
+    ``posix_io.write_block`` raises; native engines use the C library's fault injection
+    (after the temporary file is opened, so its cleanup runs)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.mp = monkeypatch
+
+    def arm(self, engine: str, keys, err: int = errno.ENOSPC) -> None:
+        from tiercache.files import batchio, block_filename, posix_io
+
+        keys = set(keys)
+        if engine == "python":
+            real = posix_io.write_block
+
+            def failing(final, key, pool, data, *args):
+                if key in keys:
+                    raise OSError(err, os.strerror(err))
+                return real(final, key, pool, data, *args)
+
+            self.mp.setattr(posix_io, "write_block", failing)
+            return
+        for k in keys:
+            batchio.set_fault(batchio.WRITE, block_filename(k, "")[: -len(".bin")], err)
+
+    def disarm(self) -> None:
+        self.mp.undo()
+        if ENGINES != ["python"]:
+            from tiercache.files import batchio
+
+            batchio.clear_faults()
+
+
+@pytest.fixture
+def fail_writes(monkeypatch):
+    """A :class:`_WriteFaults` (every fault removed at the end of the test)."""
+    faults = _WriteFaults(monkeypatch)
+    yield faults
+    faults.disarm()

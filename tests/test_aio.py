@@ -42,7 +42,7 @@ def test_loop_not_blocked_and_cancel_is_consistent(make_config, rng, monkeypatch
     monkeypatch.setattr(posix_io, "read_block", slow)
 
     async def main():
-        ac = AsyncTierCache(TierCache(make_config(host_slots=8, io_threads=1)))
+        ac = AsyncTierCache(TierCache(make_config(host_slots=8, io_threads=1, io_engine="python")))
         keys = random_keys(rng, 8, "int")
         data = {p.name: rng.integers(1, 256, (8, p.block_nbytes), dtype=np.uint8) for p in ac.cache.config.pools}
         await ac.put(keys, data)
@@ -85,7 +85,7 @@ def test_await_engine_slots_and_cancel(tmp_path, rng, monkeypatch):
 
     async def main():
         cache = TierCache.for_engine(pools, host_slots=4, file_slots=32, blocks_per_host_block=2,
-                                     root=tmp_path / "root", fsync="none", io_threads=1)
+                                     root=tmp_path / "root", fsync="none", io_threads=1, io_engine="python")
         async with AsyncTierCache(cache) as ac:
             keys = random_keys(rng, 4)
             dev = rng.permutation(16)[:8].reshape(4, 2)

@@ -251,21 +251,14 @@ def test_unwritable_root(tmp_path, make_config):
         TierCache(make_config(root=ro))
 
 
-def test_write_failure_keeps_source(make_config, rng, monkeypatch):
-    cfg = make_config(host_slots=8)
+def test_write_failure_keeps_source(make_config, rng, io_engine, fail_writes):
+    cfg = make_config(host_slots=8, io_engine=io_engine)
     with TierCache(cfg) as c:
         keys = random_keys(rng, 8)
         exp = put_random(c, keys, rng)
         doomed = set(rng.choice(len(keys), size=3, replace=False).tolist())
         doomed_keys = {keys[i] for i in doomed}
-        real = posix_io.write_block
-
-        def failing(final, key, pool, data, *args):
-            if key in doomed_keys:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real(final, key, pool, data, *args)
-
-        monkeypatch.setattr(posix_io, "write_block", failing)
+        fail_writes.arm(io_engine, doomed_keys)
         with pytest.raises(TransferError) as ei:
             c.offload(keys, to="file")
         assert set(ei.value.failed_keys) == doomed_keys
@@ -276,18 +269,18 @@ def test_write_failure_keeps_source(make_config, rng, monkeypatch):
         assert not list(cfg.root.glob(".tmp.*"))
         for k in doomed_keys:
             assert not list(cfg.root.glob(block_filename(k, "*")))
-        monkeypatch.setattr(posix_io, "write_block", real)
+        fail_writes.disarm()
         c.offload(keys, to="file")  # the cache keeps working
         assert all(set(c.lookup(k)) == {"file"} for k in keys)
         assert_bytes(c, exp)
         assert c.stats()["counters"]["failed_transfers"] == 3
 
 
-def test_spill_failure_keeps_block_above(make_config, rng, monkeypatch):
-    cfg = make_config(host_slots=2)
+def test_spill_failure_keeps_block_above(make_config, rng, io_engine, fail_writes):
+    cfg = make_config(host_slots=2, io_engine=io_engine)
     with TierCache(cfg) as c:
         exp = put_random(c, [1, 2], rng)
-        monkeypatch.setattr(posix_io, "write_block", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+        fail_writes.arm(io_engine, [1, 2, 3])
         with pytest.raises(TransferError):
             put_random(c, [3], rng)
         assert 3 not in c

@@ -119,7 +119,8 @@ def test_bench_fails_on_bad_bytes(small_config, monkeypatch):
         real(path, key, pool, out, False, *args)
         np.asarray(out)[0] ^= 1  # damage after the checksum would have been checked
 
-    monkeypatch.setattr(posix_io, "read_block", flip)
+    monkeypatch.setattr(posix_io, "read_block", flip)  # the python engine's read
+    small_config.write_text(small_config.read_text().replace('io_threads = 4', 'io_threads = 4\nio_engine = "python"'))
     monkeypatch.setenv("TIERCACHE_DISABLE_CUDA", "1")
     from tiercache import cuda
 

@@ -15,11 +15,11 @@ from tiercache.files import FileTier, IOPath, block_filename, posix_io
 
 
 @pytest.fixture
-def tier(tmp_path):
+def tier(tmp_path, io_engine):
     def make(fsync="data", direct=True):
         pool = PoolSpec("kv", (4096 * 3,), "uint8")
         return FileTier(tmp_path / "root", (pool,), 64, IOPath("posix", "test"), fsync=fsync, io_threads=4,
-                        direct_io=direct), pool
+                        direct_io=direct, io_engine=io_engine), pool
     return make
 
 
@@ -53,17 +53,10 @@ def test_one_sync_per_batch_and_renames_only_after_it(tier, rng, monkeypatch, fs
     ft.close()
 
 
-def test_a_failed_block_does_not_hold_back_the_others(tier, rng, monkeypatch):
+def test_a_failed_block_does_not_hold_back_the_others(tier, rng, io_engine, fail_writes):
     ft, pool = tier()
     rows = _rows(rng, 8, pool)
-    real = posix_io.write_block
-
-    def failing(final, key, pool, data, *args):
-        if key in (2, 5):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(final, key, pool, data, *args)
-
-    monkeypatch.setattr(posix_io, "write_block", failing)
+    fail_writes.arm(io_engine, (2, 5))
     errs = ft.write([(k, {"kv": rows[k]}) for k in range(8)])
     assert {k for k, e in errs.items() if e} == {2, 5}
     assert sorted(p.name for p in ft.root.glob("block_*")) == sorted(block_filename(k, "kv") for k in range(8)
@@ -72,8 +65,8 @@ def test_a_failed_block_does_not_hold_back_the_others(tier, rng, monkeypatch):
     ft.close()
 
 
-def test_a_failed_sync_publishes_nothing_and_the_source_stays(make_config, rng, monkeypatch):
-    cfg = make_config(host_slots=8, fsync="data")
+def test_a_failed_sync_publishes_nothing_and_the_source_stays(make_config, rng, monkeypatch, io_engine):
+    cfg = make_config(host_slots=8, fsync="data", io_engine=io_engine)
     with TierCache(cfg) as c:
         keys = random_keys(rng, 6)
         exp = put_random(c, keys, rng)

@@ -104,6 +104,7 @@ class TierCache:
                 verify=config.verify_checksums, io_threads=config.io_threads, device_id=config.device_id,
                 direct_io=config.direct_io, kvikio_task_size=config.kvikio_task_size,
                 kvikio_gds_threshold=config.kvikio_gds_threshold, check_root_owner=config.check_root_owner,
+                io_engine=config.io_engine,
             )
         if not self.tiers:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
@@ -695,7 +696,8 @@ class TierCache:
                     **({"pinned_memory": t.pinned, "page_bytes": sorted({m["page_bytes"] for m in t.memory()})}
                        if name == "host" else {}),
                     **({"root": str(t.root), "bytes_on_disk": len(ts) * self.config.block_file_bytes,
-                        "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io}
+                        "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io,
+                        "io_engine": t.engine, "io_engine_reason": t.engine_reason}
                        if name == "file" else {}),
                 }
             return {

@@ -15,6 +15,7 @@ library's ``tomllib``)::
     fsync = "data"                 # none | data | data+dir
     verify_checksums = true
     io_threads = 8
+    io_engine = "auto"             # auto | io_uring | threads | python
     check_root_owner = true        # refuse a root of another user or writable by others
 
     [pools.kv]                     # a KV-cache pool (layer_major or token_major layout)
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.errors import ConfigError
+from tiercache.files import IO_ENGINES
 from tiercache.geometry import PoolSpec
 from tiercache.memory import HUGE_PAGE_MODES
 
@@ -53,7 +55,7 @@ FSYNC_POLICIES = ("none", "data", "data+dir")
 MAX_IO_THREADS = 256
 
 _TIER_KEYS = {"device_slots", "host_slots", "file_slots", "host_huge_pages"}
-_FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "capacity_bytes", "direct_io",
+_FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "io_engine", "capacity_bytes", "direct_io",
               "kvikio_task_size", "kvikio_gds_threshold", "check_root_owner"}
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes", "batch_streams",
@@ -96,6 +98,12 @@ class CacheConfig:
             ``data+dir`` (also fsync the directory after the rename).
         verify_checksums: verify each block file's checksum when it is read.
         io_threads: file I/O threads (tiercache's POSIX pool and kvikio's), 1..256.
+        io_engine: who runs the POSIX path's per-file system calls: ``auto`` (the default:
+            ``io_uring`` where rings can be set up, else ``threads``, else ``python`` where no C
+            compiler can build ``kernels/blockio.c``), ``io_uring`` (each I/O thread queues a
+            request's opens, reads/writes and flushes on its own ring), ``threads`` (a pool of
+            ``io_threads`` C threads with blocking calls) or ``python`` (one Python task per
+            block). See :mod:`tiercache.files.batchio` and docs/performance.md.
         capacity_bytes: bytes the file tier may use on disk (0: no byte limit; ``file_slots``
             still applies). Least recently used blocks are deleted beyond it.
         direct_io: open block files with O_DIRECT on the POSIX path (the default: cold reads
@@ -160,6 +168,7 @@ class CacheConfig:
     fsync: str = "data"
     verify_checksums: bool = True
     io_threads: int = 8
+    io_engine: str = "auto"
     capacity_bytes: int = 0
     direct_io: bool = True
     check_root_owner: bool = True
@@ -209,6 +218,7 @@ class CacheConfig:
         _check_int("carveout_sms", self.carveout_sms, 0, 1025)
         _check_choice("io_mode", self.io_mode, IO_MODES)
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
+        _check_choice("io_engine", self.io_engine, IO_ENGINES)
         for key in ("verify_checksums", "direct_io", "check_root_owner"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} = {getattr(self, key)!r} must be true or false")
@@ -284,6 +294,7 @@ class CacheConfig:
             "fsync": self.fsync,
             "verify_checksums": self.verify_checksums,
             "io_threads": self.io_threads,
+            "io_engine": self.io_engine,
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
             "check_root_owner": self.check_root_owner,

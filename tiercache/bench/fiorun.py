@@ -4,7 +4,9 @@ Each job builds its own tiers (the two of its tier pair, ``nblocks * numjobs`` s
 directory under the root for files), fills them with random blocks (not timed), then runs
 ``numjobs`` threads. A thread keeps ``iodepth`` blocks in flight as requests of
 ``iodepth_batch`` blocks, each one :meth:`TransferEngine.copy`; a block's completion latency is
-the time from its request's submission to the host seeing the request finished. With
+the time from its request's submission to the host seeing the request finished. The file
+tier gets ``iodepth * numjobs`` I/O threads (at least the config's ``io_threads``): its threads
+are its queue depth, as ``iodepth`` is fio's. With
 ``verify``, every block's bytes are checked at the end. The baseline runs in the same run:
 
 - ``fio`` (jobs with files; ``auto`` where fio is installed): fio itself on the same directory
@@ -31,6 +33,7 @@ import numpy as np
 from tiercache.bench.fiobase import fio_binary, run_fio
 from tiercache.bench.fiospec import FioJob
 from tiercache.cuda import cuda_status
+from tiercache.config import MAX_IO_THREADS
 from tiercache.errors import ConfigError
 from tiercache.files import FileTier, select_io_path
 from tiercache.geometry import PoolSpec
@@ -80,6 +83,7 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
     shutil.rmtree(work, ignore_errors=True)
     tiers: dict = {}
     io_path = select_io_path(job.io) if job.lower == "file" else None
+    io_threads = min(MAX_IO_THREADS, max(io_threads, job.iodepth * job.numjobs))
     try:
         for t in (job.upper, job.lower):
             if t == "device":
@@ -88,7 +92,7 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
                 tiers[t] = make_host_tier(total, (pool,))
             else:
                 tiers[t] = FileTier(work, (pool,), total, io_path, fsync="data", verify=job.verify,
-                                    io_threads=io_threads, direct_io=job.direct)
+                                    io_threads=io_threads, direct_io=job.direct, io_engine=job.ioengine)
         eng = TransferEngine(tiers, (pool,))
         source, _owner = alloc_host(total * pool.block_nbytes)
         source[:] = np.frombuffer(np.random.default_rng(7).bytes(source.nbytes), dtype=np.uint8)
@@ -114,7 +118,8 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
         wall = time.perf_counter() - t0
         if errors:
             raise errors[0]
-        record = _record(job, pool, stats, wall, io_path)
+        engine = next((t.engine for t in tiers.values() if isinstance(t, FileTier)), None)
+        record = _record(job, pool, stats, wall, io_path, engine)
         if job.verify:
             record["tiercache"]["verified_blocks"] = _verify(eng, tiers, pool, src_rows, keys)
         kind = _baseline_kind(job)
@@ -209,7 +214,7 @@ def _clat(lat: np.ndarray) -> dict:
             "N": int(lat.size), "percentile": {f"{p:.6f}": int(v) for p, v in zip(PERCENTILES, pct)}}
 
 
-def _record(job: FioJob, pool: PoolSpec, stats: dict, wall: float, io_path) -> dict:
+def _record(job: FioJob, pool: PoolSpec, stats: dict, wall: float, io_path, engine: str | None = None) -> dict:
     rec = {"jobname": job.name, "groupid": 0, "job options": {k: str(v) for k, v in job.options().items()}}
     rec["job options"]["iodepth_batch"] = str(job.batch)
     for op in ("read", "write"):
@@ -221,9 +226,10 @@ def _record(job: FioJob, pool: PoolSpec, stats: dict, wall: float, io_path) -> d
                    "bw_bytes": int(io_bytes / wall) if d.ios else 0, "bw": int(io_bytes / wall / 1024) if d.ios else 0,
                    "iops": d.ios / wall if d.ios else 0.0, "clat_ns": _clat(lat)}
     path = "cudaMemcpyAsync/kernel" if job.tiers == "device:host" else (
-        io_path.label if job.upper == "device" else "POSIX") + (" + O_DIRECT" if job.direct and job.lower == "file" else "")
+        io_path.label if job.upper == "device" else "POSIX") + (" + O_DIRECT" if job.direct and job.lower == "file" else "") + (
+        f", {engine} engine" if engine else "")
     rec["tiercache"] = {"tiers": job.tiers, "path": path, "block_bytes": pool.block_nbytes,
-                        "io_path_reason": io_path.reason if io_path else None}
+                        "io_path_reason": io_path.reason if io_path else None, "io_engine": engine}
     return rec
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from tiercache.errors import ConfigError
+from tiercache.files import IO_ENGINES
 
 RW = ("read", "write", "randread", "randwrite", "rw", "randrw", "readwrite")
 TIER_PAIRS = ("device:host", "host:file", "device:file")
@@ -62,7 +63,9 @@ class FioJob:
     visits the blocks in random order; ``rw``/``randrw`` mixes them (``rwmixread`` percent
     reads). ``bs`` 0 means the config's pool geometry. ``iodepth`` blocks are in flight per job,
     submitted ``iodepth_batch`` per engine request (default ``iodepth // 4``). ``baseline`` is one
-    of :data:`BASELINES` (``True``/``False`` mean ``auto``/``none``).
+    of :data:`BASELINES` (``True``/``False`` mean ``auto``/``none``). ``ioengine`` is the file
+    tier's I/O engine (:data:`~tiercache.files.IO_ENGINES`; fio's own engine names, such as
+    ``libaio`` or ``psync``, are accepted and mean ``auto``).
     """
 
     name: str = "job"
@@ -78,6 +81,7 @@ class FioJob:
     direct: bool = True
     tiers: str = "host:file"
     io: str = "auto"
+    ioengine: str = "auto"
     verify: bool = True
     rwmixread: int = 50
     baseline: str = "auto"
@@ -91,6 +95,8 @@ class FioJob:
             raise ConfigError(f"job {self.name!r}: rw = {self.rw!r}; valid: {', '.join(RW)}")
         if self.tiers not in TIER_PAIRS:
             raise ConfigError(f"job {self.name!r}: tiers = {self.tiers!r}; valid: {', '.join(TIER_PAIRS)}")
+        if self.ioengine not in IO_ENGINES:
+            raise ConfigError(f"job {self.name!r}: ioengine = {self.ioengine!r}; valid: {', '.join(IO_ENGINES)}")
         if self.io not in IO_MODES:
             raise ConfigError(f"job {self.name!r}: io = {self.io!r}; valid: {', '.join(IO_MODES)}")
         for key, lo, hi in (("iodepth", 1, 65536), ("numjobs", 1, 64), ("rwmixread", 0, 100)):
@@ -148,8 +154,8 @@ def job_from_options(name: str, opts: dict, base: FioJob | None = None) -> FioJo
         k = key.strip().lower().replace("-", "_")
         if k not in _CONVERT:
             raise ConfigError(f"job {name!r}: unknown option {key!r}; tiercache understands: "
-                              f"{', '.join(sorted(set(_CONVERT) - {'ioengine'}))}")
-        if k == "ioengine":  # fio job files name one; tiercache has its own paths
+                              f"{', '.join(sorted(_CONVERT))}")
+        if k == "ioengine" and str(value).strip() not in IO_ENGINES:  # one of fio's own engines
             continue
         try:
             kw[_ALIASES.get(k, k)] = _CONVERT[k](value)

@@ -2,6 +2,10 @@
 
 - :mod:`.blockfile`: the block-file format (4 KiB header, checksummed data) and file names;
 - :mod:`.posix_io`: atomic writes (temporary file, ``fdatasync``, rename) and verified reads;
+- :mod:`.batchio`: the native I/O engine (``kernels/blockio.c``: io_uring or C threads) and
+  the choice of engine;
+- :mod:`.blockbatch`: requests as native batches (headers, checksums, staging) and the group
+  commit both engines share;
 - :mod:`.kvikio_io`: ``CuFile`` reads and writes straight between VRAM and files (GDS or
   kvikio's compat mode);
 - :mod:`.iopath`: which path device blocks take (GDS / compat / POSIX) and why;
@@ -12,6 +16,7 @@
 Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """
 
+from .batchio import IO_ENGINES, choose_engine, native_status, uring_status
 from .blockfile import DATA_OFFSET, block_filename, file_size
 from .file_tier import FileTier, ScanResult
 from .iopath import IOPath, select_io_path
@@ -19,7 +24,7 @@ from .rootdir import DIR_MODE, QUARANTINE, NotRegularFileError, RootDir, RootLoc
 from .rootsurvey import STATS, RootSurvey, classify, is_own_block_file, survey, verify_file, write_stats
 
 __all__ = [
-    "DATA_OFFSET", "DIR_MODE", "FileTier", "IOPath", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
+    "DATA_OFFSET", "DIR_MODE", "FileTier", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
     "RootPath", "RootSurvey",
     "STATS", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
     "select_io_path", "survey", "verify_file", "write_stats",

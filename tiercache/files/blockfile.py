@@ -103,19 +103,22 @@ class BlockHeader:
 def encode_header(key: Key, pool: PoolSpec, data_checksum: int, extra: dict | None = None) -> bytes:
     """The 4096-byte header of a block of ``pool`` with key ``key``; ``extra`` (JSON-ready)
     is kept with it (e.g. which device blocks a larger host block holds)."""
-    meta = json.dumps(
-        {
-            **({"extra": extra} if extra else {}),
-            "key": key_text(key),
-            "pool": pool.name,
-            "dtype": pool.dtype,
-            "block_shape": list(pool.block_shape),
-            "nbytes": pool.block_nbytes,
-            "checksum_algo": CHECKSUM_ALGO,
-            "checksum": f"{data_checksum:016x}",
-        },
-        separators=(",", ":"),
-    ).encode()
+    if extra:
+        meta = json.dumps(
+            {
+                "extra": extra,
+                "key": key_text(key),
+                "pool": pool.name,
+                "dtype": pool.dtype,
+                "block_shape": list(pool.block_shape),
+                "nbytes": pool.block_nbytes,
+                "checksum_algo": CHECKSUM_ALGO,
+                "checksum": f"{data_checksum:016x}",
+            },
+            separators=(",", ":"),
+        ).encode()
+    else:  # the same JSON, from the pool's cached text (no json.dumps per block)
+        meta = _meta_head(key, pool) + f"{data_checksum:016x}".encode() + b'"}'
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(meta), xxhash.xxh3_64_intdigest(meta)) + meta
     if len(head) > DATA_OFFSET:
         raise CorruptBlockError(f"block header of {len(head)} bytes exceeds {DATA_OFFSET}")
@@ -166,6 +169,13 @@ def _meta_tail(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> by
                        "checksum_algo": CHECKSUM_ALGO, "checksum": ""}, separators=(",", ":"))[1:-2].encode()
 
 
+def _meta_head(key: Key, pool: PoolSpec) -> bytes:
+    """What :func:`encode_header` writes as metadata before the checksum's hex digits (no
+    ``extra``): ``{"key":"...","pool":...,"checksum":"``."""
+    return b'{"key":"' + key_text(key).encode() + b'",' + _meta_tail(pool.name, pool.dtype, pool.block_shape,
+                                                                     pool.block_nbytes)
+
+
 def header_checksum(buf, key: Key, pool: PoolSpec, where: str) -> int:
     """The data checksum of a block file's header ``buf`` (its first :data:`DATA_OFFSET`
     bytes), checked to be a tiercache header of ``key`` in ``pool`` with the pool's geometry.
@@ -180,8 +190,7 @@ def header_checksum(buf, key: Key, pool: PoolSpec, where: str) -> int:
     """
     if len(buf) >= _PREFIX.size:
         magic, version, meta_len, meta_hash = _PREFIX.unpack_from(buf)
-        head = b'{"key":"' + key_text(key).encode() + b'",' + _meta_tail(pool.name, pool.dtype, pool.block_shape,
-                                                                            pool.block_nbytes)
+        head = _meta_head(key, pool)
         end = _PREFIX.size + meta_len
         if (magic == MAGIC and version == FORMAT_VERSION and meta_len == len(head) + 18 and end <= len(buf)):
             meta = bytes(buf[_PREFIX.size:end])

@@ -17,8 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from tiercache.errors import CorruptBlockError
 from tiercache.files import kvikio_io, posix_io
+from tiercache.files.batchio import NativeIO, choose_engine
+from tiercache.files.blockbatch import BlockBatches, GroupCommit, before_io, python_rename_all, settle_futures
 from tiercache.files.blockfile import block_filename, file_size, parse_filename
 from tiercache.files.iopath import IOPath
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootLock, RootPath, open_root
@@ -52,18 +56,6 @@ class ScanResult:
     extra: dict = field(default_factory=dict)
 
 
-def _before_io(i: int, deps, delay_s: float, skip) -> None:
-    """In an I/O thread, before item ``i`` touches its buffers: wait for the jobs it depends
-    on, the debug delay, and fail it (``OSError``) when ``skip(i)`` gives a reason."""
-    for dep in deps:
-        dep.wait_host()
-    if delay_s:
-        time.sleep(delay_s)
-    why = skip(i) if skip is not None else None
-    if why:
-        raise OSError(why)
-
-
 class FileTier:
     """Block files under ``root``, read and written by a pool of I/O threads.
 
@@ -77,17 +69,23 @@ class FileTier:
         io_threads: worker threads.
         device_id: CUDA device of device buffers.
         check_root_owner: refuse a root owned by another user or writable by others.
+        io_engine: ``auto | io_uring | threads | python``: who runs the POSIX path's per-file syscalls
+            (:mod:`tiercache.files.batchio`; the chosen one is :attr:`engine`, with
+            :attr:`engine_reason`).
 
     Raises:
         RootError: see :func:`~tiercache.files.rootdir.open_root` and
             :class:`~tiercache.files.rootdir.RootLock`; ``quarantine`` in the root is a
             symlink or not a directory.
+        ConfigError: an ``io_engine`` that cannot run here.
     """
 
     def __init__(self, root: Path, pools: tuple[PoolSpec, ...], num_slots: int, io_path: IOPath,
                  fsync: str = "data", verify: bool = True, io_threads: int = 8, device_id: int = 0,
                  direct_io: bool = False, kvikio_task_size: int | None = None,
-                 kvikio_gds_threshold: int | None = None, check_root_owner: bool = True) -> None:
+                 kvikio_gds_threshold: int | None = None, check_root_owner: bool = True,
+                 io_engine: str = "auto") -> None:
+        self.engine, self.engine_reason = choose_engine(io_engine)
         self.dir = open_root(root, check_root_owner)
         self._lock = None
         try:
@@ -113,6 +111,11 @@ class FileTier:
         self.block_meta: dict[Key, dict] = {}
         if io_path.kvikio:
             kvikio_io.configure(io_threads, kvikio_task_size, kvikio_gds_threshold)
+        self._native = self._batches = None
+        if self.engine in ("io_uring", "threads"):
+            self._native = NativeIO(io_threads, uring=self.engine == "io_uring")
+            self._batches = BlockBatches(self.dir, self.pools, self._native, self._executor, fsync, verify,
+                                         direct_io, device_id, self.block_meta, self.delete)
 
     # -- paths -------------------------------------------------------------------------
     def path(self, key: Key, pool: str) -> RootPath:
@@ -268,43 +271,6 @@ class FileTier:
             raise
         return staged
 
-    def _commit(self, items: list[tuple[Key, dict]], staged: list, futures: list[Future]) -> None:
-        """The group commit of a batch of staged blocks: one filesystem sync makes every
-        temporary file durable, then each block's files are renamed into place (and with
-        ``data+dir`` the directory is synced once). Resolves each block's future."""
-        ready = [i for i, st in enumerate(staged) if st is not None]
-        try:
-            if ready:
-                posix_io.sync_filesystem(self.dir.fd)
-        except BaseException as exc:
-            for i in ready:
-                for tmp, _ in staged[i]:
-                    tmp.unlink()
-                futures[i].set_exception(exc)
-            return
-        published = []
-        for i in ready:
-            try:
-                for j, (tmp, final) in enumerate(staged[i]):
-                    posix_io.publish_tmp(tmp, final)
-            except BaseException as exc:
-                for tmp, _ in staged[i][j + 1:]:
-                    tmp.unlink()
-                self.delete([items[i][0]])  # no half-published block: every pool's file or none
-                futures[i].set_exception(exc)
-                continue
-            published.append(i)
-        if published and self.fsync == "data+dir":
-            try:
-                posix_io.fsync_dir(staged[published[0]][0][1])
-            except OSError as exc:
-                self.delete([items[i][0] for i in published])
-                for i in published:
-                    futures[i].set_exception(exc)
-                return
-        for i in published:
-            futures[i].set_result(None)
-
     def _read_key(self, key: Key, bufs: dict) -> None:
         for pool, buf in bufs.items():
             self._read_one(key, self.pools[pool], buf)
@@ -325,45 +291,44 @@ class FileTier:
         A write that fails leaves no file of that key behind; a read that fails raises
         :class:`CorruptBlockError` for files that do not verify.
 
-        Writes of two or more blocks under fsync ``data`` or ``data+dir`` are a group commit:
-        each block's files are written as temporary files without a flush of their own, then
-        one ``syncfs`` makes the batch durable and the files are renamed into place; each
-        block's future resolves only then (the same guarantee per block as a flush per file,
-        one device flush per batch instead of one per file: docs/performance.md).
+        Writes of two or more blocks (native engine: two or more files, so one block of many
+        pools too) under fsync ``data`` or ``data+dir`` are a group commit: each block's files
+        are written as temporary files without a flush of their own, then one ``syncfs``
+        makes the batch durable and the files are renamed into place; each block's future
+        resolves only then (the same guarantee per block as a flush per file, one device
+        flush per batch instead of one per file: docs/performance.md).
+
+        With the native engine (:attr:`engine`), host buffers, and device buffers on the
+        POSIX path, go through :class:`~tiercache.files.blockbatch.BlockBatches`: one C call
+        per chunk of the request instead of one Python task per block.
         """
+        if self._batches is not None and (not self.io_path.kvikio or all(
+                isinstance(b, (memoryview, np.ndarray)) for _, bufs in items for b in bufs.values())):
+            submit = self._batches.submit_write if kind == "write" else self._batches.submit_read
+            return submit(items, deps, delay_s, skip)
         if kind == "write" and self.fsync != "none" and len(items) > 1:
             return self._submit_group(items, deps, delay_s, skip)
         fn = self._write_key if kind == "write" else self._read_key
 
         def task(i: int, key: Key, bufs: dict) -> None:
-            _before_io(i, deps, delay_s, skip)
+            before_io(i, deps, delay_s, skip)
             fn(key, bufs)
 
         return [(key, self._executor.submit(task, i, key, bufs)) for i, (key, bufs) in enumerate(items)]
 
     def _submit_group(self, items, deps, delay_s, skip) -> list[tuple[Key, Future]]:
         futures = [Future() for _ in items]
-        staged: list = [None] * len(items)
-        left = [len(items)]
-        lock = threading.Lock()
+        group = GroupCommit(self.dir, self.fsync, [k for k, _ in items], len(items), python_rename_all,
+                            self.delete, settle_futures(futures))
 
         def task(i: int, key: Key, bufs: dict) -> None:
             try:
-                _before_io(i, deps, delay_s, skip)
-                staged[i] = self._stage_key(key, bufs)
+                before_io(i, deps, delay_s, skip)
+                group.staged[i] = self._stage_key(key, bufs)
             except BaseException as exc:
-                futures[i].set_exception(exc)
+                group.fail(i, exc)
             finally:
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:  # the last block of the batch commits them all
-                    try:
-                        self._commit(items, staged, futures)
-                    except BaseException as exc:  # never leave a future unresolved
-                        for f in futures:
-                            if not f.done():
-                                f.set_exception(exc)
+                group.task_done()
 
         for i, (key, bufs) in enumerate(items):
             self._executor.submit(task, i, key, bufs)
@@ -398,5 +363,7 @@ class FileTier:
     def close(self) -> None:
         """Stop the I/O threads (after the running ones finish) and release the root's lock."""
         self._executor.shutdown(wait=True)
+        if self._native is not None:
+            self._native.close()
         self._lock.release()
         self.dir.close()

@@ -116,6 +116,13 @@ def fsync_dir(path: RootPath) -> None:
         os.close(fd)
 
 
+def tmp_name(final_name: str) -> str:
+    """A fresh temporary name for a file to be renamed over ``final_name``
+    (``.tmp.<final>.<pid>.<hex>``, :data:`~tiercache.files.blockfile.TMP_RE`): unique in this
+    process (a counter, no ``getrandom`` per block); ``O_EXCL`` guards the rest."""
+    return f"{TMP_PREFIX}{final_name}.{os.getpid()}.{next(_tmp_ids):x}"
+
+
 def atomic_write(final: RootPath | Path, header: bytes, nbytes: int, fsync: str,
                  write_data: Callable[[int], None] | None = None, direct: bool = False, data=None,
                  publish: bool = True) -> RootPath | None:
@@ -131,8 +138,7 @@ def atomic_write(final: RootPath | Path, header: bytes, nbytes: int, fsync: str,
     On any error the temporary file is removed and ``final`` is untouched.
     """
     final = RootPath.of(final)
-    # unique in this process (a counter, no getrandom per block); O_EXCL guards the rest
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{next(_tmp_ids):x}")
+    tmp = final.with_name(tmp_name(final.name))
     fd, direct = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, direct)
     try:
         if direct:

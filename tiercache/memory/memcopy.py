@@ -21,11 +21,28 @@ def data_ptr(arr) -> int:
 
 def copy_sync(dst, src) -> None:
     """Copy all bytes of ``src`` into ``dst`` (same nbytes, each host or device, contiguous)
-    and return when the copy is complete."""
-    if dst.nbytes != src.nbytes:
-        raise ValueError(f"copy of {src.nbytes} bytes into a buffer of {dst.nbytes}")
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        np.copyto(dst, src)
+    and return when the copy is complete.
+
+    Raises:
+        ValueError: the sizes differ.
+    """
+    copy_many_sync([(dst, src)])
+
+
+def copy_many_sync(pairs) -> None:
+    """Copy each ``(dst, src)`` of ``pairs`` (as :func:`copy_sync`), queued back to back on
+    one stream of this thread, and return when all are complete (one synchronization).
+
+    Raises:
+        ValueError: a pair's sizes differ (nothing is copied).
+    """
+    pairs = list(pairs)
+    for dst, src in pairs:
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"copy of {src.nbytes} bytes into a buffer of {dst.nbytes}")
+    if all(isinstance(d, np.ndarray) and isinstance(s, np.ndarray) for d, s in pairs):
+        for dst, src in pairs:
+            np.copyto(dst, src)
         return
     import cupy
 
@@ -36,5 +53,6 @@ def copy_sync(dst, src) -> None:
     stream = streams.get(dev)
     if stream is None:
         stream = streams[dev] = cupy.cuda.Stream(non_blocking=True)
-    cupy.cuda.runtime.memcpyAsync(data_ptr(dst), data_ptr(src), dst.nbytes, MEMCPY_DEFAULT, stream.ptr)
+    for dst, src in pairs:
+        cupy.cuda.runtime.memcpyAsync(data_ptr(dst), data_ptr(src), dst.nbytes, MEMCPY_DEFAULT, stream.ptr)
     stream.synchronize()

@@ -1,0 +1,791 @@
+/* Batched block-file I/O for tiercache's file tier (host code, no CUDA).
+ *
+ * A pool of POSIX threads runs batches of per-file operations outside Python (no GIL, no
+ * Python object per syscall): one call reads, writes or renames the files of a whole request.
+ *
+ *   read    openat(O_NOFOLLOW | O_NONBLOCK [| O_DIRECT]), fstat (regular files only),
+ *           preadv(header page, data) until full or end of file, close
+ *   write   openat(temporary name, O_CREAT | O_EXCL | O_NOFOLLOW [| O_DIRECT], 0600),
+ *           pwritev(header page, data), ftruncate to the padded length, [fdatasync], close,
+ *           [renameat over the final name]; on any error the temporary file is unlinked
+ *   rename  renameat(temporary, final); on error the temporary file is unlinked
+ *
+ * Two backends run reads and writes (renames always run on the threads):
+ *
+ *   io_uring  the calling thread drives a ring of its own (created on first use, closed when
+ *             the thread exits): every file's open, vectored read or write and flush are
+ *             queued as io_uring requests, up to TC_RING_DEPTH files at once, so the files of
+ *             a batch are in flight together without a thread switch per file; the fstat,
+ *             ftruncate, close and rename between them are direct syscalls. Raw io_uring
+ *             system calls (<linux/io_uring.h>), no liburing.
+ *   threads   the pool's threads each run whole files with blocking syscalls (where io_uring
+ *             is missing, refused by a seccomp filter, or not asked for).
+ *
+ * The caller thread works on its own batch too, so a pool of 0 threads still completes.
+ * Errors are reported per operation: 0, an errno value, or TC_NOTREG (a symlink, directory,
+ * FIFO or other non-regular file under the name).
+ *
+ * Loaded with ctypes by tiercache/files/batchio.py (compiled once per machine by
+ * kernels/hostlib.py).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define TC_HEADER_BYTES 4096
+#define TC_NOTREG (-1)
+
+enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2 };
+enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4 };
+
+/* One batch, struct of arrays (entry i of every array belongs to operation i). */
+typedef struct {
+    int32_t kind;            /* TC_READ | TC_WRITE | TC_RENAME */
+    int32_t dir_fd;          /* the root's directory descriptor */
+    const char *names;       /* NUL-terminated names, back to back */
+    const int64_t *name_off; /* read: the file; write and rename: the temporary file */
+    const int64_t *final_off;/* write (with TC_PUBLISH) and rename: the final name; may be NULL */
+    const int32_t *flags;    /* TC_DIRECT | TC_FDATASYNC | TC_PUBLISH */
+    void *const *head;       /* header page (TC_HEADER_BYTES, page-aligned) */
+    void *const *data;       /* the block's bytes */
+    const int64_t *data_len; /* bytes of data */
+    const int64_t *file_len; /* write: the file's padded length */
+    int32_t *err;            /* out: 0, errno, or TC_NOTREG */
+    int64_t *got;            /* out (read): bytes read, header included */
+} tc_batch;
+
+typedef struct tc_job {
+    const tc_batch *b;
+    int n;
+    atomic_int next;
+    atomic_int left;
+    int done;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct tc_job *link;
+} tc_job;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    tc_job *head, *tail;
+    int stop;
+    int nthreads;
+    int uring; /* reads and writes on the caller's io_uring ring */
+    pthread_t *threads;
+} tc_pool;
+
+/* fault injection for tests: up to TC_FAULTS rules; an operation of `kind` whose name
+ * contains `match` fails with `err` after its file was opened (so the cleanup paths run),
+ * `times` times (-1: until cleared) */
+#define TC_FAULTS 16
+static struct {
+    int kind, err, times;
+    char match[128];
+} faults[TC_FAULTS];
+static int nfaults;
+static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void tc_set_fault(int kind, const char *match, int err, int times)
+{
+    pthread_mutex_lock(&fault_mu);
+    if (kind < 0) {
+        nfaults = 0;
+    } else if (nfaults < TC_FAULTS) {
+        faults[nfaults].kind = kind;
+        faults[nfaults].err = err;
+        faults[nfaults].times = times;
+        snprintf(faults[nfaults].match, sizeof faults[nfaults].match, "%s", match);
+        nfaults++;
+    }
+    pthread_mutex_unlock(&fault_mu);
+}
+
+static int injected(int kind, const char *name)
+{
+    int e = 0;
+    if (__atomic_load_n(&nfaults, __ATOMIC_RELAXED) == 0)
+        return 0;
+    pthread_mutex_lock(&fault_mu);
+    for (int k = 0; k < nfaults && !e; k++)
+        if (faults[k].kind == kind && faults[k].times != 0 && strstr(name, faults[k].match)) {
+            e = faults[k].err;
+            if (faults[k].times > 0)
+                faults[k].times--;
+        }
+    pthread_mutex_unlock(&fault_mu);
+    return e;
+}
+
+static int open_file(int dir_fd, const char *name, int flags, int direct, mode_t mode)
+{
+    int fd = -1;
+    if (direct) {
+        fd = openat(dir_fd, name, flags | O_DIRECT, mode);
+        if (fd >= 0 || errno != EINVAL)
+            return fd;
+        if (flags & O_CREAT) /* O_EXCL: a half-made file under the name is ours to remove */
+            unlinkat(dir_fd, name, 0);
+    }
+    return openat(dir_fd, name, flags, mode);
+}
+
+static int not_regular(int e)
+{
+    return e == ELOOP || e == EISDIR || e == ENXIO;
+}
+
+static void do_read(const tc_batch *b, int i)
+{
+    const char *name = b->names + b->name_off[i];
+    int64_t total = 0;
+    int fd = open_file(b->dir_fd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK,
+                       b->flags[i] & TC_DIRECT, 0);
+    b->got[i] = 0;
+    if (fd < 0) {
+        b->err[i] = not_regular(errno) ? TC_NOTREG : errno;
+        return;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        b->err[i] = errno;
+        close(fd);
+        return;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        b->err[i] = TC_NOTREG;
+        close(fd);
+        return;
+    }
+    int e = injected(TC_READ, name);
+    struct iovec v[2] = {{b->head[i], TC_HEADER_BYTES}, {b->data[i], (size_t)b->data_len[i]}};
+    int iov = 0;
+    int64_t want = TC_HEADER_BYTES + b->data_len[i];
+    while (!e && total < want) {
+        ssize_t r = preadv(fd, v + iov, 2 - iov, total);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            e = errno;
+            break;
+        }
+        if (r == 0)
+            break; /* end of file: a truncated file, reported through got */
+        total += r;
+        while (iov < 2 && (size_t)r >= v[iov].iov_len) {
+            r -= v[iov].iov_len;
+            iov++;
+        }
+        if (iov < 2) {
+            v[iov].iov_base = (char *)v[iov].iov_base + r;
+            v[iov].iov_len -= r;
+        }
+    }
+    close(fd);
+    b->got[i] = total;
+    b->err[i] = e;
+}
+
+static int write_all(int fd, const tc_batch *b, int i)
+{
+    struct iovec v[2] = {{b->head[i], TC_HEADER_BYTES}, {b->data[i], (size_t)b->data_len[i]}};
+    int iov = 0;
+    int64_t off = 0, want = TC_HEADER_BYTES + b->data_len[i];
+    int e = injected(TC_WRITE, b->names + b->name_off[i]);
+    if (e)
+        return e;
+    while (off < want) {
+        ssize_t r = pwritev(fd, v + iov, 2 - iov, off);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (r == 0)
+            return EIO;
+        off += r;
+        while (iov < 2 && (size_t)r >= v[iov].iov_len) {
+            r -= v[iov].iov_len;
+            iov++;
+        }
+        if (iov < 2) {
+            v[iov].iov_base = (char *)v[iov].iov_base + r;
+            v[iov].iov_len -= r;
+        }
+    }
+    return 0;
+}
+
+static void do_write(const tc_batch *b, int i)
+{
+    const char *tmp = b->names + b->name_off[i];
+    int flags = b->flags[i];
+    int fd = open_file(b->dir_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+                       flags & TC_DIRECT, 0600);
+    if (fd < 0) {
+        b->err[i] = not_regular(errno) ? TC_NOTREG : errno;
+        return;
+    }
+    int e = write_all(fd, b, i);
+    if (!e && b->file_len[i] > TC_HEADER_BYTES + b->data_len[i] && ftruncate(fd, b->file_len[i]) != 0)
+        e = errno;
+    if (!e && (flags & TC_FDATASYNC) && fdatasync(fd) != 0)
+        e = errno;
+    if (close(fd) != 0 && !e)
+        e = errno;
+    if (!e && (flags & TC_PUBLISH) &&
+        renameat(b->dir_fd, tmp, b->dir_fd, b->names + b->final_off[i]) != 0)
+        e = not_regular(errno) || errno == ENOTEMPTY ? TC_NOTREG : errno;
+    if (e)
+        unlinkat(b->dir_fd, tmp, 0);
+    b->err[i] = e;
+}
+
+static void do_rename(const tc_batch *b, int i)
+{
+    const char *tmp = b->names + b->name_off[i];
+    int e = injected(TC_RENAME, tmp);
+    if (!e && renameat(b->dir_fd, tmp, b->dir_fd, b->names + b->final_off[i]) != 0)
+        e = not_regular(errno) || errno == ENOTEMPTY ? TC_NOTREG : errno;
+    if (e)
+        unlinkat(b->dir_fd, tmp, 0);
+    b->err[i] = e;
+}
+
+static void run_one(tc_job *j, int i)
+{
+    switch (j->b->kind) {
+    case TC_READ: do_read(j->b, i); break;
+    case TC_WRITE: do_write(j->b, i); break;
+    default: do_rename(j->b, i); break;
+    }
+    if (atomic_fetch_sub(&j->left, 1) == 1) {
+        pthread_mutex_lock(&j->mu);
+        j->done = 1;
+        pthread_cond_signal(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+    }
+}
+
+/* under p->mu: drop exhausted jobs from the head of the queue */
+static void unlink_job(tc_pool *p, tc_job *j)
+{
+    tc_job **pp = &p->head, *prev = NULL;
+    while (*pp && *pp != j) {
+        prev = *pp;
+        pp = &(*pp)->link;
+    }
+    if (*pp) {
+        *pp = j->link;
+        if (p->tail == j)
+            p->tail = prev;
+    }
+}
+
+static void *worker(void *arg)
+{
+    tc_pool *p = arg;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        while (!p->head && !p->stop)
+            pthread_cond_wait(&p->cv, &p->mu);
+        if (!p->head) {
+            pthread_mutex_unlock(&p->mu);
+            return NULL;
+        }
+        tc_job *j = p->head;
+        int i = atomic_fetch_add(&j->next, 1);
+        if (i >= j->n - 1)
+            unlink_job(p, j); /* no work left in it for anyone else */
+        pthread_mutex_unlock(&p->mu);
+        if (i < j->n)
+            run_one(j, i);
+    }
+}
+
+/* ---- io_uring backend ------------------------------------------------------------------- */
+#if defined(__linux__) && __has_include(<linux/io_uring.h>)
+#include <linux/io_uring.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#define TC_HAVE_URING 1
+#define TC_RING_DEPTH 128
+
+typedef struct {
+    int fd;
+    unsigned *sq_head, *sq_tail, *sq_mask, *sq_array;
+    unsigned *cq_head, *cq_tail, *cq_mask;
+    struct io_uring_sqe *sqes;
+    struct io_uring_cqe *cqes;
+    void *sq_map, *cq_map;
+    size_t sq_len, cq_len, sqes_len;
+    unsigned queued; /* SQEs filled since the last io_uring_enter */
+} tc_ring;
+
+static pthread_key_t ring_key;
+static pthread_once_t ring_once = PTHREAD_ONCE_INIT;
+
+static void ring_free(void *arg)
+{
+    tc_ring *r = arg;
+    if (!r)
+        return;
+    munmap(r->sqes, r->sqes_len);
+    if (r->cq_map != r->sq_map)
+        munmap(r->cq_map, r->cq_len);
+    munmap(r->sq_map, r->sq_len);
+    close(r->fd);
+    free(r);
+}
+
+static void ring_key_init(void)
+{
+    pthread_key_create(&ring_key, ring_free);
+}
+
+static tc_ring *ring_new(void)
+{
+    /* completions run only when this thread asks for them (DEFER_TASKRUN, 6.1+), else
+     * without an interrupt of the running task (COOP_TASKRUN, 5.19+), else plain */
+    static const unsigned setups[] = {
+        IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, IORING_SETUP_COOP_TASKRUN, 0};
+    struct io_uring_params p;
+    int fd = -1;
+    for (unsigned k = 0; k < sizeof setups / sizeof *setups && fd < 0; k++) {
+        memset(&p, 0, sizeof p);
+        p.flags = setups[k];
+        fd = (int)syscall(__NR_io_uring_setup, TC_RING_DEPTH, &p);
+        if (fd < 0 && errno != EINVAL)
+            return NULL; /* ENOSYS, EPERM (seccomp, io_uring_disabled): no io_uring here */
+    }
+    if (fd < 0)
+        return NULL;
+    tc_ring *r = calloc(1, sizeof *r);
+    if (!r) {
+        close(fd);
+        return NULL;
+    }
+    r->fd = fd;
+    r->sq_len = p.sq_off.array + p.sq_entries * sizeof(unsigned);
+    r->cq_len = p.cq_off.cqes + p.cq_entries * sizeof(struct io_uring_cqe);
+    int single = (p.features & IORING_FEAT_SINGLE_MMAP) != 0;
+    if (single)
+        r->sq_len = r->cq_len = r->sq_len > r->cq_len ? r->sq_len : r->cq_len;
+    r->sq_map = mmap(NULL, r->sq_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_SQ_RING);
+    if (r->sq_map == MAP_FAILED)
+        goto fail;
+    r->cq_map = single ? r->sq_map
+                       : mmap(NULL, r->cq_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_CQ_RING);
+    if (r->cq_map == MAP_FAILED)
+        goto fail_sq;
+    r->sqes_len = p.sq_entries * sizeof(struct io_uring_sqe);
+    r->sqes = mmap(NULL, r->sqes_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_SQES);
+    if (r->sqes == MAP_FAILED)
+        goto fail_cq;
+    char *sq = r->sq_map, *cq = r->cq_map;
+    r->sq_head = (unsigned *)(sq + p.sq_off.head);
+    r->sq_tail = (unsigned *)(sq + p.sq_off.tail);
+    r->sq_mask = (unsigned *)(sq + p.sq_off.ring_mask);
+    r->sq_array = (unsigned *)(sq + p.sq_off.array);
+    r->cq_head = (unsigned *)(cq + p.cq_off.head);
+    r->cq_tail = (unsigned *)(cq + p.cq_off.tail);
+    r->cq_mask = (unsigned *)(cq + p.cq_off.ring_mask);
+    r->cqes = (struct io_uring_cqe *)(cq + p.cq_off.cqes);
+    return r;
+fail_cq:
+    if (r->cq_map != r->sq_map)
+        munmap(r->cq_map, r->cq_len);
+fail_sq:
+    munmap(r->sq_map, r->sq_len);
+fail:
+    close(fd);
+    free(r);
+    return NULL;
+}
+
+/* this thread's ring (NULL where io_uring cannot be set up) */
+static tc_ring *thread_ring(void)
+{
+    pthread_once(&ring_once, ring_key_init);
+    tc_ring *r = pthread_getspecific(ring_key);
+    if (!r) {
+        r = ring_new();
+        if (r)
+            pthread_setspecific(ring_key, r);
+    }
+    return r;
+}
+
+static struct io_uring_sqe *ring_sqe(tc_ring *r)
+{
+    unsigned tail = *r->sq_tail;
+    unsigned head = __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+    if (tail - head >= *r->sq_mask + 1)
+        return NULL; /* cannot happen: at most TC_RING_DEPTH requests are ever outstanding */
+    unsigned idx = tail & *r->sq_mask;
+    struct io_uring_sqe *sqe = &r->sqes[idx];
+    memset(sqe, 0, sizeof *sqe);
+    r->sq_array[idx] = idx;
+    __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
+    r->queued++;
+    return sqe;
+}
+
+static int ring_enter(tc_ring *r, unsigned wait)
+{
+    for (;;) {
+        int got = (int)syscall(__NR_io_uring_enter, r->fd, r->queued, wait, wait ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
+        if (got >= 0) {
+            r->queued -= (unsigned)got < r->queued ? (unsigned)got : r->queued;
+            if (r->queued == 0 || got == 0)
+                return 0;
+            continue;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN || errno == EBUSY) { /* completions first: wait for one, then retry */
+            wait = 1;
+            continue;
+        }
+        return errno;
+    }
+}
+
+enum { ST_OPEN = 0, ST_IO = 1, ST_SYNC = 2 };
+
+typedef struct {
+    int fd;
+    int direct;
+    int64_t off;       /* bytes moved so far (header included) */
+    struct iovec iov[2];
+} tc_file;
+
+static void prep_open(tc_ring *r, const tc_batch *b, tc_file *f, int i)
+{
+    struct io_uring_sqe *sqe = ring_sqe(r);
+    int write = b->kind == TC_WRITE;
+    sqe->opcode = IORING_OP_OPENAT;
+    sqe->fd = b->dir_fd;
+    sqe->addr = (uint64_t)(uintptr_t)(b->names + b->name_off[i]);
+    sqe->open_flags = (write ? O_WRONLY | O_CREAT | O_EXCL : O_RDONLY | O_NONBLOCK) | O_CLOEXEC | O_NOFOLLOW
+                      | (f->direct ? O_DIRECT : 0);
+    sqe->len = write ? 0600 : 0;
+    sqe->user_data = ((uint64_t)i << 2) | ST_OPEN;
+}
+
+static void prep_io(tc_ring *r, const tc_batch *b, tc_file *f, int i)
+{
+    int64_t off = f->off, hb = TC_HEADER_BYTES;
+    int k = 0;
+    if (off < hb)
+        f->iov[k++] = (struct iovec){(char *)b->head[i] + off, (size_t)(hb - off)};
+    int64_t d = off > hb ? off - hb : 0;
+    f->iov[k++] = (struct iovec){(char *)b->data[i] + d, (size_t)(b->data_len[i] - d)};
+    struct io_uring_sqe *sqe = ring_sqe(r);
+    sqe->opcode = b->kind == TC_WRITE ? IORING_OP_WRITEV : IORING_OP_READV;
+    sqe->fd = f->fd;
+    sqe->addr = (uint64_t)(uintptr_t)f->iov;
+    sqe->len = k;
+    sqe->off = off;
+    sqe->user_data = ((uint64_t)i << 2) | ST_IO;
+}
+
+static void prep_sync(tc_ring *r, tc_file *f, int i)
+{
+    struct io_uring_sqe *sqe = ring_sqe(r);
+    sqe->opcode = IORING_OP_FSYNC;
+    sqe->fd = f->fd;
+    sqe->fsync_flags = IORING_FSYNC_DATASYNC;
+    sqe->user_data = ((uint64_t)i << 2) | ST_SYNC;
+}
+
+/* a write's end: close, publish or remove the temporary file; returns the error */
+static int finish_write(const tc_batch *b, tc_file *f, int i, int e)
+{
+    const char *tmp = b->names + b->name_off[i];
+    if (close(f->fd) != 0 && !e)
+        e = errno;
+    f->fd = -1;
+    if (!e && (b->flags[i] & TC_PUBLISH) &&
+        renameat(b->dir_fd, tmp, b->dir_fd, b->names + b->final_off[i]) != 0)
+        e = not_regular(errno) || errno == ENOTEMPTY ? TC_NOTREG : errno;
+    if (e)
+        unlinkat(b->dir_fd, tmp, 0);
+    return e;
+}
+
+/* One completion of file i; returns 1 when the file is done (b->err[i] set). */
+static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, int res)
+{
+    int write = b->kind == TC_WRITE;
+    int64_t want = TC_HEADER_BYTES + b->data_len[i];
+    if (stage == ST_OPEN) {
+        if (res < 0) {
+            if (res == -EINVAL && f->direct) { /* O_DIRECT refused (tmpfs): again without it */
+                if (write)
+                    unlinkat(b->dir_fd, b->names + b->name_off[i], 0);
+                f->direct = 0;
+                prep_open(r, b, f, i);
+                return 0;
+            }
+            b->err[i] = not_regular(-res) ? TC_NOTREG : -res;
+            return 1;
+        }
+        f->fd = res;
+        int e = 0;
+        if (!write) {
+            struct stat st;
+            if (fstat(f->fd, &st) != 0)
+                e = errno;
+            else if (!S_ISREG(st.st_mode))
+                e = TC_NOTREG;
+            else if (fcntl(f->fd, F_SETFL, f->direct ? O_DIRECT : 0) != 0)
+                e = errno; /* clear O_NONBLOCK: io_uring would fail reads with EAGAIN */
+        }
+        if (!e)
+            e = injected(b->kind, b->names + b->name_off[i]);
+        if (e) {
+            if (write)
+                b->err[i] = finish_write(b, f, i, e);
+            else {
+                close(f->fd);
+                b->err[i] = e;
+            }
+            return 1;
+        }
+        f->off = 0;
+        prep_io(r, b, f, i);
+        return 0;
+    }
+    if (stage == ST_IO) {
+        if (res == -EINTR || res == -EAGAIN) {
+            prep_io(r, b, f, i);
+            return 0;
+        }
+        int e = res < 0 ? -res : 0;
+        if (res > 0) {
+            f->off += res;
+            if (f->off < want) { /* a short transfer: the rest */
+                prep_io(r, b, f, i);
+                return 0;
+            }
+        } else if (res == 0 && write) {
+            e = EIO;
+        }
+        if (!write) {
+            close(f->fd);
+            b->got[i] = f->off;
+            b->err[i] = e;
+            return 1;
+        }
+        if (!e && b->file_len[i] > want && ftruncate(f->fd, b->file_len[i]) != 0)
+            e = errno;
+        if (!e && (b->flags[i] & TC_FDATASYNC)) {
+            prep_sync(r, f, i);
+            return 0;
+        }
+        b->err[i] = finish_write(b, f, i, e);
+        return 1;
+    }
+    b->err[i] = finish_write(b, f, i, res < 0 ? -res : 0); /* ST_SYNC */
+    return 1;
+}
+
+/* Run a read or write batch on this thread's ring; returns -1 where there is no ring. */
+static int uring_run(const tc_batch *b, int n)
+{
+    tc_ring *r = thread_ring();
+    if (!r)
+        return -1;
+    tc_file *files = calloc((size_t)n, sizeof *files);
+    if (!files)
+        return -1;
+    int next = 0, active = 0, done = 0, err = 0;
+    while (done < n) {
+        while (active < TC_RING_DEPTH && next < n) {
+            files[next].fd = -1;
+            files[next].direct = (b->flags[next] & TC_DIRECT) != 0;
+            if (b->kind == TC_READ)
+                b->got[next] = 0;
+            prep_open(r, b, &files[next], next);
+            next++;
+            active++;
+        }
+        err = ring_enter(r, 1);
+        if (err)
+            break;
+        unsigned head = *r->cq_head;
+        unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
+        for (; head != tail; head++) {
+            struct io_uring_cqe *cqe = &r->cqes[head & *r->cq_mask];
+            int i = (int)(cqe->user_data >> 2);
+            if (on_cqe(r, b, &files[i], i, (int)(cqe->user_data & 3), cqe->res)) {
+                active--;
+                done++;
+            }
+        }
+        __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
+    }
+    if (err) { /* the ring failed (not a file): finish what is in flight, fail the rest */
+        while (active > 0) {
+            if (ring_enter(r, 1) != 0)
+                break;
+            unsigned head = *r->cq_head;
+            unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
+            for (; head != tail; head++) {
+                struct io_uring_cqe *cqe = &r->cqes[head & *r->cq_mask];
+                int i = (int)(cqe->user_data >> 2);
+                int stage = (int)(cqe->user_data & 3);
+                if (stage == ST_OPEN && cqe->res >= 0)
+                    files[i].fd = cqe->res;
+                if (files[i].fd >= 0) {
+                    if (b->kind == TC_WRITE)
+                        finish_write(b, &files[i], i, err);
+                    else
+                        close(files[i].fd);
+                }
+                b->err[i] = err;
+                active--;
+            }
+            __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
+        }
+        for (int i = next; i < n; i++)
+            b->err[i] = err;
+    }
+    free(files);
+    return 0;
+}
+
+/* 1 where this thread can set up an io_uring ring that opens files */
+static int uring_usable(void)
+{
+    return thread_ring() != NULL;
+}
+#else
+static int uring_run(const tc_batch *b, int n)
+{
+    (void)b;
+    (void)n;
+    return -1;
+}
+
+static int uring_usable(void)
+{
+    return 0;
+}
+#endif
+
+void *tc_pool_create(int nthreads, int uring)
+{
+    tc_pool *p = calloc(1, sizeof *p);
+    if (!p)
+        return NULL;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    p->threads = calloc(nthreads > 0 ? nthreads : 1, sizeof(pthread_t));
+    if (!p->threads) {
+        free(p);
+        return NULL;
+    }
+    p->uring = uring && uring_usable();
+    for (int t = 0; t < nthreads; t++) {
+        if (pthread_create(&p->threads[t], NULL, worker, p) != 0)
+            break;
+        p->nthreads++;
+    }
+    return p;
+}
+
+/* Stop the workers (after the batches in flight) and free the pool. */
+void tc_pool_destroy(void *pool)
+{
+    tc_pool *p = pool;
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int t = 0; t < p->nthreads; t++)
+        pthread_join(p->threads[t], NULL);
+    pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->mu);
+    free(p->threads);
+    free(p);
+}
+
+int tc_pool_threads(void *pool)
+{
+    return ((tc_pool *)pool)->nthreads;
+}
+
+/* 1 when reads and writes run on io_uring, 0 on the threads */
+int tc_pool_uring(void *pool)
+{
+    return ((tc_pool *)pool)->uring;
+}
+
+/* Run the n operations of batch b on the pool (the calling thread helps) and return when all
+ * are done. Returns the number of operations that failed. */
+int tc_run(void *pool, const tc_batch *b, int n)
+{
+    tc_pool *p = pool;
+    if (n <= 0)
+        return 0;
+    if (p->uring && b->kind != TC_RENAME && uring_run(b, n) == 0) {
+        int failed = 0;
+        for (int i = 0; i < n; i++)
+            failed += b->err[i] != 0;
+        return failed;
+    }
+    tc_job j;
+    j.b = b;
+    j.n = n;
+    atomic_init(&j.next, 0);
+    atomic_init(&j.left, n);
+    j.done = 0;
+    j.link = NULL;
+    pthread_mutex_init(&j.mu, NULL);
+    pthread_cond_init(&j.cv, NULL);
+    if (n > 1 && p->nthreads > 0) {
+        pthread_mutex_lock(&p->mu);
+        if (p->tail)
+            p->tail->link = &j;
+        else
+            p->head = &j;
+        p->tail = &j;
+        /* wake as many workers as there is work for beside the caller (no thundering herd) */
+        if (n - 1 >= p->nthreads)
+            pthread_cond_broadcast(&p->cv);
+        else
+            for (int k = 0; k < n - 1; k++)
+                pthread_cond_signal(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    for (;;) {
+        int i = atomic_fetch_add(&j.next, 1);
+        if (i >= n)
+            break;
+        run_one(&j, i);
+    }
+    pthread_mutex_lock(&j.mu);
+    while (!j.done)
+        pthread_cond_wait(&j.cv, &j.mu);
+    pthread_mutex_unlock(&j.mu);
+    pthread_mutex_lock(&p->mu); /* no worker may still reach this job through the queue */
+    unlink_job(p, &j);
+    pthread_mutex_unlock(&p->mu);
+    pthread_cond_destroy(&j.cv);
+    pthread_mutex_destroy(&j.mu);
+    int failed = 0;
+    for (int i = 0; i < n; i++)
+        failed += b->err[i] != 0;
+    return failed;
+}

@@ -1,0 +1,458 @@
+"""Requests of block files as batches: the native engine's read and write tasks, and the
+group commit both engines share.
+
+A request (``[(key, {pool: buffer})]``) is cut into chunks of whole blocks (up to
+:data:`MAX_CHUNK_FILES` files, and :data:`STAGING_BYTES` of pinned staging when device
+buffers take the POSIX path); each chunk is one task on the file tier's I/O threads, which
+makes one :class:`~tiercache.files.batchio.NativeIO` call for all its files and then, per
+file, checks the header and the XXH3-64 checksum. Chunks of one request overlap: while one
+chunk's checksums run in Python, the next chunk's files are on the disk.
+
+Writes follow the fsync policy exactly as the ``python`` engine does (docs in
+:meth:`~tiercache.files.FileTier.submit`): with ``none`` each file is published by its
+task; otherwise a request of two or more files is a **group commit** (:class:`GroupCommit`):
+every file is written as a temporary file without a flush, the last task to finish makes
+them durable with one ``syncfs`` and renames them into place (one native batch), and each
+block is acknowledged only after that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+
+import numpy as np
+
+from tiercache.errors import CorruptBlockError
+from tiercache.files import posix_io
+from tiercache.files.batchio import DIRECT, FDATASYNC, NOT_REGULAR, PUBLISH, READ, RENAME, WRITE, NativeIO, Ops, error_for
+from tiercache.files.blockfile import (
+    ALIGN,
+    DATA_OFFSET,
+    align_up,
+    block_filename,
+    checksum,
+    encode_header,
+    file_size,
+    header_checksum,
+)
+from tiercache.files.rootdir import RootDir, RootPath
+from tiercache.geometry import PoolSpec
+from tiercache.keys import Key
+
+#: files per native call (one task of the I/O threads)
+MAX_CHUNK_FILES = 64
+#: pinned staging per chunk when device buffers take the POSIX path
+STAGING_BYTES = 16 << 20
+
+
+def before_io(i: int, deps, delay_s: float, skip) -> None:
+    """In an I/O thread, before item ``i`` touches its buffers: wait for the jobs it depends
+    on, the debug delay, and fail it (``OSError``) when ``skip(i)`` gives a reason."""
+    for dep in deps:
+        dep.wait_host()
+    if delay_s:
+        time.sleep(delay_s)
+    why = skip(i) if skip is not None else None
+    if why:
+        raise OSError(why)
+
+
+def _is_host(buf) -> bool:
+    return isinstance(buf, (np.ndarray, memoryview))
+
+
+class Outcome:
+    """The outcome of a set of blocks (a chunk of a request, or a group commit's request):
+    one event for all of them, and the errors of those that failed (by index)."""
+
+    __slots__ = ("event", "errors")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.errors: dict[int, BaseException] = {}
+
+    def settle(self, errors: dict[int, BaseException]) -> None:
+        """Record the failures (every other block succeeded) and release the waiters."""
+        self.errors.update(errors)
+        self.event.set()
+
+
+class BlockFuture:
+    """One block's outcome, with the part of :class:`concurrent.futures.Future` that callers
+    of :meth:`~tiercache.files.FileTier.submit` use (``done``, ``exception``, ``result``); the
+    blocks of one chunk share one event instead of a lock and condition each."""
+
+    __slots__ = ("_outcome", "_i")
+
+    def __init__(self, outcome: Outcome, i: int) -> None:
+        self._outcome, self._i = outcome, i
+
+    def done(self) -> bool:
+        return self._outcome.event.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The block's error or None, once settled.
+
+        Raises:
+            TimeoutError: not settled within ``timeout`` seconds.
+        """
+        if not self._outcome.event.wait(timeout):
+            raise TimeoutError(f"block not finished after {timeout} s")
+        return self._outcome.errors.get(self._i)
+
+    def result(self, timeout: float | None = None) -> None:
+        """None once the block succeeded.
+
+        Raises:
+            TimeoutError: see :meth:`exception`; the block's own error if it failed.
+        """
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+
+
+class GroupCommit:
+    """The group commit of one write request: tasks stage blocks (``staged[i]``: block
+    ``i``'s ``[(temporary, final)]`` files, or :meth:`fail`); when the last of ``tasks``
+    tasks calls :meth:`task_done`, one filesystem sync makes the staged files durable,
+    ``rename_all`` publishes them (``data+dir``: then one directory sync), and ``settle``
+    gets every failed block's error (a block whose rename fails has none of its files left:
+    no half-published block). Blocks are acknowledged only then.
+
+    Args:
+        directory: the root.
+        fsync: ``data`` or ``data+dir``.
+        keys: per block of the request.
+        tasks: how many tasks stage blocks.
+        rename_all: ``rename_all([(tmp, final)])`` -> per pair None or the exception (a failed
+            rename leaves no temporary file).
+        delete: ``delete([key])`` removes a block's files.
+        settle: ``settle({index: error})`` once, with every failed block.
+    """
+
+    def __init__(self, directory: RootDir, fsync: str, keys: list[Key], tasks: int, rename_all: Callable,
+                 delete: Callable, settle: Callable[[dict], None]) -> None:
+        self.dir, self.fsync, self.keys = directory, fsync, keys
+        self.staged: list[list[tuple[RootPath, RootPath]] | None] = [None] * len(keys)
+        self.failed: dict[int, BaseException] = {}
+        self._left = tasks
+        self._lock = threading.Lock()
+        self._rename_all, self._delete, self._settle = rename_all, delete, settle
+
+    def fail(self, i: int, exc: BaseException) -> None:
+        """Block ``i`` could not be staged (nothing of it is left on disk)."""
+        self.failed[i] = exc
+
+    def task_done(self) -> None:
+        """One staging task finished; the last one commits and settles."""
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if not last:
+            return
+        try:
+            self._commit()
+        except BaseException as exc:  # never leave a block unsettled
+            for i, st in enumerate(self.staged):
+                if st is not None and i not in self.failed:
+                    self.failed[i] = exc
+        self._settle(self.failed)
+
+    def _commit(self) -> None:
+        ready = [i for i, st in enumerate(self.staged) if st is not None and i not in self.failed]
+        if not ready:
+            return
+        try:
+            posix_io.sync_filesystem(self.dir.fd)
+        except BaseException as exc:
+            for i in ready:
+                for tmp, _ in self.staged[i]:
+                    tmp.unlink()
+                self.failed[i] = exc
+            return
+        pairs = [(i, tmp, final) for i in ready for tmp, final in self.staged[i]]
+        errs = self._rename_all([(tmp, final) for _, tmp, final in pairs])
+        bad: dict[int, BaseException] = {}
+        for (i, _, _), exc in zip(pairs, errs):
+            if exc is not None:
+                bad.setdefault(i, exc)
+        if bad:
+            self._delete([self.keys[i] for i in bad])
+        self.failed.update(bad)
+        published = [i for i in ready if i not in bad]
+        if published and self.fsync == "data+dir":
+            try:
+                posix_io.fsync_dir(self.staged[published[0]][0][1])
+            except OSError as exc:
+                self._delete([self.keys[i] for i in published])
+                self.failed.update({i: exc for i in published})
+
+
+def settle_futures(futures: list[Future]) -> Callable[[dict], None]:
+    """A ``settle`` for :class:`GroupCommit` that resolves one :class:`Future` per block."""
+    def settle(errors: dict) -> None:
+        for i, f in enumerate(futures):
+            if i in errors:
+                f.set_exception(errors[i])
+            else:
+                f.set_result(None)
+    return settle
+
+
+def python_rename_all(pairs: list[tuple[RootPath, RootPath]]) -> list[BaseException | None]:
+    """:func:`~tiercache.files.posix_io.publish_tmp` of each pair, one Python call each."""
+    out: list[BaseException | None] = []
+    for tmp, final in pairs:
+        try:
+            posix_io.publish_tmp(tmp, final)
+            out.append(None)
+        except BaseException as exc:
+            out.append(exc)
+    return out
+
+
+class BlockBatches:
+    """The native engine's side of a file tier: reads and writes whole requests as batches.
+
+    Args:
+        directory: the root.
+        pools: the tier's pools by name.
+        native: the C thread pool.
+        executor: the tier's I/O threads (one task per chunk).
+        fsync, verify, direct_io, device_id: as :class:`~tiercache.files.FileTier`.
+        block_meta: per key, extra header metadata for its next write.
+        delete: ``delete([key])`` removes a block's files.
+    """
+
+    def __init__(self, directory: RootDir, pools: dict[str, PoolSpec], native: NativeIO, executor: Executor,
+                 fsync: str, verify: bool, direct_io: bool, device_id: int, block_meta: dict,
+                 delete: Callable) -> None:
+        self.dir, self.pools, self.native, self.executor = directory, pools, native, executor
+        self.fsync, self.verify, self.direct_io, self.device_id = fsync, verify, direct_io, device_id
+        self.block_meta = block_meta
+        self._delete = delete
+        self._local = threading.local()
+        self._root = str(directory.path)  # for messages
+
+    # -- request -> chunks -------------------------------------------------------------------
+    @staticmethod
+    def chunks(items: list[tuple[Key, dict]]) -> list[list[int]]:
+        """Indices of ``items`` cut into chunks of whole blocks: about a quarter of the
+        request's files each (so chunks overlap), at least 8 and at most
+        :data:`MAX_CHUNK_FILES` files, and at most :data:`STAGING_BYTES` of device buffers."""
+        n_files = sum(len(bufs) for _, bufs in items)
+        target = max(min(n_files, 8), min(MAX_CHUNK_FILES, -(-n_files // 4)))
+        out: list[list[int]] = []
+        cur: list[int] = []
+        files = staged = 0
+        for i, (_, bufs) in enumerate(items):
+            dev = sum(align_up(b.nbytes) for b in bufs.values() if not _is_host(b))
+            if cur and (files + len(bufs) > target or staged + dev > STAGING_BYTES):
+                out.append(cur)
+                cur, files, staged = [], 0, 0
+            cur.append(i)
+            files += len(bufs)
+            staged += dev
+        if cur:
+            out.append(cur)
+        return out
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """This thread's pinned staging buffer of at least ``nbytes`` (page-aligned)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.nbytes < nbytes:
+            from tiercache.memory import alloc_host
+
+            buf, owner = alloc_host(max(nbytes, 1 << 20), pinned=True)
+            self._local.staging, self._local.owner = buf, owner
+        return buf
+
+    def _layout(self, idx: list[int], items, skip, errors: dict) -> list[tuple[int, Key, PoolSpec, object, np.ndarray]]:
+        """Per file of the chunk's blocks that are not skipped: ``(item, key, pool, buffer,
+        host view)``, the host view being the buffer itself or a slice of pinned staging."""
+        files = []
+        dev_bytes = 0
+        for i in idx:
+            why = skip(i) if skip is not None else None
+            if why:
+                errors[i] = OSError(why)
+                continue
+            key, bufs = items[i]
+            for name, buf in bufs.items():
+                files.append((i, key, self.pools[name], buf))
+                if not _is_host(buf):
+                    dev_bytes += align_up(buf.nbytes)
+        staging = self._staging(dev_bytes) if dev_bytes else None
+        out, at = [], 0
+        for i, key, pool, buf in files:
+            if _is_host(buf):
+                host = np.asarray(buf)
+                if not host.flags.c_contiguous:
+                    raise ValueError(f"block buffer of pool {pool.name!r} is not contiguous")
+                host = host.reshape(-1).view(np.uint8)
+            else:
+                host = staging[at:at + buf.nbytes]
+                at += align_up(buf.nbytes)
+            out.append((i, key, pool, buf, host))
+        return out
+
+    def _ops(self, files) -> Ops:
+        ops = Ops(len(files), self.native.heads(len(files)))
+        for j, (_, _, pool, _, host) in enumerate(files):
+            ptr = host.ctypes.data
+            ops.data[j] = ptr
+            ops.data_len[j] = host.nbytes
+            ops.file_len[j] = file_size(pool.block_nbytes)
+            if self.direct_io and ptr % ALIGN == 0 and host.nbytes % ALIGN == 0:
+                ops.flags[j] = DIRECT
+        return ops
+
+    def _device_copies(self, pairs) -> None:
+        if pairs:
+            import cupy
+
+            from tiercache.memory import copy_many_sync
+
+            with cupy.cuda.Device(self.device_id):
+                copy_many_sync(pairs)
+
+    # -- reads -------------------------------------------------------------------------------
+    def submit_read(self, items, deps=(), delay_s: float = 0.0, skip=None) -> list[tuple[Key, BlockFuture]]:
+        """Read ``items`` (``[(key, {pool: buffer})]``) into their buffers; see
+        :meth:`~tiercache.files.FileTier.submit`."""
+        out: list = [None] * len(items)
+        for idx in self.chunks(items):
+            outcome = Outcome()
+            for i in idx:
+                out[i] = (items[i][0], BlockFuture(outcome, i))
+            self.executor.submit(self._read_chunk, idx, items, outcome, deps, delay_s, skip)
+        return out
+
+    def _read_chunk(self, idx, items, outcome: Outcome, deps, delay_s, skip) -> None:
+        errors: dict[int, BaseException] = {}
+        try:
+            before_io(idx[0], deps, delay_s, None)
+            files = self._layout(idx, items, skip, errors)
+            ops = self._ops(files)
+            ops.names = [block_filename(key, pool.name).encode() for _, key, pool, _, _ in files]
+            self.native.run(READ, self.dir.fd, ops)
+            to_device = []
+            for j, (i, key, pool, buf, host) in enumerate(files):
+                if i in errors:
+                    continue
+                try:
+                    self._check_read(ops, j, key, pool, host)
+                except BaseException as exc:
+                    errors[i] = exc
+                    continue
+                if not _is_host(buf):
+                    to_device.append((i, buf, host))
+            self._device_copies([(buf, host) for i, buf, host in to_device if i not in errors])
+        except BaseException as exc:
+            for i in idx:
+                errors.setdefault(i, exc)
+        outcome.settle(errors)
+
+    def _check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray) -> None:
+        code = int(ops.err[j])
+        where = f"{self._root}/{ops.names[j].decode()}"
+        if code:
+            exc = error_for(code, where)
+            raise (CorruptBlockError(str(exc)) if code == NOT_REGULAR else exc)
+        if ops.got[j] < DATA_OFFSET + pool.block_nbytes:
+            raise CorruptBlockError(f"{where}: truncated ({int(ops.got[j])} bytes, expected {file_size(pool.block_nbytes)})")
+        want = header_checksum(ops.heads[j], key, pool, where)
+        if self.verify and checksum(host) != want:
+            raise CorruptBlockError(f"{where}: data checksum mismatch")
+
+    # -- writes ------------------------------------------------------------------------------
+    def submit_write(self, items, deps=(), delay_s: float = 0.0, skip=None) -> list[tuple[Key, BlockFuture]]:
+        """Write ``items`` (``[(key, {pool: buffer})]``) to their files; see
+        :meth:`~tiercache.files.FileTier.submit`."""
+        chunks = self.chunks(items)
+        n_files = sum(len(bufs) for _, bufs in items)
+        out: list = [None] * len(items)
+        group = None
+        if self.fsync != "none" and n_files > 1:
+            outcome = Outcome()
+            group = GroupCommit(self.dir, self.fsync, [k for k, _ in items], len(chunks), self.rename_all,
+                                self._delete, outcome.settle)
+            out = [(key, BlockFuture(outcome, i)) for i, (key, _) in enumerate(items)]
+        for idx in chunks:
+            outcome = None
+            if group is None:
+                outcome = Outcome()
+                for i in idx:
+                    out[i] = (items[i][0], BlockFuture(outcome, i))
+            self.executor.submit(self._write_chunk, idx, items, outcome, deps, delay_s, skip, group)
+        return out
+
+    def _write_chunk(self, idx, items, outcome: Outcome | None, deps, delay_s, skip, group: GroupCommit | None) -> None:
+        errors: dict[int, BaseException] = {}
+        staged: dict[int, list] = {}
+        try:
+            before_io(idx[0], deps, delay_s, None)
+            files = self._layout(idx, items, skip, errors)
+            self._device_copies([(host, buf) for _, _, _, buf, host in files if not _is_host(buf)])
+            ops = self._ops(files)
+            publish = group is None
+            flags = (PUBLISH | (FDATASYNC if self.fsync != "none" else 0)) if publish else 0
+            for j, (i, key, pool, _, host) in enumerate(files):
+                final = block_filename(key, pool.name)
+                ops.heads[j] = np.frombuffer(encode_header(key, pool, checksum(host), self.block_meta.get(key)),
+                                             np.uint8)
+                ops.names.append(posix_io.tmp_name(final).encode())
+                ops.finals.append(final.encode())
+                ops.flags[j] |= flags
+            self.native.run(WRITE, self.dir.fd, ops)
+            io_failed: set[int] = set()
+            for j, (i, *_rest) in enumerate(files):
+                if ops.err[j] and i not in errors:
+                    errors[i] = error_for(int(ops.err[j]), str(self.dir.child(ops.finals[j].decode())))
+                    io_failed.add(i)
+            if publish:
+                if io_failed:  # no half-written block: every pool's file or none
+                    self._delete([items[i][0] for i in sorted(io_failed)])
+                ok = [i for i in idx if i not in errors]
+                if ok and self.fsync == "data+dir":
+                    try:
+                        posix_io.fsync_dir(self.dir.child(ops.finals[0].decode()))
+                    except OSError as exc:
+                        self._delete([items[i][0] for i in ok])
+                        errors.update({i: exc for i in ok})
+            else:
+                for j, (i, *_rest) in enumerate(files):
+                    pair = (self.dir.child(ops.names[j].decode()), self.dir.child(ops.finals[j].decode()))
+                    if i in errors:
+                        if not ops.err[j]:
+                            pair[0].unlink()  # a sibling pool's file failed: drop this one too
+                    else:
+                        staged.setdefault(i, []).append(pair)
+        except BaseException as exc:
+            for pairs in staged.values():
+                for tmp, _ in pairs:
+                    tmp.unlink()
+            staged.clear()
+            for i in idx:
+                errors.setdefault(i, exc)
+        if group is None:
+            outcome.settle(errors)
+            return
+        for i in idx:
+            if i in errors:
+                group.fail(i, errors[i])
+            else:
+                group.staged[i] = staged.get(i, [])
+        group.task_done()
+
+    def rename_all(self, pairs: list[tuple[RootPath, RootPath]]) -> list[BaseException | None]:
+        """Rename each ``(tmp, final)`` in one native batch (a failed rename removes its
+        temporary file); per pair None or the exception."""
+        ops = Ops(len(pairs), self.native.heads(0))
+        ops.names = [tmp.name.encode() for tmp, _ in pairs]
+        ops.finals = [final.name.encode() for _, final in pairs]
+        self.native.run(RENAME, self.dir.fd, ops)
+        return [error_for(int(e), str(final)) if e else None for e, (_, final) in zip(ops.err, pairs)]
