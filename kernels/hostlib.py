@@ -61,7 +61,7 @@ def build(source: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{src.stem}-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(src)], capture_output=True, text=True)
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(src)], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise HostLibError(f"{cc} failed on {src.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: concurrent builders publish the same bytes

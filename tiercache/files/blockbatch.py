@@ -27,7 +27,18 @@ import numpy as np
 
 from tiercache.errors import CorruptBlockError
 from tiercache.files import posix_io
-from tiercache.files.batchio import DIRECT, FDATASYNC, NOT_REGULAR, PUBLISH, READ, RENAME, WRITE, NativeIO, Ops, error_for
+from tiercache.files.batchio import (
+    DIRECT,
+    FDATASYNC,
+    NOT_REGULAR,
+    PUBLISH,
+    READ,
+    RENAME,
+    WRITE,
+    NativeIO,
+    Ops,
+    error_for,
+)
 from tiercache.files.blockfile import (
     ALIGN,
     DATA_OFFSET,
@@ -68,7 +79,7 @@ class Outcome:
     """The outcome of a set of blocks (a chunk of a request, or a group commit's request):
     one event for all of them, and the errors of those that failed (by index)."""
 
-    __slots__ = ("event", "errors")
+    __slots__ = ("errors", "event")
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -85,7 +96,7 @@ class BlockFuture:
     of :meth:`~tiercache.files.FileTier.submit` use (``done``, ``exception``, ``result``); the
     blocks of one chunk share one event instead of a lock and condition each."""
 
-    __slots__ = ("_outcome", "_i")
+    __slots__ = ("_i", "_outcome")
 
     def __init__(self, outcome: Outcome, i: int) -> None:
         self._outcome, self._i = outcome, i
@@ -413,9 +424,9 @@ class BlockBatches:
                 if ops.err[j] and i not in errors:
                     errors[i] = error_for(int(ops.err[j]), str(self.dir.child(ops.finals[j].decode())))
                     io_failed.add(i)
+            if io_failed:  # a failed write leaves no file of its block (no stale or half-written one)
+                self._delete([items[i][0] for i in sorted(io_failed)])
             if publish:
-                if io_failed:  # no half-written block: every pool's file or none
-                    self._delete([items[i][0] for i in sorted(io_failed)])
                 ok = [i for i in idx if i not in errors]
                 if ok and self.fsync == "data+dir":
                     try:

@@ -268,6 +268,7 @@ class FileTier:
         except BaseException:
             for tmp, _ in staged:
                 tmp.unlink()
+            self.delete([key])  # as an unbatched write: no file of a failed block is left
             raise
         return staged
 

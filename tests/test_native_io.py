@@ -1,0 +1,278 @@
+"""The file tier's I/O engines (io_uring, C threads, python): exact bytes round-tripped with
+random data and keys, each engine reading what another wrote, faults mid-batch, hostile names,
+concurrency, and the choice of engine."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+from conftest import ENGINES, random_keys
+
+from tiercache import ConfigError, CorruptBlockError, PoolSpec
+from tiercache.files import FileTier, IOPath, batchio, block_filename, choose_engine
+from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches
+
+NATIVE = [e for e in ENGINES if e != "python"]
+needs_native = pytest.mark.skipif(not NATIVE, reason="no C compiler: the native engines cannot be built here")
+
+
+def _pools(rng):
+    # one page-aligned pool (O_DIRECT) and one odd-sized pool (buffered, padded file)
+    return (PoolSpec("kv", (4096 * int(rng.integers(1, 5)),), "uint8"),
+            PoolSpec("act", (int(rng.integers(100, 5000)),), "float32"))
+
+
+def _tier(root, pools, engine, **kw):
+    kw.setdefault("io_threads", 4)
+    return FileTier(root, pools, 4096, IOPath("posix", "test"), io_engine=engine, **kw)
+
+
+def _data(rng, pools, n):
+    return {p.name: rng.integers(0, 256, (n, p.block_nbytes), dtype=np.uint8) for p in pools}
+
+
+def _items(keys, arrays):
+    return [(k, {name: arr[i] for name, arr in arrays.items()}) for i, k in enumerate(keys)]
+
+
+@pytest.mark.parametrize("fsync", ["none", "data", "data+dir"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_round_trip_exact_bytes(tmp_path, rng, io_engine, fsync, direct):
+    pools = _pools(rng)
+    n = int(rng.integers(1, 3 * MAX_CHUNK_FILES))  # one chunk to several
+    keys = random_keys(rng, n)
+    data = _data(rng, pools, n)
+    ft = _tier(tmp_path / "root", pools, io_engine, fsync=fsync, direct_io=direct)
+    assert ft.engine == io_engine
+    assert not any(ft.write(_items(keys, data)).values())
+    out = {p.name: np.zeros((n, p.block_nbytes), np.uint8) for p in pools}
+    order = rng.permutation(n)
+    errs = ft.read(_items([keys[i] for i in order], {k: v[order] for k, v in out.items()}))
+    assert not any(errs.values())
+    # read through views of the permuted rows: read again into the caller's own rows
+    errs = ft.read(_items(keys, out))
+    assert not any(errs.values())
+    for name in data:
+        assert np.array_equal(out[name], data[name])
+    assert not [p for p in os.listdir(tmp_path / "root") if p.startswith(".tmp.")]
+    sizes = {os.path.getsize(tmp_path / "root" / block_filename(k, p.name)) % 4096 for k in keys for p in pools}
+    assert sizes == {0}
+    ft.close()
+
+
+@pytest.mark.parametrize("writer", ENGINES)
+def test_every_engine_reads_what_another_wrote(tmp_path, rng, writer):
+    pools = _pools(rng)
+    keys = random_keys(rng, 12)
+    data = _data(rng, pools, 12)
+    ft = _tier(tmp_path / "root", pools, writer, fsync="data")
+    assert not any(ft.write(_items(keys, data)).values())
+    ft.close()
+    for reader in ENGINES:
+        ft = _tier(tmp_path / "root", pools, reader)
+        assert len(ft.scan().blocks) == 12
+        out = {p.name: np.zeros((12, p.block_nbytes), np.uint8) for p in pools}
+        assert not any(ft.read(_items(keys, out)).values()), reader
+        for name in data:
+            assert np.array_equal(out[name], data[name]), (writer, reader)
+        ft.close()
+
+
+def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine):
+    pools = (PoolSpec("kv", (8192,), "uint8"),)
+    keys = list(range(10))
+    data = _data(rng, pools, 10)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, io_engine, fsync="none")
+    assert not any(ft.write(_items(keys, data)).values())
+    name = {k: root / block_filename(k, "kv") for k in keys}
+    with open(name[1], "r+b") as f:  # a flipped data byte
+        f.seek(4096 + int(rng.integers(0, 8192)))
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.truncate(name[2], 4096 + 100)  # torn
+    name[3].unlink()  # missing
+    name[4].unlink()
+    os.symlink(name[5], name[4])  # a symlink to a valid file
+    name[6].unlink()
+    os.mkfifo(name[6])  # a FIFO never blocks the read
+    name[7].unlink()
+    name[7].mkdir()  # a directory
+    with open(name[8], "r+b") as f:  # the header names another key
+        f.seek(24)
+        f.write(b'{"key":"9",')
+    out = {"kv": np.zeros((10, 8192), np.uint8)}
+    errs = ft.read(_items(keys, out))
+    assert {k for k, e in errs.items() if e is None} == {0, 5, 9}
+    for k in (1, 2, 4, 6, 7, 8):
+        assert isinstance(errs[k], CorruptBlockError), (k, errs[k])
+    assert "checksum mismatch" in str(errs[1]) and "truncated" in str(errs[2])
+    assert isinstance(errs[3], FileNotFoundError)
+    for k in (0, 5, 9):
+        assert np.array_equal(out["kv"][k], data["kv"][k])
+    ft.close()
+
+
+@needs_native
+@pytest.mark.parametrize("engine", NATIVE)
+def test_read_fault_mid_batch(tmp_path, rng, engine):
+    pools = _pools(rng)
+    keys = random_keys(rng, 40)
+    data = _data(rng, pools, 40)
+    ft = _tier(tmp_path / "root", pools, engine, fsync="none")
+    assert not any(ft.write(_items(keys, data)).values())
+    doomed = keys[int(rng.integers(0, 40))]
+    batchio.set_fault(batchio.READ, block_filename(doomed, "act"), errno.EIO, times=1)
+    try:
+        out = {p.name: np.zeros((40, p.block_nbytes), np.uint8) for p in pools}
+        errs = ft.read(_items(keys, out))
+    finally:
+        batchio.clear_faults()
+    assert {k for k, e in errs.items() if e} == {doomed}
+    assert isinstance(errs[doomed], OSError) and errs[doomed].errno == errno.EIO
+    ok = [i for i, k in enumerate(keys) if k != doomed]
+    for name in data:
+        assert np.array_equal(out[name][ok], data[name][ok])
+    ft.close()
+
+
+@needs_native
+@pytest.mark.parametrize("engine", NATIVE)
+@pytest.mark.parametrize("fsync", ["none", "data"])
+def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
+    pools = _pools(rng)
+    keys = random_keys(rng, 20)
+    old = _data(rng, pools, 20)
+    new = _data(rng, pools, 20)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, engine, fsync=fsync)
+    assert not any(ft.write(_items(keys, old)).values())
+    doomed = keys[int(rng.integers(0, 20))]
+    batchio.set_fault(batchio.WRITE, block_filename(doomed, "kv")[:-4], errno.ENOSPC)
+    try:
+        errs = ft.write(_items(keys, new))
+    finally:
+        batchio.clear_faults()
+    assert {k for k, e in errs.items() if e} == {doomed}
+    assert errs[doomed].errno == errno.ENOSPC
+    assert not [p for p in os.listdir(root) if p.startswith(".tmp.")]
+    # no half-written block: neither pool's file of the failed key is left
+    assert not [p for p in os.listdir(root) if p.startswith(block_filename(doomed, "")[:-4])]
+    out = {p.name: np.zeros((20, p.block_nbytes), np.uint8) for p in pools}
+    ok = [i for i, k in enumerate(keys) if k != doomed]
+    errs = ft.read(_items([keys[i] for i in ok], {n: a[ok] for n, a in out.items()}))
+    assert not any(errs.values())
+    ft.close()
+
+
+@needs_native
+@pytest.mark.parametrize("engine", NATIVE)
+def test_rename_fault_unpublishes_the_block(tmp_path, rng, engine):
+    pools = _pools(rng)
+    keys = random_keys(rng, 6)
+    data = _data(rng, pools, 6)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, engine, fsync="data")
+    batchio.set_fault(batchio.RENAME, block_filename(keys[3], "act"), errno.EIO)
+    try:
+        errs = ft.write(_items(keys, data))
+    finally:
+        batchio.clear_faults()
+    assert {k for k, e in errs.items() if e} == {keys[3]}
+    assert not [p for p in os.listdir(root) if p.startswith(".tmp.") or p.startswith(block_filename(keys[3], "")[:-4])]
+    ft.close()
+
+
+def test_concurrent_requests(tmp_path, rng, io_engine):
+    pools = _pools(rng)
+    n = 96
+    keys = random_keys(rng, n)
+    data = _data(rng, pools, n)
+    ft = _tier(tmp_path / "root", pools, io_engine, fsync="data", io_threads=8)
+    errors: list = []
+
+    def worker(part):
+        try:
+            idx = list(part)
+            items = _items([keys[i] for i in idx], {k: v[idx] for k, v in data.items()})
+            assert not any(ft.write(items).values())
+            out = {p.name: np.zeros((len(idx), p.block_nbytes), np.uint8) for p in pools}
+            for _ in range(3):
+                assert not any(ft.read(_items([keys[i] for i in idx], out)).values())
+                for name in data:
+                    assert np.array_equal(out[name], data[name][idx])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(range(s, n, 6),)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    ft.close()
+
+
+def test_chunks_cover_every_block_once_in_order(rng):
+    for _ in range(50):
+        n = int(rng.integers(1, 400))
+        pools = int(rng.integers(1, 40))
+        items = [(i, {f"p{j}": np.zeros(8, np.uint8) for j in range(pools)}) for i in range(n)]
+        chunks = BlockBatches.chunks(items)
+        assert [i for c in chunks for i in c] == list(range(n))
+        for c in chunks:  # whole blocks; a chunk is over the file cap only when one block is
+            assert len(c) * pools <= max(MAX_CHUNK_FILES, pools)
+
+
+def test_engine_choice():
+    with pytest.raises(ConfigError, match="io_engine = 'bogus'; valid: auto, io_uring, threads, python"):
+        choose_engine("bogus")
+    assert choose_engine("python")[0] == "python"
+    assert choose_engine("auto")[0] == ENGINES[-1]
+
+
+def test_no_compiler_falls_back_to_python(monkeypatch, tmp_path):
+    from tiercache.kernels import hostlib
+
+    batchio._library.cache_clear()
+    batchio.uring_status.cache_clear()
+    monkeypatch.setenv("TIERCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    hostlib.load.cache_clear()
+    try:
+        name, why = choose_engine("auto")
+        assert name == "python" and "no C compiler" in why
+        with pytest.raises(ConfigError, match="io_engine = 'threads' but the native I/O library cannot be built"):
+            choose_engine("threads")
+    finally:
+        batchio._library.cache_clear()
+        batchio.uring_status.cache_clear()
+        hostlib.load.cache_clear()
+
+
+def test_compile_error_is_reported(monkeypatch, tmp_path):
+    from tiercache.kernels import hostlib
+
+    monkeypatch.setenv("TIERCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(hostlib, "KERNEL_DIR", tmp_path)
+    (tmp_path / "broken.c").write_text("int f( {")
+    if hostlib.compiler() is None:
+        pytest.skip("no C compiler")
+    with pytest.raises(hostlib.HostLibError, match="failed on broken.c"):
+        hostlib.build("broken.c")
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_ci_builds_the_native_engine():
+    """Where a C compiler exists (CI has one), the native library must build: a compile
+    error must not hide behind the python fallback."""
+    from tiercache.kernels import hostlib
+
+    if hostlib.compiler() is None:
+        pytest.skip("no C compiler")
+    assert batchio.native_status()[0], batchio.native_status()[1]
