@@ -144,6 +144,21 @@ static int not_regular(int e)
     return e == ELOOP || e == EISDIR || e == ENXIO;
 }
 
+/* after a short vectored transfer of r bytes: the first of the 2 buffers of v not yet done
+ * (from iov), trimmed by what was moved */
+static int advance(struct iovec *v, int iov, size_t r)
+{
+    while (iov < 2 && r >= v[iov].iov_len) {
+        r -= v[iov].iov_len;
+        iov++;
+    }
+    if (iov < 2) {
+        v[iov].iov_base = (char *)v[iov].iov_base + r;
+        v[iov].iov_len -= r;
+    }
+    return iov;
+}
+
 static void do_read(const tc_batch *b, int i)
 {
     const char *name = b->names + b->name_off[i];
@@ -181,14 +196,7 @@ static void do_read(const tc_batch *b, int i)
         if (r == 0)
             break; /* end of file: a truncated file, reported through got */
         total += r;
-        while (iov < 2 && (size_t)r >= v[iov].iov_len) {
-            r -= v[iov].iov_len;
-            iov++;
-        }
-        if (iov < 2) {
-            v[iov].iov_base = (char *)v[iov].iov_base + r;
-            v[iov].iov_len -= r;
-        }
+        iov = advance(v, iov, (size_t)r);
     }
     close(fd);
     b->got[i] = total;
@@ -213,14 +221,7 @@ static int write_all(int fd, const tc_batch *b, int i)
         if (r == 0)
             return EIO;
         off += r;
-        while (iov < 2 && (size_t)r >= v[iov].iov_len) {
-            r -= v[iov].iov_len;
-            iov++;
-        }
-        if (iov < 2) {
-            v[iov].iov_base = (char *)v[iov].iov_base + r;
-            v[iov].iov_len -= r;
-        }
+        iov = advance(v, iov, (size_t)r);
     }
     return 0;
 }
