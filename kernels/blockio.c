@@ -602,6 +602,41 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
 }
 
 /* Run a read or write batch on this thread's ring; returns -1 where there is no ring. */
+/* a file in flight when the ring failed: close it (a write's temporary file is removed) */
+static int on_abort(const tc_batch *b, tc_file *f, int i, int stage, int res, int err)
+{
+    if (stage == ST_OPEN && res >= 0)
+        f->fd = res;
+    if (f->fd >= 0) {
+        if (b->kind == TC_WRITE)
+            finish_write(b, f, i, err);
+        else
+            close(f->fd);
+    }
+    b->err[i] = err;
+    return 1;
+}
+
+/* Wait for completions and handle every one that arrived (with err != 0: abort each file);
+ * returns the number of files finished, or -errno where the ring failed. */
+static int reap(tc_ring *r, const tc_batch *b, tc_file *files, int err)
+{
+    int e = ring_enter(r, 1);
+    if (e)
+        return -e;
+    int finished = 0;
+    unsigned head = *r->cq_head;
+    unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
+    for (; head != tail; head++) {
+        struct io_uring_cqe *cqe = &r->cqes[head & *r->cq_mask];
+        int i = (int)(cqe->user_data >> 2), stage = (int)(cqe->user_data & 3);
+        finished += err ? on_abort(b, &files[i], i, stage, cqe->res, err)
+                        : on_cqe(r, b, &files[i], i, stage, cqe->res);
+    }
+    __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
+    return finished;
+}
+
 static int uring_run(const tc_batch *b, int n)
 {
     tc_ring *r = thread_ring();
@@ -621,43 +656,20 @@ static int uring_run(const tc_batch *b, int n)
             next++;
             active++;
         }
-        err = ring_enter(r, 1);
-        if (err)
+        int got = reap(r, b, files, 0);
+        if (got < 0) {
+            err = -got;
             break;
-        unsigned head = *r->cq_head;
-        unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
-        for (; head != tail; head++) {
-            struct io_uring_cqe *cqe = &r->cqes[head & *r->cq_mask];
-            int i = (int)(cqe->user_data >> 2);
-            if (on_cqe(r, b, &files[i], i, (int)(cqe->user_data & 3), cqe->res)) {
-                active--;
-                done++;
-            }
         }
-        __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
+        active -= got;
+        done += got;
     }
     if (err) { /* the ring failed (not a file): finish what is in flight, fail the rest */
         while (active > 0) {
-            if (ring_enter(r, 1) != 0)
+            int got = reap(r, b, files, err);
+            if (got < 0)
                 break;
-            unsigned head = *r->cq_head;
-            unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
-            for (; head != tail; head++) {
-                struct io_uring_cqe *cqe = &r->cqes[head & *r->cq_mask];
-                int i = (int)(cqe->user_data >> 2);
-                int stage = (int)(cqe->user_data & 3);
-                if (stage == ST_OPEN && cqe->res >= 0)
-                    files[i].fd = cqe->res;
-                if (files[i].fd >= 0) {
-                    if (b->kind == TC_WRITE)
-                        finish_write(b, &files[i], i, err);
-                    else
-                        close(files[i].fd);
-                }
-                b->err[i] = err;
-                active--;
-            }
-            __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
+            active -= got;
         }
         for (int i = next; i < n; i++)
             b->err[i] = err;
