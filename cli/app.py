@@ -74,6 +74,7 @@ from .common import DEFAULT_CONFIG
 from .common import fail as _fail
 from .inspect_cmd import inspect
 from .purge_cmd import purge
+from .top_cmd import top
 from .verify_cmd import verify
 
 
@@ -87,6 +88,7 @@ class Job(str, Enum):
     copy = "copy"
     file = "file"
     layerwise = "layerwise"
+    metrics = "metrics"
 
 
 class Baseline(str, Enum):
@@ -121,6 +123,7 @@ app.command()(inspect)
 app.command()(purge)
 app.command()(verify)
 app.command()(calibrate)
+app.command()(top)
 
 
 @app.command()
@@ -137,9 +140,11 @@ def bench(
     job: Annotated[Job, typer.Option(help="main: every tier and back, verified; copy: host<->device copy "
                                           "benchmark against cudaMemcpyAsync baselines (GPU); file: block files "
                                           "against dd / raw O_DIRECT / kvikio on the root's disk; layerwise: layer-wise "
-                                          "onboarding into engine tensors against onboarding all first (GPU).")] = Job.main,
-    quick: Annotated[bool, typer.Option(help="Smaller sizes (copy job).")] = False,
-    repeat: Annotated[int, typer.Option(help="Alternated passes of the file job and of fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
+                                          "onboarding into engine tensors against onboarding all first (GPU); metrics: "
+                                          "cache calls with metrics off and on (exported, scraped), host<->file and "
+                                          "(GPU) device<->host.")] = Job.main,
+    quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
+    repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5) and fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
                                                            "(read = onboard, write = offload).", rich_help_panel="fio job")] = None,
     bs: Annotated[Optional[str], typer.Option("--bs", help="Block size (16k, 2m; default: the config's pool).", rich_help_panel="fio job")] = None,
@@ -183,6 +188,9 @@ def bench(
         return
     if job is Job.layerwise:
         _layerwise_job(output_format, root, blocks, quick)
+        return
+    if job is Job.metrics:
+        _metrics_job(config, output_format, root, blocks, batch, repeat, seed, quick)
         return
     try:
         cfg = load_config(config or _default_config(), root=root, io_mode=io.value if io else None)
@@ -236,6 +244,21 @@ def _layerwise_job(output_format: OutputFormat, root: Path | None, blocks: int |
     kw = dict(num_layers=8, num_blocks=128, matmul_n=1024, repeats=2) if quick else {}
     rep = run_layerwise_bench(blocks=blocks or (64 if quick else 256), root=root, log=log, **kw)
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_layerwise_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _metrics_job(config: Path | None, output_format: OutputFormat, root: Path | None, blocks: int | None,
+                 batch: int, repeat: int, seed: int | None, quick: bool) -> None:
+    from tiercache.bench.benchmetrics import format_metrics_report, run_metrics_bench
+
+    try:
+        base = root or load_config(config or _default_config()).root
+        log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+        rep = run_metrics_bench(Path(base), blocks=blocks or (256 if quick else 1024), batch=min(batch, 64),
+                                repeat=repeat if repeat > 1 else (3 if quick else 5), seed=seed, log=log)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_metrics_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
 
 

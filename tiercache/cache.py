@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,7 @@ from tiercache.keys import Key, format_keys, normalize_keys
 from tiercache.memory import MemoryTier, make_device_tier, make_host_tier
 from tiercache.placement import TIER_ORDER, BlockMover, FileIndex, Placement
 from tiercache.serving import EngineSlots, OnboardHandle
-from tiercache.transfer import Job, TransferEngine
+from tiercache.transfer import LATENCY_BUCKETS_S, Job, TransferEngine
 
 log = logging.getLogger("tiercache")
 _logged_no_cuda = False
@@ -87,6 +88,7 @@ class TierCache:
         self.config = config
         self._lock = threading.RLock()
         self._closed = False
+        self._snapshot_at: float | None = None  # when the next periodic stats snapshot is due
         self.counters: Counter[str] = Counter()
         cuda = cuda_status()
         self.io_path: IOPath = select_io_path(config.io_mode, cuda) if config.file_slots else IOPath("posix", "no file tier")
@@ -117,6 +119,7 @@ class TierCache:
             batch_min_bytes=config.batch_min_bytes, batch_streams=config.batch_streams, bulk_shape=config.bulk_shape,
             bulk_sms=config.bulk_sms, staged_min_run_bytes=config.staged_min_run_bytes,
             carveout_sms=config.carveout_sms, offload_staged_min_run_bytes=config.offload_staged_min_run_bytes,
+            record_stats=config.metrics,
         )
         self.mover = BlockMover(self.tiers, self.placement, self.engine, config.pools, self.counters)
         self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters)
@@ -125,6 +128,13 @@ class TierCache:
             self.engine, self.counters, self._guarded, self._tier_name)
         #: the root's scan at open (:class:`~tiercache.files.ScanResult`), None without a file tier
         self.scan = self.file_index.rebuild() if "file" in self.tiers else None
+        from tiercache.metrics import register_default
+
+        #: the ``cache`` label of its metrics (None until registered in a registry)
+        self.metrics_name: str | None = None
+        register_default(self)
+        if "file" in self.tiers and config.metrics_snapshot_s > 0:
+            self._snapshot_at = time.monotonic() + config.metrics_snapshot_s
 
     # -- construction helpers -------------------------------------------------------------
     @classmethod
@@ -186,9 +196,17 @@ class TierCache:
         log.log(level, "tiercache: CUDA unavailable (%s): device tier off, file I/O through POSIX", cuda.reason)
 
     # -- small accessors ------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
     def _check_open(self) -> None:
+        """Raise ClosedError after close; save the stats snapshot when it is due."""
         if self._closed:
             raise ClosedError("this TierCache is closed")
+        if self._snapshot_at is not None and time.monotonic() >= self._snapshot_at:
+            self._write_stats_snapshot()
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
@@ -263,6 +281,7 @@ class TierCache:
         with self._lock:
             self._check_open()
             (k,) = normalize_keys([key])
+            self.placement.count_walk(self.counters, "lookup", [k], self.placement.order)
             return self.placement.where(k)
 
     def __contains__(self, key) -> bool:
@@ -531,8 +550,7 @@ class TierCache:
             missing = [k for k in ks if not any(k in self.placement.tiers[t] for t in lower)]
             if missing:
                 raise KeyNotFoundError(f"key(s) {format_keys(missing)} not stored in {' or '.join(lower)}")
-            ts = self.placement.tiers[dst]
-            self.counters[f"onboard_hits_{dst}"] += sum(1 for k in ks if k in ts)
+            self.placement.count_walk(self.counters, "onboard", ks, lower)
             slots = self.mover.copy_into(ks, dst, set(ks))
             self.counters["onboarded_blocks"] += len(ks)
             return slots
@@ -677,38 +695,65 @@ class TierCache:
         self.engine.make_stream_wait(stream)
 
     # -- stats & lifecycle ----------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self, block: bool = True) -> dict:
         """A JSON-ready snapshot: I/O path (and why), per-tier slots used/free and bytes,
-        and counters (puts, onboards, offloads, spills, evictions, hits, bytes moved per tier
-        pair, failed transfers, corrupt blocks)."""
+        counters (puts, onboards, offloads, spills, evictions, lookup/onboard hits and misses
+        per tier, bytes moved per tier pair, failed transfers, corrupt blocks, quarantined
+        files) and ``transfers``: per source tier, destination tier and copy path, the jobs,
+        blocks, bytes, failed blocks and job-latency histogram (bucket bounds in seconds in
+        ``latency_buckets_s``; see :class:`~tiercache.transfer.TransferStats`).
+
+        Args:
+            block: False reads without waiting for a call in progress (for exporters): the
+                values are then each exact but may be taken a few blocks apart.
+        """
+        if self._closed:
+            raise ClosedError("this TierCache is closed")
+        if block:
+            with self._lock:
+                self.engine.reap()
+                return self._stats()
+        self.engine.reap(timeout=0.05)
+        for _ in range(10):
+            try:
+                return self._stats()
+            except RuntimeError:  # a dict changed size while being read: read again
+                continue
         with self._lock:
-            per_block = self.config.block_nbytes
-            tiers = {}
-            for name in self.placement.order:
-                ts = self.placement.tiers[name]
-                t = self.tiers[name]
-                tiers[name] = {
-                    "slots": ts.num_slots,
-                    "used": len(ts),
-                    "free": ts.free_count,
-                    "bytes_used": len(ts) * per_block,
-                    "bytes_capacity": ts.num_slots * per_block,
-                    **({"pinned_memory": t.pinned, "page_bytes": sorted({m["page_bytes"] for m in t.memory()})}
-                       if name == "host" else {}),
-                    **({"root": str(t.root), "bytes_on_disk": len(ts) * self.config.block_file_bytes,
-                        "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io,
-                        "io_engine": t.engine, "io_engine_reason": t.engine_reason}
-                       if name == "file" else {}),
-                }
-            return {
-                "io_path": {"name": self.io_path.name, "label": self.io_path.label, "reason": self.io_path.reason},
-                "cuda": cuda_status().reason,
-                "tiers": tiers,
-                "pools": [p.describe() for p in self.config.pools],
-                "blocks": len(self.placement.keys()),
-                "pinned_blocks": len(self.placement.pins),
-                "counters": dict(self.counters),
+            return self._stats()
+
+    def _stats(self) -> dict:
+        per_block = self.config.block_nbytes
+        tiers = {}
+        for name in self.placement.order:
+            ts = self.placement.tiers[name]
+            t = self.tiers[name]
+            tiers[name] = {
+                "slots": ts.num_slots,
+                "used": len(ts),
+                "free": ts.free_count,
+                "bytes_used": len(ts) * per_block,
+                "bytes_capacity": ts.num_slots * per_block,
+                **({"pinned_memory": t.pinned, "page_bytes": sorted({m["page_bytes"] for m in t.memory()})}
+                   if name == "host" else {}),
+                **({"root": str(t.root), "bytes_on_disk": len(ts) * self.config.block_file_bytes,
+                    "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io,
+                    "bytes_capacity_on_disk": ts.num_slots * self.config.block_file_bytes,
+                    "io_engine": t.engine, "io_engine_reason": t.engine_reason}
+                   if name == "file" else {}),
             }
+        return {
+            "io_path": {"name": self.io_path.name, "label": self.io_path.label, "reason": self.io_path.reason},
+            "cuda": cuda_status().reason,
+            "tiers": tiers,
+            "pools": [p.describe() for p in self.config.pools],
+            "blocks": len(self.placement.keys()),
+            "pinned_blocks": len(self.placement.pins),
+            "counters": dict(self.counters),
+            "metrics_name": self.metrics_name,
+            "transfers": [] if self.engine.transfer_stats is None else self.engine.transfer_stats.snapshot(),
+            "latency_buckets_s": list(LATENCY_BUCKETS_S),
+        }
 
     def close(self) -> None:
         """Wait for transfers, stop I/O threads and release memory. Idempotent. Blocks in the
@@ -719,6 +764,9 @@ class TierCache:
                 return
             self._write_stats_snapshot()
             self._closed = True
+            from tiercache.metrics import unregister
+
+            unregister(self)
             self.engine.shutdown()
             ft = self.tiers.get("file")
             if ft is not None:
@@ -726,8 +774,11 @@ class TierCache:
             self.tiers.clear()
 
     def _write_stats_snapshot(self) -> None:
-        """The latest stats in the root, for ``tiercache inspect`` (on flush and close)."""
+        """The latest stats in the root, for ``tiercache inspect`` and ``tiercache top --root``
+        (on flush, on close, and every ``metrics_snapshot_s`` seconds at the next call)."""
         ft = self.tiers.get("file")
+        if self._snapshot_at is not None:
+            self._snapshot_at = time.monotonic() + self.config.metrics_snapshot_s
         if ft is not None:
             write_stats(ft.dir, self.stats())
 

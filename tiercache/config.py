@@ -18,6 +18,12 @@ library's ``tomllib``)::
     io_engine = "auto"             # auto | io_uring | threads | python
     check_root_owner = true        # refuse a root of another user or writable by others
 
+    [metrics]                      # Prometheus metrics (tiercache.metrics, README "Metrics")
+    enabled = true                 # count transfers (latency histograms) and export them
+    name = ""                      # the cache label (default: "tiercache", then "tiercache-2", ...)
+    registry = "default"           # default: prometheus_client's REGISTRY when installed | none
+    snapshot_interval_s = 5.0      # save stats in the root this often (tiercache top --root); 0: on flush/close
+
     [pools.kv]                     # a KV-cache pool (layer_major or token_major layout)
     num_layers = 32
     kv_factor = 2
@@ -39,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import os
+import re
 import tempfile
 import tomllib
 from dataclasses import dataclass
@@ -61,7 +68,12 @@ _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes", "batch_streams",
                   "bulk_shape", "bulk_sms", "staged_min_run_bytes", "offload_staged_min_run_bytes", "carveout_sms"}
 BULK_SHAPES = ("small", "large", "off")
-_TOP_KEYS = {"tiers", "file", "pools", "device", "transfer"}
+METRICS_REGISTRIES = ("default", "none")
+_METRICS_NAME = re.compile(r"[A-Za-z0-9_.:-]{0,64}", re.ASCII)
+#: [metrics] keys -> CacheConfig fields
+_METRICS_KEYS = {"enabled": "metrics", "name": "metrics_name", "registry": "metrics_registry",
+                 "snapshot_interval_s": "metrics_snapshot_s"}
+_TOP_KEYS = {"tiers", "file", "pools", "device", "transfer", "metrics"}
 
 
 def default_root() -> Path:
@@ -153,6 +165,19 @@ class CacheConfig:
             When set, copy kernels stay on that many SMs and the copy paths are picked for
             running beside compute (device -> host and host-run batches on the copy engines,
             see :class:`~tiercache.copypaths.copykernels.CopyLauncher` and docs/performance.md).
+        metrics: count every finished transfer (blocks, bytes, failures, a latency histogram per
+            direction and copy path, :class:`~tiercache.transfer.TransferStats`) and export
+            the cache's metrics (:mod:`tiercache.metrics`); default true. ``False`` records
+            no transfer latencies (``stats()`` keeps its counters) and registers nothing.
+        metrics_name: the ``cache`` label of this cache's metrics, up to 64 characters of
+            ``[A-Za-z0-9_.:-]`` ("" (default): ``tiercache``, or ``tiercache-2``, ... when that
+            name is taken in the registry).
+        metrics_registry: ``default`` (register in ``prometheus_client.REGISTRY``, the registry
+            an engine's exporter serves, when prometheus-client is installed) or ``none``
+            (register yourself with :func:`tiercache.metrics.register`).
+        metrics_snapshot_s: with a file tier, save ``stats()`` in the root (for ``tiercache
+            inspect`` and ``tiercache top --root``) at the first call this many seconds after the
+            last save, 0..86400; default 5; 0: only on ``flush`` and ``close``.
 
     Raises:
         ConfigError: any value out of range (see each attribute).
@@ -185,6 +210,10 @@ class CacheConfig:
     staged_min_run_bytes: int = 0
     offload_staged_min_run_bytes: int = 256 << 10
     carveout_sms: int = 0
+    metrics: bool = True
+    metrics_name: str = ""
+    metrics_registry: str = "default"
+    metrics_snapshot_s: float = 5.0
 
     def __post_init__(self) -> None:
         pools = self.pools
@@ -219,7 +248,13 @@ class CacheConfig:
         _check_choice("io_mode", self.io_mode, IO_MODES)
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
         _check_choice("io_engine", self.io_engine, IO_ENGINES)
-        for key in ("verify_checksums", "direct_io", "check_root_owner"):
+        _check_choice("metrics_registry", self.metrics_registry, METRICS_REGISTRIES)
+        if not isinstance(self.metrics_name, str) or not _METRICS_NAME.fullmatch(self.metrics_name):
+            raise ConfigError(f"metrics_name = {self.metrics_name!r} must be up to 64 characters of A-Z a-z 0-9 _ . : -")
+        snap = self.metrics_snapshot_s
+        if isinstance(snap, bool) or not isinstance(snap, (int, float)) or not 0 <= snap <= 86400:
+            raise ConfigError(f"metrics_snapshot_s = {snap!r} must be a number of seconds in [0, 86400]")
+        for key in ("verify_checksums", "direct_io", "check_root_owner", "metrics"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} = {getattr(self, key)!r} must be true or false")
         _check_int("capacity_bytes", self.capacity_bytes, 0, 1 << 62)
@@ -308,6 +343,10 @@ class CacheConfig:
             "staged_min_run_bytes": self.staged_min_run_bytes,
             "offload_staged_min_run_bytes": self.offload_staged_min_run_bytes,
             "carveout_sms": self.carveout_sms,
+            "metrics": self.metrics,
+            "metrics_name": self.metrics_name,
+            "metrics_registry": self.metrics_registry,
+            "metrics_snapshot_s": self.metrics_snapshot_s,
             "block_nbytes": self.block_nbytes,
         }
 
@@ -371,12 +410,13 @@ def config_from_dict(data: dict, **overrides: Any) -> CacheConfig:
     file = _check_keys("file", data.get("file", {}), _FILE_KEYS)
     device = _check_keys("device", data.get("device", {}), {"device_id"})
     transfer = _check_keys("transfer", data.get("transfer", {}), _TRANSFER_KEYS)
+    metrics = {_METRICS_KEYS[k]: v for k, v in _check_keys("metrics", data.get("metrics", {}), set(_METRICS_KEYS)).items()}
     pools_table = data.get("pools")
     if not isinstance(pools_table, dict) or not pools_table:
         raise ConfigError("the config needs at least one [pools.<name>] table")
     pools = tuple(pool_from_table(name, _check_keys(f"pools.{name}", t, _KV_KEYS | {"dtype", "block_shape"}))
                   for name, t in pools_table.items())
-    kwargs: dict[str, Any] = {"pools": pools, **tiers, **file, **device, **transfer}
+    kwargs: dict[str, Any] = {"pools": pools, **tiers, **file, **device, **transfer, **metrics}
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return CacheConfig(**kwargs)

@@ -79,3 +79,8 @@ class CorruptBlockError(TierCacheError, ValueError):
 
 class ClosedError(TierCacheError, RuntimeError):
     """The cache was used after :meth:`TierCache.close`."""
+
+
+class MissingDependencyError(TierCacheError, ImportError):
+    """An optional package a feature needs is not installed (the message names the extra to
+    install, e.g. ``pip install 'tiercache[metrics]'``)."""

@@ -192,18 +192,19 @@ class FileTier:
             return f"{entry.name}: {size} bytes, expected {want} (trailing bytes)", {}
         return None, header.extra
 
-    def _quarantine(self, path: RootPath, reason: str) -> None:
+    def _quarantine(self, path: RootPath, reason: str) -> bool:
         qdir = self.dir.subdir(QUARANTINE, create=True)
         try:
             path.rename(qdir.child(path.name))
         except FileNotFoundError:
-            return
+            return False
         log.warning("tiercache: quarantined %s: %s", path.name, reason)
+        return True
 
-    def quarantine_block(self, key: Key, reason: str) -> None:
-        """Move every file of ``key`` to ``quarantine/`` (a block that failed to verify)."""
-        for pool in self.pools:
-            self._quarantine(self.path(key, pool), reason)
+    def quarantine_block(self, key: Key, reason: str) -> int:
+        """Move every file of ``key`` to ``quarantine/`` (a block that failed to verify);
+        returns how many files were moved (files already gone are skipped)."""
+        return sum(self._quarantine(self.path(key, pool), reason) for pool in self.pools)
 
     # -- I/O -----------------------------------------------------------------------------
     def _staging(self):

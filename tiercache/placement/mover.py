@@ -72,7 +72,7 @@ class BlockMover:
         ft: FileTier = self.tiers["file"]
         for k, exc in failed.items():
             if isinstance(exc, (CorruptBlockError, FileNotFoundError)):
-                ft.quarantine_block(k, str(exc))
+                self.counters["quarantined_files"] += ft.quarantine_block(k, str(exc))
                 self.placement.tiers["file"].remove([k])
                 self.counters["corrupt_blocks"] += 1
 
@@ -106,6 +106,7 @@ class BlockMover:
         if spill and below:
             self.copy_into(spill, below[0], protect | set(victims))
             self.counters["spilled_blocks"] += len(spill)
+            self.counters[f"spilled_blocks_{tier}"] += len(spill)
         elif spill:  # bottom tier: the block leaves the cache
             self.counters["evicted_blocks"] += len(spill)
             if tier == "file":

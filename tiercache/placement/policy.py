@@ -126,6 +126,17 @@ class Placement:
         """``{tier: slot}`` for every tier holding ``key`` (empty if none)."""
         return {t: ts.slot_of[key] for t, ts in self.tiers.items() if key in ts}
 
+    def count_walk(self, counters, what: str, keys, tiers) -> None:
+        """Count each key's walk down ``tiers`` (a cache hierarchy's hit rates): in
+        ``counters``, ``{what}_misses_{tier}`` for each tier without the key and
+        ``{what}_hits_{tier}`` at the first tier with it."""
+        for k in keys:
+            for t in tiers:
+                if k in self.tiers[t]:
+                    counters[f"{what}_hits_{t}"] += 1
+                    break
+                counters[f"{what}_misses_{t}"] += 1
+
     def contains(self, key: Key) -> bool:
         return any(key in ts for ts in self.tiers.values())
 

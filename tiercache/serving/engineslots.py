@@ -164,6 +164,7 @@ class EngineSlots:
                 self.counters["streamed_onboards"] += 1
                 return OnboardHandle(None, ks, lambda: engine_stream,
                                      len(self.device_pools.layers) if layerwise else 1)
+            self.placement.count_walk(self.counters, "onboard", ks, [t for t in ("host", "file") if t in self.tiers])
             if "host" not in self.tiers:
                 handle = self._onboard_from_file_direct(ks, dev, num_tokens, engine_stream)
             else:

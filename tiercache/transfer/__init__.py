@@ -4,6 +4,8 @@
   (:mod:`tiercache.copypaths`) and the file tier's I/O threads;
 - :mod:`.ordering`: the per-slot ledger of pending readers and writers (RAW, WAR, WAW);
 - :mod:`.jobs`: :class:`Job` / :class:`JobResult` (poll, wait, stream waits, bytes, seconds);
+- :mod:`.transferstats`: :class:`TransferStats`: blocks, bytes, failures and a latency
+  histogram per source, destination and copy path, counted once per finished job;
 - :mod:`.rowcopy`: row views of tier arrays (a device block inside a host block, one layer);
 - :mod:`.carveout`: :func:`sm_carveout`, PyTorch's cuBLASLt SM carve-out for copies beside
   compute.
@@ -15,7 +17,9 @@ from .carveout import sm_carveout
 from .engine import TransferEngine
 from .jobs import Job, JobResult
 from .rowcopy import RowCopy, row_view
+from .transferstats import LATENCY_BUCKETS_S, PathTotals, TransferStats
 
 __all__ = [
-    "Job", "JobResult", "RowCopy", "TransferEngine", "row_view", "sm_carveout",
+    "Job", "JobResult", "LATENCY_BUCKETS_S", "PathTotals", "RowCopy", "TransferEngine", "TransferStats", "row_view",
+    "sm_carveout",
 ]

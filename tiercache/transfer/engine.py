@@ -40,6 +40,7 @@ from tiercache.memory import EventPool, StreamPool, as_cupy_stream
 from tiercache.transfer.jobs import Job, JobResult
 from tiercache.transfer.ordering import SlotLedger
 from tiercache.transfer.rowcopy import RowCopy
+from tiercache.transfer.transferstats import TransferStats
 
 TIER_RANK = {"device": 0, "host": 1, "file": 2}
 
@@ -70,6 +71,8 @@ class TransferEngine:
         offload_staged_min_run_bytes: see
             :class:`~tiercache.copypaths.copykernels.CopyLauncher`.
         keep_finished: results kept for :meth:`get_finished` (oldest dropped beyond it).
+        record_stats: count every finished job in :attr:`transfer_stats` (blocks, bytes,
+            failures and a latency histogram per source, destination and copy path).
 
     The engine is thread-safe (one lock around submission and bookkeeping).
     """
@@ -79,7 +82,7 @@ class TransferEngine:
                  memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 128 << 10, batch_streams: int = 2,
                  bulk_shape: str = "large", bulk_sms: int | None = None, staged_min_run_bytes: int = 0,
                  carveout_sms: int = 0, offload_staged_min_run_bytes: int = 256 << 10,
-                 keep_finished: int = 100_000) -> None:
+                 keep_finished: int = 100_000, record_stats: bool = True) -> None:
         self.tiers = tiers
         self.pools = {p.name: p for p in pools}
         self.device_id = device_id
@@ -90,6 +93,8 @@ class TransferEngine:
         self._pending: dict[int, Job] = {}
         self._finished: deque[JobResult] = deque(maxlen=keep_finished)
         self._ledger = SlotLedger({name: t.num_slots for name, t in tiers.items()})
+        #: totals of finished jobs (None when ``record_stats`` is off)
+        self.transfer_stats: TransferStats | None = TransferStats() if record_stats else None
         self.debug_delay_ns = 0  # tests: keep each GPU job's stream busy this long first
         self.debug_file_delay_s = 0.0  # tests: file tasks sleep this long before their I/O
         if self.gpu:
@@ -136,6 +141,9 @@ class TransferEngine:
                 if res.failed:
                     self._ledger.mark_failed(job, job.dst, job.failed_slots())
                 self._finished.append(res)
+                if self.transfer_stats is not None:
+                    self.transfer_stats.record(res.src, res.dst, res.path, res.blocks, res.nbytes, len(res.failed),
+                                               res.seconds)
                 del self._pending[jid]
                 if job.on_gpu:
                     self._events.put(job.start_event, *job.group_events)
@@ -417,6 +425,19 @@ class TransferEngine:
             out = list(self._finished)
             self._finished.clear()
             return out
+
+    def reap(self, timeout: float = -1) -> bool:
+        """Retire the jobs that have finished (their results go to :meth:`get_finished` and
+        :attr:`transfer_stats`) without taking their results. Waits at most ``timeout``
+        seconds for the engine's lock (-1: as long as it takes); returns False when it could
+        not have it (a submission is waiting for file I/O). Never waits for a job."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        try:
+            self._reap()
+        finally:
+            self._lock.release()
+        return True
 
     def pending(self) -> list[Job]:
         """Jobs not finished yet, in submission order."""
