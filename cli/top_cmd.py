@@ -173,7 +173,7 @@ def render(view: dict[str, dict], source: str, note: str = "") -> Group:
     for name, c in sorted(view.items()):
         parts.append(Text(f"cache {name}: I/O path {c['io_path'] or '-'}, POSIX engine {c['io_engine'] or '-'}"))
         t = Table(title=f"{name}: tiers", title_justify="left")
-        for col in ("tier", "blocks", "capacity", "used", "of bytes", "lookup hits", "onboard hits", "spilled"):
+        for col in ("tier", "blocks", "capacity", "bytes", "capacity bytes", "lookup hits", "onboard hits", "spilled"):
             t.add_column(col, justify="left" if col == "tier" else "right")
         for tier in sorted(c["tiers"], key=lambda x: TIER_ORDER.index(x) if x in TIER_ORDER else 9):
             d = c["tiers"][tier]
