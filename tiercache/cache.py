@@ -106,7 +106,8 @@ class TierCache:
                 verify=config.verify_checksums, io_threads=config.io_threads, device_id=config.device_id,
                 direct_io=config.direct_io, kvikio_task_size=config.kvikio_task_size,
                 kvikio_gds_threshold=config.kvikio_gds_threshold, check_root_owner=config.check_root_owner,
-                io_engine=config.io_engine,
+                io_engine=config.io_engine, sharing=config.sharing, min_age_s=config.min_age_s,
+                tmp_max_age_s=config.tmp_max_age_s,
             )
         if not self.tiers:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
@@ -123,6 +124,9 @@ class TierCache:
         )
         self.mover = BlockMover(self.tiers, self.placement, self.engine, config.pools, self.counters)
         self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters)
+        self.file_index.negative_ttl_s = config.negative_ttl_s
+        self.mover.after_file_write = self.file_index.after_write
+        self.file_index.make_room = lambda n, protect: self.mover.make_room("file", n, protect)
         self._engine_slots = None if device_pools is None else EngineSlots(
             device_pools, blocks_per_host_block, self.tiers, self.placement, self.mover, self.file_index,
             self.engine, self.counters, self._guarded, self._tier_name)
@@ -281,6 +285,7 @@ class TierCache:
         with self._lock:
             self._check_open()
             (k,) = normalize_keys([key])
+            self.file_index.discover([k])
             self.placement.count_walk(self.counters, "lookup", [k], self.placement.order)
             return self.placement.where(k)
 
@@ -325,6 +330,7 @@ class TierCache:
         with self._lock:
             self._check_open()
             ks = normalize_keys(keys)
+            self.file_index.discover(ks)
             self.placement.require_present(ks)
             self.placement.pin(ks)
 
@@ -386,6 +392,7 @@ class TierCache:
         with self._lock:
             self._check_open()
             ks = normalize_keys(keys)
+            self.file_index.check_writable(ks)
             name = self._tier_name(tier, self.top_tier)
             arrays = self._as_pool_arrays(data, len(ks), "data", device_ok=cuda_status().available)
             existing = [k for k in ks if self.placement.contains(k)]
@@ -437,6 +444,7 @@ class TierCache:
         with self._lock:
             self._check_open()
             ks = normalize_keys(keys)
+            self.file_index.check_writable(ks)
             name = self._tier_name(tier, self.top_tier)
             self._memory_tier(name)
             existing = [k for k in ks if self.placement.contains(k)]
@@ -473,6 +481,7 @@ class TierCache:
         with self._lock:
             self._check_open()
             ks = normalize_keys(keys)
+            self.file_index.discover(ks)
             self.placement.require_present(ks)
             if isinstance(out, dict):
                 outs = self._as_pool_arrays(out, len(ks), "out")
@@ -545,6 +554,7 @@ class TierCache:
         with self._lock:
             self._check_open()
             ks = normalize_keys(keys)
+            self.file_index.discover(ks)
             dst = self._tier_name(to, self.top_tier)
             lower = [dst, *self.placement.below(dst)]
             missing = [k for k in ks if not any(k in self.placement.tiers[t] for t in lower)]

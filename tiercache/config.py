@@ -17,6 +17,10 @@ library's ``tomllib``)::
     io_threads = 8
     io_engine = "auto"             # auto | io_uring | threads | python
     check_root_owner = true        # refuse a root of another user or writable by others
+    sharing = "exclusive"          # exclusive (one process) | shared (many processes, content keys)
+    min_age_s = 30.0               # shared: files younger than this are not evicted by policy
+    negative_ttl_s = 1.0           # shared: a key found in no file is not looked for again this long
+    tmp_max_age_s = 900.0          # shared: temporary files older than this are abandoned
 
     [metrics]                      # Prometheus metrics (tiercache.metrics, README "Metrics")
     enabled = true                 # count transfers (latency histograms) and export them
@@ -63,7 +67,9 @@ MAX_IO_THREADS = 256
 
 _TIER_KEYS = {"device_slots", "host_slots", "file_slots", "host_huge_pages"}
 _FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "io_engine", "capacity_bytes", "direct_io",
-              "kvikio_task_size", "kvikio_gds_threshold", "check_root_owner"}
+              "kvikio_task_size", "kvikio_gds_threshold", "check_root_owner", "sharing", "min_age_s",
+              "negative_ttl_s", "tmp_max_age_s"}
+SHARING_MODES = ("exclusive", "shared")
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes", "batch_streams",
                   "bulk_shape", "bulk_sms", "staged_min_run_bytes", "offload_staged_min_run_bytes", "carveout_sms"}
@@ -125,6 +131,20 @@ class CacheConfig:
         check_root_owner: refuse a root that another user owns or that group or others may
             write (the default; README, "The file tier on disk": whoever can write a root can
             plant blocks, since checksums detect corruption, not forgery). ``False`` accepts it.
+        sharing: ``exclusive`` (the default: one process opens the root; any keys; the
+            capacity is exact; a second process gets :class:`~tiercache.errors.RootError`) or
+            ``shared`` (any number of processes on one machine or on a shared file system open
+            it at once; content keys (bytes) only, since they name immutable bytes that any
+            writer may publish; a miss looks for files others published; ``file_slots`` and
+            ``capacity_bytes`` hold for the root as a whole; README "Sharing a root").
+        min_age_s: shared mode: block files younger than this many seconds are not evicted by
+            the policy (a reader may be about to open what another process just published);
+            0..86400, default 30.
+        negative_ttl_s: shared mode: a key found in no file is not looked for on disk again for
+            this many seconds (0: every miss looks); 0..3600, default 1.
+        tmp_max_age_s: shared mode: a temporary file of another machine or boot is abandoned
+            (removed) once older than this; on this machine a dead writer's are removed at once;
+            60..604800, default 900.
         kvikio_task_size: bytes per kvikio task (None: kvikio's default, 4 MiB).
         kvikio_gds_threshold: I/O smaller than this skips cuFile in kvikio (None: default).
         device_id: CUDA device ordinal of the device tier.
@@ -197,6 +217,10 @@ class CacheConfig:
     capacity_bytes: int = 0
     direct_io: bool = True
     check_root_owner: bool = True
+    sharing: str = "exclusive"
+    min_age_s: float = 30.0
+    negative_ttl_s: float = 1.0
+    tmp_max_age_s: float = 900.0
     kvikio_task_size: int | None = None
     kvikio_gds_threshold: int | None = None
     device_id: int = 0
@@ -249,11 +273,12 @@ class CacheConfig:
         _check_choice("fsync", self.fsync, FSYNC_POLICIES)
         _check_choice("io_engine", self.io_engine, IO_ENGINES)
         _check_choice("metrics_registry", self.metrics_registry, METRICS_REGISTRIES)
+        _check_choice("sharing", self.sharing, SHARING_MODES)
+        for key, lo, hi in (("min_age_s", 0, 86400), ("negative_ttl_s", 0, 3600), ("tmp_max_age_s", 60, 604800)):
+            _check_seconds(key, getattr(self, key), lo, hi)
         if not isinstance(self.metrics_name, str) or not _METRICS_NAME.fullmatch(self.metrics_name):
             raise ConfigError(f"metrics_name = {self.metrics_name!r} must be up to 64 characters of A-Z a-z 0-9 _ . : -")
-        snap = self.metrics_snapshot_s
-        if isinstance(snap, bool) or not isinstance(snap, (int, float)) or not 0 <= snap <= 86400:
-            raise ConfigError(f"metrics_snapshot_s = {snap!r} must be a number of seconds in [0, 86400]")
+        _check_seconds("metrics_snapshot_s", self.metrics_snapshot_s, 0, 86400)
         for key in ("verify_checksums", "direct_io", "check_root_owner", "metrics"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} = {getattr(self, key)!r} must be true or false")
@@ -333,6 +358,10 @@ class CacheConfig:
             "capacity_bytes": self.capacity_bytes,
             "direct_io": self.direct_io,
             "check_root_owner": self.check_root_owner,
+            "sharing": self.sharing,
+            "min_age_s": self.min_age_s,
+            "negative_ttl_s": self.negative_ttl_s,
+            "tmp_max_age_s": self.tmp_max_age_s,
             "streams_per_direction": self.streams_per_direction,
             "copy_kernel_sms": self.copy_kernel_sms,
             "memcpy_min_bytes": self.memcpy_min_bytes,
@@ -354,6 +383,11 @@ class CacheConfig:
 def _check_int(key: str, value: Any, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
         raise ConfigError(f"{key} = {value!r} must be an integer in [{lo}, {hi})")
+
+
+def _check_seconds(key: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ConfigError(f"{key} = {value!r} must be a number of seconds in [{lo}, {hi}]")
 
 
 def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:

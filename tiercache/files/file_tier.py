@@ -27,6 +27,7 @@ from tiercache.files.blockfile import block_filename, file_size, parse_filename
 from tiercache.files.iopath import IOPath
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootLock, RootPath, open_root
 from tiercache.files.rootsurvey import classify
+from tiercache.files.sharing import published, tmp_abandoned
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
 from tiercache.memory import copy_sync
@@ -72,6 +73,14 @@ class FileTier:
         io_engine: ``auto | io_uring | threads | python``: who runs the POSIX path's per-file syscalls
             (:mod:`tiercache.files.batchio`; the chosen one is :attr:`engine`, with
             :attr:`engine_reason`).
+        sharing: ``exclusive`` (one process holds the root) or ``shared`` (any number of
+            processes, :mod:`tiercache.files.sharing`): the shared lock, only abandoned
+            temporary files removed, published files never deleted by a failed write, and
+            evictions by policy sparing files younger than ``min_age_s``.
+        min_age_s: shared mode: a block file younger than this (seconds) is not evicted by
+            policy (another process may have just published it for a reader).
+        tmp_max_age_s: shared mode: a temporary file older than this (seconds) is abandoned
+            whoever wrote it.
 
     Raises:
         RootError: see :func:`~tiercache.files.rootdir.open_root` and
@@ -84,12 +93,16 @@ class FileTier:
                  fsync: str = "data", verify: bool = True, io_threads: int = 8, device_id: int = 0,
                  direct_io: bool = False, kvikio_task_size: int | None = None,
                  kvikio_gds_threshold: int | None = None, check_root_owner: bool = True,
-                 io_engine: str = "auto") -> None:
+                 io_engine: str = "auto", sharing: str = "exclusive", min_age_s: float = 30.0,
+                 tmp_max_age_s: float = 900.0) -> None:
         self.engine, self.engine_reason = choose_engine(io_engine)
+        self.shared = sharing == "shared"
+        self.min_age_s = min_age_s
+        self.tmp_max_age_s = tmp_max_age_s
         self.dir = open_root(root, check_root_owner)
         self._lock = None
         try:
-            self._lock = RootLock(self.dir)
+            self._lock = RootLock(self.dir, shared=self.shared)
             self.dir.subdir(QUARANTINE)  # a symlink or file there is refused now, not followed later
         except BaseException:
             if self._lock is not None:
@@ -115,7 +128,7 @@ class FileTier:
         if self.engine in ("io_uring", "threads"):
             self._native = NativeIO(io_threads, uring=self.engine == "io_uring")
             self._batches = BlockBatches(self.dir, self.pools, self._native, self._executor, fsync, verify,
-                                         direct_io, device_id, self.block_meta, self.delete)
+                                         direct_io, device_id, self.block_meta, self._drop_failed)
 
     # -- paths -------------------------------------------------------------------------
     def path(self, key: Key, pool: str) -> RootPath:
@@ -135,8 +148,10 @@ class FileTier:
                 regular = entry.is_file(follow_symlinks=False)
             except OSError:
                 regular = False
-            if kind == "temporary" and regular:  # left by a writer that died (this process holds the lock)
-                if self.dir.child(entry.name).unlink():
+            if kind == "temporary" and regular:
+                # exclusive: left by a writer that died (this process holds the lock); shared: only
+                # provably abandoned ones (sharing.tmp_abandoned), never a live writer's
+                if (not self.shared or self._abandoned(entry)) and self.dir.child(entry.name).unlink():
                     result.removed_tmp += 1
                 continue
             if kind == "own":
@@ -171,6 +186,69 @@ class FileTier:
                 result.extra[key] = extra
         result.blocks.sort(key=lambda kv: kv[1])
         return result
+
+    def _abandoned(self, entry: os.DirEntry) -> bool:
+        try:
+            age = time.time() - entry.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return False
+        return tmp_abandoned(entry.name, age, self.tmp_max_age_s)
+
+    def sweep(self, capacity_blocks: int, keep: set = frozenset()) -> tuple[list[Key], int]:
+        """Shared mode: hold the root as a whole to ``capacity_blocks`` complete blocks by
+        deleting the oldest (newest file's modification time) that are older than
+        ``min_age_s``; also removes abandoned temporary files and incomplete blocks (files for
+        some pools only) older than ``tmp_max_age_s``. Keys in ``keep`` (this process's pinned
+        blocks) are never deleted. Returns the deleted keys and the complete blocks left on disk."""
+        found: dict[Key, dict[str, float]] = {}
+        now = time.time()
+        with self.dir.scandir() as entries:
+            listing = list(entries)
+        for entry in listing:
+            kind = classify(entry.name)
+            if kind == "temporary":
+                if entry.is_file(follow_symlinks=False) and self._abandoned(entry):
+                    self.dir.child(entry.name).unlink()
+                continue
+            parsed = parse_filename(entry.name) if kind == "block" else None
+            if parsed is None or parsed[1] not in self.pools:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            found.setdefault(parsed[0], {})[parsed[1]] = st.st_mtime
+        complete = sorted((max(m.values()), k) for k, m in found.items() if len(m) == len(self.pools))
+        stale = [k for k, m in found.items() if len(m) < len(self.pools) and now - max(m.values()) > self.tmp_max_age_s]
+        self.delete(stale)
+        over = len(complete) - capacity_blocks
+        gone = [k for mtime, k in complete if now - mtime > self.min_age_s and k not in keep][:max(over, 0)]
+        self.delete(gone)
+        return gone, len(complete) - len(gone)
+
+    def evict(self, keys: list[Key]) -> list[Key]:
+        """Policy eviction of ``keys`` from the bottom tier: their files are deleted, except in
+        shared mode those younger than ``min_age_s`` (left for a sweep). Returns the keys whose
+        files were deleted."""
+        if not self.shared:
+            self.delete(keys)
+            return list(keys)
+        now = time.time()
+        old = [k for k in keys if (published(self.dir, k, self.pools) or 0.0) < now - self.min_age_s]
+        self.delete(old)
+        return old
+
+    def probe(self, keys: list[Key]) -> list[Key]:
+        """The ``keys`` whose every pool file is published in the root now (another process
+        may have written them): :func:`~tiercache.files.sharing.published`."""
+        return [k for k in keys if published(self.dir, k, self.pools) is not None]
+
+    def _drop_failed(self, keys: list[Key]) -> None:
+        """After a failed write: exclusive mode deletes every file of those keys (no
+        half-written or stale block); shared mode deletes none, since another process may
+        have published the same key (content keys name immutable bytes)."""
+        if not self.shared:
+            self.delete(keys)
 
     def _check_file(self, key: Key, pool: str, entry: os.DirEntry) -> tuple[str | None, dict]:
         """``(why the file is bad or None, its header's extra metadata)``."""
@@ -254,7 +332,7 @@ class FileTier:
             for pool, buf in bufs.items():
                 self._write_one(key, self.pools[pool], buf)
         except BaseException:
-            self.delete([key])  # no half-written block: every pool's file or none
+            self._drop_failed([key])  # no half-written block: every pool's file or none
             raise
 
     def _stage_key(self, key: Key, bufs: dict) -> list[tuple[RootPath, RootPath]]:
@@ -269,7 +347,7 @@ class FileTier:
         except BaseException:
             for tmp, _ in staged:
                 tmp.unlink()
-            self.delete([key])  # as an unbatched write: no file of a failed block is left
+            self._drop_failed([key])  # as an unbatched write: no file of a failed block is left
             raise
         return staged
 
@@ -321,7 +399,7 @@ class FileTier:
     def _submit_group(self, items, deps, delay_s, skip) -> list[tuple[Key, Future]]:
         futures = [Future() for _ in items]
         group = GroupCommit(self.dir, self.fsync, [k for k, _ in items], len(items), python_rename_all,
-                            self.delete, settle_futures(futures))
+                            self._drop_failed, settle_futures(futures))
 
         def task(i: int, key: Key, bufs: dict) -> None:
             try:

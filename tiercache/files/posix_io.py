@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import itertools
 import mmap
 import os
-import secrets
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +35,11 @@ from tiercache.files.blockfile import (
     header_checksum,
 )
 from tiercache.files.rootdir import FILE_MODE, NotRegularFileError, RootPath
+from tiercache.files.sharing import tmp_name
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-_tmp_ids = itertools.count(secrets.randbits(32))
 _local = threading.local()
 
 
@@ -114,13 +112,6 @@ def fsync_dir(path: RootPath) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def tmp_name(final_name: str) -> str:
-    """A fresh temporary name for a file to be renamed over ``final_name``
-    (``.tmp.<final>.<pid>.<hex>``, :data:`~tiercache.files.blockfile.TMP_RE`): unique in this
-    process (a counter, no ``getrandom`` per block); ``O_EXCL`` guards the rest."""
-    return f"{TMP_PREFIX}{final_name}.{os.getpid()}.{next(_tmp_ids):x}"
 
 
 def atomic_write(final: RootPath | Path, header: bytes, nbytes: int, fsync: str,

@@ -337,23 +337,27 @@ def open_root(path: os.PathLike | str, check_owner: bool = True) -> RootDir:
 
 
 class RootLock:
-    """An exclusive ``flock`` on ``<root>/.tiercache-root.lock``, held until :meth:`release`.
+    """A ``flock`` on ``<root>/.tiercache-root.lock``, held until :meth:`release`: exclusive
+    (one process writes the root; its pid is written into the lock file) or shared (any number
+    of processes in ``[file] sharing = "shared"``; none in exclusive mode meanwhile).
 
     The lock file is opened without following a symlink and must be a regular file with one
     link (so it is never a way to truncate a file elsewhere).
 
     Args:
         root: the root (an open :class:`RootDir`, or its path).
+        shared: take the shared lock.
 
     Raises:
-        RootError: another process holds it (its pid is named when known), or the lock's name
-            is taken by something else than a regular file.
+        RootError: the lock is held in a conflicting mode (the exclusive holder's pid is named
+            when known), or the lock's name is taken by something else than a regular file.
     """
 
-    def __init__(self, root: RootDir | os.PathLike | str) -> None:
+    def __init__(self, root: RootDir | os.PathLike | str, shared: bool = False) -> None:
         own = not isinstance(root, RootDir)
         rd = RootDir(root, check_owner=False) if own else root
         self.path = rd.path / LOCK
+        self.shared = shared
         try:
             try:
                 self.fd = rd.child(LOCK).open(os.O_RDWR | os.O_CREAT)
@@ -366,16 +370,29 @@ class RootLock:
             if own:
                 rd.close()
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip()
             os.close(self.fd)
+            where = str(self.path.parent)
+            if shared:
+                raise RootError(f"file-tier root {where!r} is in use by pid {holder or 'unknown'} in exclusive mode; "
+                                "shared mode needs every process on it to open it with sharing = \"shared\"") from None
+            if not holder:
+                raise RootError(f"file-tier root {where!r} is in use by processes in shared mode; open it with "
+                                "[file] sharing = \"shared\" too, or give this process its own root") from None
             raise RootError(
-                f"file-tier root {str(self.path.parent)!r} is in use by another process (pid {holder}); one process "
-                "writes a root at a time: give each process (rank) its own root, e.g. root/rank0"
+                f"file-tier root {where!r} is in use by another process (pid {holder}); one process writes a root "
+                "at a time in exclusive mode: give each process (rank) its own root, e.g. root/rank0, or open "
+                "them all with [file] sharing = \"shared\""
             ) from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        if shared:
+            # holders of the shared lock leave no pid (there are many): clear a former exclusive holder's
+            if os.fstat(self.fd).st_size:
+                os.ftruncate(self.fd, 0)
+        else:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, str(os.getpid()).encode(), 0)
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -385,17 +402,18 @@ class RootLock:
 
 
 def lock_holder(root: os.PathLike | str) -> str | None:
-    """The pid (as text) of the process holding ``root``'s lock, or None when it is free
-    (or the lock's name is not a regular file: no tiercache process can hold it)."""
+    """Who holds ``root``'s lock: the pid (as text) of the exclusive holder, ``"shared"`` when
+    processes hold it in shared mode, or None when it is free (or the lock's name is not a
+    regular file: no tiercache process can hold it)."""
     try:
         fd = RootPath.of(Path(root) / LOCK).open(os.O_RDONLY)
     except OSError:
         return None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "shared"
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:

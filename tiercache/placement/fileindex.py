@@ -10,9 +10,11 @@ restart too.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 
-from tiercache.errors import KeyNotFoundError
+from tiercache.errors import InvalidKeyError, KeyNotFoundError
 from tiercache.files import FileTier, ScanResult
 from tiercache.keys import Key, key_text
 from tiercache.placement.policy import Placement
@@ -37,6 +39,16 @@ class FileIndex:
         self.placement = placement
         self.k = blocks_per_host_block
         self.counters = counters
+        self.shared = file_tier is not None and file_tier.shared
+        #: shared mode: key -> time.monotonic() until which it is known to be in no file
+        self._absent: dict[Key, float] = {}
+        self.negative_ttl_s = 1.0
+        self.sweep_interval_s = 1.0
+        self._last_sweep = 0.0
+        #: ``make_room(n, protect)`` frees ``n`` file-tier slots (set by the cache: the mover's)
+        self.make_room: Callable[[int, set], None] = lambda n, protect: None
+        #: shared mode: complete blocks in the root at the last sweep (None before one)
+        self.on_disk_blocks: int | None = None
         #: key -> bit mask of the positions its host block holds, for partial host blocks only
         self.positions: dict[Key, int] = {}
 
@@ -62,6 +74,55 @@ class FileIndex:
             log.warning("tiercache: reopened %s: %d block(s), %d temporary file(s) removed, %d file(s) quarantined",
                         ft.root, len(blocks), scan.removed_tmp, len(scan.quarantined))
         return scan
+
+    # -- shared roots ----------------------------------------------------------------------
+    def check_writable(self, keys: list[Key]) -> None:
+        """Shared mode takes content keys only.
+
+        Raises:
+            InvalidKeyError: an integer key in shared mode (named).
+        """
+        if self.shared:
+            ints = [k for k in keys if isinstance(k, int)]
+            if ints:
+                raise InvalidKeyError(
+                    f"key {key_text(ints[0])} is an integer: a shared root takes content keys (bytes, e.g. a prefix "
+                    "hash), which name the same bytes in every process; integer keys name one process's slots")
+
+    def discover(self, keys: list[Key]) -> list[Key]:
+        """Shared mode: register in the file tier those of ``keys`` that no tier holds but
+        whose files another process has published since (a miss is not looked for again for
+        ``negative_ttl_s``), making room with :attr:`make_room`. Returns the keys found."""
+        if not self.shared:
+            return []
+        now = time.monotonic()
+        todo = [k for k in dict.fromkeys(keys) if isinstance(k, bytes) and not self.placement.contains(k)
+                and self._absent.get(k, 0.0) <= now]
+        if not todo:
+            return []
+        found = self.file_tier.probe(todo)
+        for k in set(todo) - set(found):
+            self._absent[k] = now + self.negative_ttl_s
+        if len(self._absent) > 65536:  # forget expired entries now and then
+            self._absent = {k: t for k, t in self._absent.items() if t > now}
+        if found:
+            self.make_room(len(found), set(keys))
+            self.placement.tiers["file"].add(found)
+            self.counters["discovered_blocks"] += len(found)
+        return found
+
+    def after_write(self, keep: set = frozenset()) -> None:
+        """Shared mode, after file writes: at most every ``sweep_interval_s``, hold the root
+        as a whole to the file tier's capacity (:meth:`FileTier.sweep
+        <tiercache.files.FileTier.sweep>`; neither pinned keys nor ``keep`` are deleted) and
+        forget the blocks deleted."""
+        if not self.shared or time.monotonic() - self._last_sweep < self.sweep_interval_s:
+            return
+        self._last_sweep = time.monotonic()
+        gone, self.on_disk_blocks = self.file_tier.sweep(self.placement.tiers["file"].num_slots,
+                                                         set(self.placement.pins) | set(keep))
+        self.placement.tiers["file"].remove(gone)
+        self.counters["evicted_blocks"] += len(gone)
 
     def forget_positions(self, keys: list[Key]) -> None:
         """``keys``' host blocks are now whole (or gone): no partial-position record."""

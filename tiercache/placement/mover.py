@@ -11,6 +11,7 @@ that fails to verify is quarantined and dropped from the file tier.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -45,6 +46,8 @@ class BlockMover:
         self.engine = engine
         self.pools = {p.name: p for p in pools}
         self.counters = counters
+        #: called after blocks were written to the file tier (shared roots: the root-wide sweep)
+        self.after_file_write: Callable[[set], None] = lambda keep: None
 
     def transfer(self, keys: list[Key], src: str, dst: str, src_rows, dst_rows,
                  src_arrays: dict | None = None, dst_arrays: dict | None = None) -> dict[Key, BaseException]:
@@ -71,7 +74,10 @@ class BlockMover:
     def _quarantine_bad_reads(self, failed: dict[Key, BaseException]) -> None:
         ft: FileTier = self.tiers["file"]
         for k, exc in failed.items():
-            if isinstance(exc, (CorruptBlockError, FileNotFoundError)):
+            if isinstance(exc, FileNotFoundError) and ft.shared:  # evicted by another process: gone, not corrupt
+                self.placement.tiers["file"].remove([k])
+                self.counters["vanished_blocks"] += 1
+            elif isinstance(exc, (CorruptBlockError, FileNotFoundError)):
                 self.counters["quarantined_files"] += ft.quarantine_block(k, str(exc))
                 self.placement.tiers["file"].remove([k])
                 self.counters["corrupt_blocks"] += 1
@@ -110,7 +116,7 @@ class BlockMover:
         elif spill:  # bottom tier: the block leaves the cache
             self.counters["evicted_blocks"] += len(spill)
             if tier == "file":
-                self.tiers["file"].delete(spill)
+                self.tiers["file"].evict(spill)  # shared roots: files younger than min_age_s stay (sweeps)
         ts.remove(victims)
 
     def copy_into(self, keys: list[Key], dst: str, protect: set[Key]) -> np.ndarray:
@@ -146,6 +152,9 @@ class BlockMover:
             src_ts.touch(ks)
         if failures:
             ts.remove(list(failures))
+        if dst == "file" and new:
+            self.after_file_write(protect | set(keys))
+        if failures:
             self.raise_failed(failures, "/".join(groups), dst)
         ts.touch(keys)
         return np.array([ts.slot_of[k] for k in keys], dtype=np.int64)

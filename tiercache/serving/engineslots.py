@@ -83,6 +83,7 @@ class EngineSlots:
         arguments, semantics and errors)."""
         with self._guard():
             ks = normalize_keys(keys)
+            self.file_index.check_writable(ks)
             dev = device_slot_matrix(device_slots, len(ks), self.blocks_per_host_block, self.device_pools.num_blocks)
             dst = self._tier_name(to, "host" if "host" in self.tiers else "file")
             existing = [k for k in ks if self.placement.contains(k)]
@@ -150,6 +151,7 @@ class EngineSlots:
         arguments, semantics and errors)."""
         with self._guard():
             ks = normalize_keys(keys)
+            self.file_index.discover(ks)
             dev = device_slot_matrix(device_slots, len(ks), self.blocks_per_host_block, self.device_pools.num_blocks)
             self.placement.require_present(ks)
             self.file_index.check_positions(ks, masks_of(dev).tolist())

@@ -1,0 +1,98 @@
+"""What a root shared by many processes (``[file] sharing = "shared"``) needs from the file
+system: who wrote a temporary file and whether it is provably abandoned, whether another
+process has published a block, and the root's usage as a whole.
+
+Temporary block files are named ``.tmp.<final>.<pid>.<tag><counter>`` (:func:`tmp_name`), where
+``tag`` is :data:`BOOT_TAG`, 8 hex digits of this machine's boot id: on the same machine and
+boot a writer is provably gone when its pid is, and a file from another machine or boot is
+abandoned only once it is older than a limit (a live writer renames its temporary file within
+seconds; one older than the limit loses it, and its write then fails cleanly: never a torn
+block). Names without a tag (older releases) fall under the age limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import re
+import secrets
+import socket
+import stat
+
+from tiercache.files.blockfile import TMP_PREFIX, block_filename, file_size
+from tiercache.files.rootdir import RootDir
+from tiercache.geometry import PoolSpec
+from tiercache.keys import Key
+
+
+def _boot_tag() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as fh:
+            ident = fh.read().strip()
+    except OSError:  # not Linux: the host name and the boot time stand in
+        ident = socket.gethostname().encode() + str(int(os.stat("/").st_ctime)).encode()
+    return hashlib.blake2b(ident, digest_size=4).hexdigest()
+
+
+#: this machine and boot, as 8 hex digits
+BOOT_TAG = _boot_tag()
+_tmp_ids = itertools.count(secrets.randbits(32))
+_TMP_OWNER = re.compile(r"\.tmp\.block_[A-Za-z0-9_.-]+\.bin\.([0-9]+)\.([0-9a-f]+)", re.ASCII)
+
+
+def tmp_name(final_name: str) -> str:
+    """A fresh temporary name for a file to be renamed over ``final_name``:
+    ``.tmp.<final>.<pid>.<boot tag><counter>`` (a counter per process, ``O_EXCL`` guards the rest)."""
+    return f"{TMP_PREFIX}{final_name}.{os.getpid()}.{BOOT_TAG}{next(_tmp_ids):x}"
+
+
+def tmp_owner(name: str) -> tuple[int, str | None] | None:
+    """``(pid, boot tag or None)`` of a temporary block file's writer; None for other names."""
+    m = _TMP_OWNER.fullmatch(name)
+    if m is None:
+        return None
+    hexpart = m.group(2)
+    return int(m.group(1)), (hexpart[:8] if len(hexpart) > 8 else None)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (a zombie counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def tmp_abandoned(name: str, age_s: float, max_age_s: float) -> bool:
+    """Whether a temporary file may be removed while other processes use the root: written on
+    this machine and boot by a pid that no longer exists, or older than ``max_age_s``
+    (seconds) whoever wrote it. Names that are not temporary block files: never."""
+    owner = tmp_owner(name)
+    if owner is None:
+        return False
+    pid, tag = owner
+    if age_s > max_age_s:
+        return True
+    return tag == BOOT_TAG and not pid_alive(pid)
+
+
+def published(root: RootDir, key: Key, pools: dict[str, PoolSpec]) -> float | None:
+    """The newest modification time (seconds since the epoch) of ``key``'s files when every
+    pool's file is published (a regular file of the exact size); None otherwise. No file is
+    opened or followed."""
+    newest = 0.0
+    for name, pool in pools.items():
+        try:
+            st = os.stat(block_filename(key, name), dir_fd=root.fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != file_size(pool.block_nbytes):
+            return None
+        newest = max(newest, st.st_mtime)
+    return newest
