@@ -16,7 +16,11 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import InvalidKeyError, RootError
+from tiercache.config import CacheConfig
 from tiercache.files import QUARANTINE, RootDir, RootLock, is_own_block_file, is_root, lock_holder, survey
+from tiercache.files.sharing import tmp_abandoned
+
+TMP_MAX_AGE_S = CacheConfig.tmp_max_age_s  # the default [file] tmp_max_age_s
 from tiercache.keys import key_from_text
 
 from .common import fail, human_bytes, not_a_root, parse_duration, resolve_root
@@ -30,6 +34,7 @@ def purge(
     older_than: Annotated[Optional[str], typer.Option("--older-than", help="Only files not modified for this long (30m, 7d).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted; delete nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Purge a root that processes use in shared mode: their open files stay readable to them, the rest reads as evicted; only abandoned temporary files go.")] = False,
 ) -> None:
     """Delete block files (and temporary leftovers and quarantined files, when no filter is
     given) from a tiercache root: only files tiercache wrote (a block file's header must name
@@ -47,25 +52,30 @@ def purge(
         fail(str(exc))
     cutoff = time.time() - parse_duration(older_than) if older_than else None
     holder = lock_holder(root)
-    if holder is not None:
+    shared = holder == "shared"
+    if shared and not force:
+        fail(f"refusing to purge {str(root)!r}: in use by processes in shared mode; --force deletes their block "
+             "files anyway (a file one of them has open stays readable to it; the others read as evicted)")
+    if holder is not None and not shared:
         fail(f"refusing to purge {str(root)!r}: in use by process {holder}; close that cache first")
     try:
         rd = RootDir(root, check_owner=False)
     except RootError as exc:
         fail(str(exc))
     try:
-        lock = RootLock(rd)  # held while deleting: no cache opens the root meanwhile
+        # held while deleting: no cache opens the root meanwhile (shared: no exclusive one)
+        lock = RootLock(rd, shared=shared)
     except RootError as exc:
         rd.close()
         fail(f"refusing to purge {str(root)!r}: {exc}")
     try:
-        _purge(rd, pool, wanted_keys, cutoff, dry_run, yes)
+        _purge(rd, pool, wanted_keys, cutoff, dry_run, yes, shared)
     finally:
         lock.release()
         rd.close()
 
 
-def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool) -> None:
+def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, shared: bool = False) -> None:
     root = rd.path
     sv = survey(root)
     chosen = [e for e in sv.blocks
@@ -75,7 +85,10 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool) ->
     sizes = [e.size for e in chosen if is_own_block_file(rd.child(e.name))]
     skipped = len(chosen) - len(targets)
     if not pools and wanted_keys is None:  # a whole-root purge also clears leftovers
+        now = time.time()
         for e in sv.temporary:
+            if shared and not tmp_abandoned(e.name, now - e.mtime, TMP_MAX_AGE_S):
+                continue  # a live writer's (shared mode)
             if cutoff is None or e.mtime < cutoff:
                 targets.append(rd.child(e.name))
                 sizes.append(e.size)

@@ -12,7 +12,7 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import QUARANTINE, RootDir, RootLock, classify, is_root, survey, verify_file
+from tiercache.files import QUARANTINE, RootDir, RootLock, classify, is_root, lock_holder, survey, verify_file
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
 
@@ -38,8 +38,8 @@ def verify(
     lock = None
     try:
         rd = RootDir(root, check_owner=False)
-        if quarantine:
-            lock = RootLock(rd)
+        if quarantine:  # shared mode: beside the processes using the root (moving a bad file is safe)
+            lock = RootLock(rd, shared=lock_holder(root) == "shared")
             qdir = rd.subdir(QUARANTINE, create=True)
     except RootError as exc:
         fail(str(exc))

@@ -9,11 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import random_keys
 from helpers import assert_bytes, put_random
 
-from tiercache import ConfigError, PoolSpec, RootError, TierCache
+from tiercache import CacheConfig, ConfigError, PoolSpec, RootError, TierCache
 from tiercache.files import block_filename, lock_holder
 
 
@@ -126,3 +127,29 @@ def test_permissions(make_config, rng):
     with TierCache(cfg) as c:
         assert c.scan.quarantined
     assert stat.S_IMODE((cfg.root / "quarantine").stat().st_mode) == 0o700
+
+
+def test_a_slot_left_invalid_by_a_failed_read_is_valid_again_once_written(tmp_path, rng):
+    """A failed file -> host read leaves its host slot invalid; a put (a CPU copy) that reuses
+    the slot makes it valid again, so spilling that block to a file works (regression: CPU
+    copies did not clear the flag, and the spill failed with 'holds no valid block')."""
+    from tiercache import TransferError
+    from tiercache.files import DATA_OFFSET
+
+    pool = PoolSpec("p", (1024,), "uint8")
+    cfg = CacheConfig(pools=(pool,), host_slots=1, file_slots=8, root=tmp_path / "r", fsync="none")
+    a, b, c = (int(x) for x in rng.choice(1 << 30, 3, replace=False))
+    with TierCache(cfg) as cache:
+        data = rng.integers(1, 256, (3, 1024), dtype=np.uint8)
+        cache.put([a], data[:1])
+        cache.offload([a], to="file")
+        path = cfg.root / f"block_{a}_pool_p.bin"
+        raw = bytearray(path.read_bytes())
+        raw[DATA_OFFSET] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        with pytest.raises(TransferError):
+            cache.onboard([a], to="host")        # fails into host slot 0
+        cache.put([b], data[1:2])                  # reuses slot 0
+        cache.put([c], data[2:3])                  # spills b to a file: must read slot 0
+        assert cache.lookup(b) == {"file": cache.lookup(b)["file"]}
+        assert np.array_equal(cache.get([b]).reshape(1, -1), data[1:2])

@@ -749,7 +749,10 @@ class TierCache:
                 **({"root": str(t.root), "bytes_on_disk": len(ts) * self.config.block_file_bytes,
                     "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io,
                     "bytes_capacity_on_disk": ts.num_slots * self.config.block_file_bytes,
-                    "io_engine": t.engine, "io_engine_reason": t.engine_reason}
+                    "io_engine": t.engine, "io_engine_reason": t.engine_reason,
+                    # shared roots: the index (used) is this process's knowledge; on_disk_blocks
+                    # counts the root's complete blocks at the last sweep (None before one)
+                    "sharing": self.config.sharing, "on_disk_blocks": self.file_index.on_disk_blocks}
                    if name == "file" else {}),
             }
         return {

@@ -33,6 +33,7 @@ from tiercache.keys import Key, key_text
 from tiercache.memory import copy_sync
 
 log = logging.getLogger("tiercache")
+_VANISHED = "vanished"  # a file deleted between the listing and its check
 
 
 
@@ -166,6 +167,9 @@ class FileTier:
                            self._executor.map(lambda c: self._check_file(*c), checks)))
         bad = {kp: reason for kp, (reason, _) in checked.items()}
         for key, by_pool in found.items():
+            if any(bad[(key, p)] == _VANISHED for p in by_pool):
+                result.incomplete.append(key)
+                continue
             reasons = [bad[(key, p)] for p in by_pool if bad[(key, p)]]
             if reasons:
                 for pool, entry in by_pool.items():
@@ -264,6 +268,8 @@ class FileTier:
             return str(exc), {}
         except NotRegularFileError:
             return f"{entry.name}: not a regular file", {}
+        except FileNotFoundError:  # deleted meanwhile (a shared root's other process): not bad
+            return _VANISHED, {}
         except OSError as exc:
             return f"{entry.name}: unreadable ({exc.strerror})", {}
         if size != want:

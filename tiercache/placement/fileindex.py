@@ -60,9 +60,10 @@ class FileIndex:
         scan = ft.scan()
         blocks = scan.blocks
         extra = len(blocks) - ft.num_slots
-        if extra > 0:  # more files than slots: keep the most recent
-            ft.delete([k for k, _ in blocks[:extra]])
-            self.counters["evicted_blocks"] += extra
+        if extra > 0:  # more files than slots: keep the most recent (a shared root's sweeps delete)
+            if not self.shared:
+                ft.delete([k for k, _ in blocks[:extra]])
+                self.counters["evicted_blocks"] += extra
             blocks = blocks[extra:]
         self.placement.tiers["file"].add([k for k, _ in blocks])
         for k, meta in scan.extra.items():

@@ -171,9 +171,11 @@ class BlockMover:
 
     def drop_copies(self, keys: list[Key], keep: str) -> None:
         """Drop ``keys`` from every tier but ``keep`` (their files too): the copies a
-        replaced key leaves behind once its new bytes are in ``keep``."""
+        replaced key leaves behind once its new bytes are in ``keep``. On a shared root the
+        file copy stays: a content key names the same bytes whoever wrote them."""
+        shared = "file" in self.tiers and self.tiers["file"].shared
         for t in self.placement.order:
-            if t == keep:
+            if t == keep or (t == "file" and shared):
                 continue
             drop = [k for k in keys if k in self.placement.tiers[t]]
             self.placement.tiers[t].remove(drop)

@@ -1,0 +1,312 @@
+"""One root shared by many processes (``[file] sharing = "shared"``): the locks of the two
+modes, content keys only, blocks other processes publish found on a miss, temporary files
+removed only when provably abandoned, failed writes that never delete a published file,
+capacity for the root as a whole with young files spared, and processes killed at random
+while others read and write the same keys (tests/shared_worker.py)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import random_blocks
+from shared_worker import POOLS, bytes_of
+
+from tiercache import CacheConfig, InvalidKeyError, PoolSpec, RootError, TierCache, TransferError
+from tiercache.files import DATA_OFFSET, block_filename
+from tiercache.files.sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
+
+HERE = Path(__file__).resolve().parent
+POOL = PoolSpec("p", (2048,), "uint8")
+
+
+def _cfg(root, **kw) -> CacheConfig:
+    kw = {"host_slots": 8, "file_slots": 64, "sharing": "shared", "fsync": "none", "metrics_registry": "none",
+          "metrics_snapshot_s": 0, "negative_ttl_s": 0, **kw}
+    return CacheConfig(pools=(POOL,), root=root, **kw)
+
+
+def _keys(rng, n) -> list[bytes]:
+    return [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(n)]
+
+
+def test_modes_exclude_each_other(tmp_path):
+    root = tmp_path / "r"
+    a, b = TierCache(_cfg(root)), TierCache(_cfg(root))  # any number in shared mode
+    with pytest.raises(RootError, match="shared mode"):
+        TierCache(_cfg(root, sharing="exclusive"))
+    a.close()
+    b.close()
+    ex = TierCache(_cfg(root, sharing="exclusive"))
+    with pytest.raises(RootError, match=rf"pid {os.getpid()} in exclusive mode"):
+        TierCache(_cfg(root))
+    ex.close()
+    with TierCache(_cfg(root)):
+        from tiercache.files import lock_holder
+
+        assert lock_holder(root) == "shared"
+
+
+def test_integer_keys_are_refused(tmp_path, rng):
+    with TierCache(_cfg(tmp_path / "r")) as c:
+        with pytest.raises(InvalidKeyError, match="content keys"):
+            c.put([b"ok-key", 7], random_blocks(rng, POOL, 2))
+        with pytest.raises(InvalidKeyError, match="content keys"):
+            c.allocate([3])
+        assert len(c) == 0
+        c.put([b"ok-key"], random_blocks(rng, POOL, 1))
+
+
+def test_a_miss_finds_what_another_process_published(tmp_path, rng):
+    root = tmp_path / "r"
+    a = TierCache(_cfg(root))
+    b = TierCache(_cfg(root, negative_ttl_s=0.3))
+    try:
+        ks = _keys(rng, 6)
+        data = random_blocks(rng, POOL, 6)
+        assert b.lookup(ks[0]) == {}                       # looked for: absent, remembered 0.3 s
+        a.put(ks, data)
+        a.flush(ks)
+        assert b.lookup(ks[0]) == {}                       # the negative entry still holds
+        assert ks[1] in b                                  # never looked for: found on disk
+        got = b.get(ks[2:4])                               # get and onboard look too
+        assert np.array_equal(got.reshape(2, -1), data[2:4])
+        b.onboard(ks[4:], to="host")
+        assert np.array_equal(b.get(ks[4:]).reshape(2, -1), data[4:])
+        time.sleep(0.35)
+        assert "file" in b.lookup(ks[0])
+        assert b.stats()["counters"]["discovered_blocks"] == 6
+        assert b.stats()["tiers"]["file"]["sharing"] == "shared"
+        # the same key from two writers: either file wins, the bytes are the same
+        b.put(ks[:2], data[:2])
+        b.flush(ks[:2])
+        assert np.array_equal(a.get(ks[:2]).reshape(2, -1), data[:2])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_failed_write_never_deletes_a_published_file(tmp_path, rng, io_engine, fail_writes):
+    root = tmp_path / "r"
+    a = TierCache(_cfg(root, io_engine=io_engine))
+    b = TierCache(_cfg(root, io_engine=io_engine))
+    try:
+        ks = _keys(rng, 3)
+        data = random_blocks(rng, POOL, 3)
+        a.put(ks, data)
+        a.flush(ks)
+        fail_writes.arm(io_engine, ks[:2])
+        b.put(ks, data)
+        with pytest.raises(TransferError) as err:
+            b.flush(ks)                       # b's writes of ks[0], ks[1] fail (ks[2] is on disk)
+        assert set(err.value.failed_keys) == set(ks[:2])
+        fail_writes.disarm()
+        for k in ks:
+            assert (root / block_filename(k, "p")).exists()
+        assert np.array_equal(a.get(ks).reshape(3, -1), data)
+        assert not [n for n in os.listdir(root) if n.startswith(".tmp.block")]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_temporary_files_are_removed_only_when_abandoned(tmp_path):
+    root = tmp_path / "r"
+    TierCache(_cfg(root)).close()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    other_tag = "0" * 8 if BOOT_TAG != "0" * 8 else "1" * 8
+    final = block_filename(b"\x01" * 16, "p")
+    names = {
+        "dead writer here": (f".tmp.{final}.{dead.pid}.{BOOT_TAG}1a", 0, True),
+        "live writer here": (f".tmp.{final}.{live.pid}.{BOOT_TAG}1b", 0, False),
+        "live writer, past the age limit": (f".tmp.{final}.{live.pid}.{BOOT_TAG}1c", 1000, True),
+        "another machine, young": (f".tmp.{final}.{dead.pid}.{other_tag}1d", 100, False),
+        "another machine, old": (f".tmp.{final}.{dead.pid}.{other_tag}1e", 1000, True),
+        "untagged (older release), young": (f".tmp.{final}.{dead.pid}.1f", 0, False),
+    }
+    try:
+        now = time.time()
+        for name, age, _ in names.values():
+            (root / name).write_bytes(b"x")
+            os.utime(root / name, (now - age, now - age))
+        with TierCache(_cfg(root, tmp_max_age_s=600)) as c:
+            assert c.scan.removed_tmp == sum(gone for _, _, gone in names.values())
+            for what, (name, _, gone) in names.items():
+                assert (root / name).exists() != gone, what
+    finally:
+        live.kill()
+        live.wait()
+    assert tmp_owner(tmp_name(final)) == (os.getpid(), BOOT_TAG)
+    assert not tmp_abandoned(tmp_name(final), 0, 600) and tmp_abandoned(tmp_name(final), 601, 600)
+
+
+def test_capacity_holds_for_the_root_and_spares_young_files(tmp_path, rng):
+    root = tmp_path / "r"
+    cap = 10
+    a = TierCache(_cfg(root, file_slots=cap, min_age_s=0))
+    b = TierCache(_cfg(root, file_slots=cap, min_age_s=0))
+    young = TierCache(_cfg(tmp_path / "y", file_slots=4, min_age_s=3600))
+    try:
+        for c in (a, b) * 3:
+            ks = _keys(rng, 4)
+            c.file_index.sweep_interval_s = 0
+            c.put(ks, random_blocks(rng, POOL, 4))
+            c.flush(ks)
+        on_disk = {n for n in os.listdir(root) if n.startswith("block_")}
+        assert len(on_disk) <= cap + 4           # the slack: one batch of the last writer
+        a.file_index.after_write()                # a sweep with no write of its own
+        assert len({n for n in os.listdir(root) if n.startswith("block_")}) <= cap
+        assert a.stats()["counters"]["evicted_blocks"] + b.stats()["counters"]["evicted_blocks"] >= 24 - cap - 4
+        ks = _keys(rng, 12)                       # min_age_s: nothing that young is deleted by policy
+        young.file_index.sweep_interval_s = 0
+        for i in range(0, 12, 4):
+            young.put(ks[i:i + 4], random_blocks(rng, POOL, 4))
+            young.flush(ks[i:i + 4])
+        assert len([n for n in os.listdir(tmp_path / "y") if n.startswith("block_")]) == 12
+    finally:
+        for c in (a, b, young):
+            c.close()
+
+
+def test_a_block_deleted_by_another_process_is_gone_not_corrupt(tmp_path, rng):
+    root = tmp_path / "r"
+    with TierCache(_cfg(root)) as a, TierCache(_cfg(root)) as b:
+        ks = _keys(rng, 2)
+        data = random_blocks(rng, POOL, 2)
+        a.put(ks, data)
+        a.flush(ks)
+        a.evict(ks, tier="host")
+        assert b.lookup(ks[0]) == {"file": b.lookup(ks[0])["file"]}
+        a.evict([ks[0]])                          # deletes its files
+        with pytest.raises(TransferError) as err:
+            b.onboard(ks, to="host")
+        assert err.value.failed_keys == [ks[0]] and isinstance(err.value.__cause__, FileNotFoundError)
+        cnt = b.stats()["counters"]
+        assert cnt["vanished_blocks"] == 1 and cnt.get("corrupt_blocks", 0) == 0
+        assert not (root / "quarantine").exists() or not os.listdir(root / "quarantine")
+        assert np.array_equal(b.get([ks[1]]).reshape(1, -1), data[1:])
+
+
+def test_purge_and_verify_while_processes_share_the_root(tmp_path, rng):
+    from typer.testing import CliRunner
+
+    from tiercache.cli import app
+
+    root = tmp_path / "r"
+    with TierCache(_cfg(root)) as c:
+        ks = _keys(rng, 3)
+        c.put(ks, random_blocks(rng, POOL, 3))
+        c.flush(ks)
+        c.evict(ks, tier="host")
+        bad = root / block_filename(ks[0], "p")
+        raw = bytearray(bad.read_bytes())
+        raw[DATA_OFFSET] ^= 1
+        bad.write_bytes(bytes(raw))
+        run = CliRunner().invoke
+        res = run(app, ["verify", "--root", str(root), "--quarantine"])
+        assert res.exit_code == 1 and (root / "quarantine" / bad.name).exists()
+        res = run(app, ["purge", "--root", str(root), "--yes"])
+        assert res.exit_code == 2 and "shared mode" in res.output and "--force" in res.output
+        res = run(app, ["purge", "--root", str(root), "--yes", "--force"])
+        assert res.exit_code == 0, res.output
+        assert not [n for n in os.listdir(root) if n.startswith("block_")]
+        with pytest.raises(TransferError):
+            c.onboard([ks[1]], to="host")         # its files were purged: gone, not corrupt
+        assert (root / ".tiercache-root").exists()
+
+
+def _spawn(root, logdir, seed, seconds, capacity) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "shared_worker.py"), str(root), str(logdir), str(seed),
+                             str(seconds), str(capacity)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _last_times(logs: Path, prefix: str) -> dict[bytes, float]:
+    """Per key, the latest time a ``prefix`` log line names it."""
+    out: dict[bytes, float] = {}
+    for p in logs.glob(f"{prefix}-*.log"):
+        for line in p.read_text().splitlines():
+            t, *keys = line.split()
+            for h in keys:
+                k = bytes.fromhex(h)
+                out[k] = max(out.get(k, 0.0), float(t))
+    return out
+
+
+def _block_count(root: Path) -> int:
+    names = [n for n in os.listdir(root) if n.startswith("block_")]
+    keys = {}
+    for n in names:
+        k = n.split("_pool_")[0]
+        keys[k] = keys.get(k, 0) + 1
+    return sum(1 for v in keys.values() if v == len(POOLS))
+
+
+@pytest.mark.slow
+def test_processes_share_a_root_through_sigkills(tmp_path):
+    """4 processes for TIERCACHE_SHARED_SECONDS (default 60) on one root, overlapping content
+    keys, one killed with SIGKILL and restarted every 1-4 s: no byte read differs from what its
+    key names; no unexpected error (a live writer's temporary file removed would fail its
+    write); every flushed key whose files nobody deleted since (deletions are logged before they
+    happen) is on disk and verifies; a sweep brings the root back to its capacity (during the
+    run it exceeds it by what the processes wrote within min_age_s + one sweep interval: the
+    peak is printed)."""
+    seconds = float(os.environ.get("TIERCACHE_SHARED_SECONDS", "60"))
+    root, logs = tmp_path / "root", tmp_path / "logs"
+    logs.mkdir()
+    capacity = 48  # of 96 keys: sweeps delete
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    rnd = random.Random(seed)
+    workers = [_spawn(root, logs, rnd.randrange(1 << 30), 3600, capacity) for _ in range(4)]
+    kills, peak = 0, 0
+    t_end = time.monotonic() + seconds
+    try:
+        next_kill = time.monotonic() + rnd.uniform(1, 4)
+        while time.monotonic() < t_end:
+            time.sleep(0.2)
+            if root.exists():
+                peak = max(peak, _block_count(root))
+            for w in workers:
+                if w.poll() is not None:
+                    pytest.fail(f"worker exited {w.returncode}: {w.stderr.read().decode()[-3000:]}")
+            if time.monotonic() >= next_kill:
+                i = rnd.randrange(4)
+                workers[i].send_signal(signal.SIGKILL)
+                workers[i].wait()
+                kills += 1
+                workers[i] = _spawn(root, logs, rnd.randrange(1 << 30), 3600, capacity)
+                next_kill = time.monotonic() + rnd.uniform(1, 4)
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGKILL)
+            w.wait()
+    problems = [(p.name, p.read_text()[-3000:]) for p in logs.iterdir() if p.name.startswith(("wrong", "error"))]
+    assert not problems, problems
+    flushed, deleted = _last_times(logs, "flushed"), _last_times(logs, "evicted")
+    # kept: flushed after any deletion of its files was logged (a deleter logs first, then
+    # unlinks: 1 s of margin for one delayed between the two)
+    kept = {k for k, t in flushed.items() if t > deleted.get(k, 0.0) + 1.0}
+    print(f"kills {kills}, flushed {len(flushed)}, kept {len(kept)}, peak {peak} blocks (capacity {capacity})")
+    assert kills >= seconds / 4 - 1 and kept
+    time.sleep(0.6)  # past min_age_s of the workers' last files
+    with TierCache(CacheConfig(pools=POOLS, host_slots=8, file_slots=capacity, root=root, sharing="shared",
+                               metrics_registry="none", metrics_snapshot_s=0, min_age_s=0.5)) as c:
+        assert c.scan.quarantined == []
+        assert not [n for n in os.listdir(root) if n.startswith(".tmp.block")]  # every writer is dead
+        for k in kept:
+            assert k in c, f"flushed block {k.hex()} lost without an eviction"
+            out = {p.name: np.zeros((1, p.block_nbytes), np.uint8) for p in POOLS}
+            c.get([k], out=out)
+            want = bytes_of(k)
+            assert all(np.array_equal(out[p.name][0], want[p.name]) for p in POOLS), k.hex()
+        c.file_index.after_write()
+        assert _block_count(root) <= capacity
