@@ -17,8 +17,8 @@ from rich.progress import Progress
 
 from tiercache.errors import InvalidKeyError, RootError
 from tiercache.config import CacheConfig
-from tiercache.files import QUARANTINE, RootDir, RootLock, is_own_block_file, is_root, lock_holder, survey
-from tiercache.files.sharing import tmp_abandoned
+from tiercache.files import QUARANTINE, RootDir, RootLock, is_own_block_file, is_root, lock_holder, survey, tmp_abandoned
+
 
 TMP_MAX_AGE_S = CacheConfig.tmp_max_age_s  # the default [file] tmp_max_age_s
 from tiercache.keys import key_from_text

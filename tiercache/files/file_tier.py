@@ -231,16 +231,15 @@ class FileTier:
         return gone, len(complete) - len(gone)
 
     def evict(self, keys: list[Key]) -> list[Key]:
-        """Policy eviction of ``keys`` from the bottom tier: their files are deleted, except in
-        shared mode those younger than ``min_age_s`` (left for a sweep). Returns the keys whose
-        files were deleted."""
-        if not self.shared:
-            self.delete(keys)
-            return list(keys)
-        now = time.time()
-        old = [k for k in keys if (published(self.dir, k, self.pools) or 0.0) < now - self.min_age_s]
-        self.delete(old)
-        return old
+        """Policy eviction of ``keys`` from the bottom tier; returns the keys whose files were
+        deleted. Exclusive mode deletes them; shared mode deletes none: the process only
+        forgets them, and the root as a whole is held to capacity by :meth:`sweep` (oldest
+        first, sparing files younger than ``min_age_s``), so one process's full index never
+        deletes what others just published or still read."""
+        if self.shared:
+            return []
+        self.delete(keys)
+        return list(keys)
 
     def probe(self, keys: list[Key]) -> list[Key]:
         """The ``keys`` whose every pool file is published in the root now (another process

@@ -113,10 +113,14 @@ class BlockMover:
             self.copy_into(spill, below[0], protect | set(victims))
             self.counters["spilled_blocks"] += len(spill)
             self.counters[f"spilled_blocks_{tier}"] += len(spill)
-        elif spill:  # bottom tier: the block leaves the cache
-            self.counters["evicted_blocks"] += len(spill)
-            if tier == "file":
-                self.tiers["file"].evict(spill)  # shared roots: files younger than min_age_s stay (sweeps)
+        elif spill:  # bottom tier: the block leaves the cache (a shared root: this process's index)
+            if tier == "file" and self.tiers["file"].shared:
+                self.tiers["file"].evict(spill)  # deletes nothing: the root's sweeps do
+                self.counters["forgotten_blocks"] += len(spill)
+            else:
+                self.counters["evicted_blocks"] += len(spill)
+                if tier == "file":
+                    self.tiers["file"].evict(spill)
         ts.remove(victims)
 
     def copy_into(self, keys: list[Key], dst: str, protect: set[Key]) -> np.ndarray:
