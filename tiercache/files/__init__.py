@@ -10,6 +10,8 @@
   kvikio's compat mode);
 - :mod:`.iopath`: which path device blocks take (GDS / compat / POSIX) and why;
 - :mod:`.rootdir`: the root's marker and single-writer lock;
+- :mod:`.sharing`: shared roots: boot-tagged temporary names, abandoned temporaries, published
+  blocks;
 - :mod:`.rootsurvey`: a read-only survey of a root (for ``inspect``, ``verify``, ``purge``);
 - :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, I/O threads.
 
