@@ -342,8 +342,8 @@ class TransferEngine:
         for group in groups:
             for rc in group:
                 _cpu_copy(rc.src, rc.src_rows, rc.dst, rc.dst_rows, rc.seg)
-        if self.ordering:  # done already; recorded so that its destination slots are valid again
-            self._ledger.record(job, src, s, dst, d, gpu=False)
+        if self.ordering:  # done already (not a pending reader or writer): its destinations hold what it copied
+            self._ledger.set_valid(dst, d, job.failed_dst_slots)
         return job
 
     # -- file transfers -------------------------------------------------------------------

@@ -82,6 +82,15 @@ class SlotLedger:
         arr = arr[self._w[tier][arr] == job.id]
         self._invalid[tier][arr] = True
 
+    def set_valid(self, tier: str, slots: np.ndarray, failed: set[int]) -> None:
+        """A copy that finished at once (on the CPU, after waiting for every conflicting job)
+        wrote ``slots``: they hold valid blocks again, but those in ``failed``."""
+        if tier not in self._invalid or slots.size == 0:
+            return
+        self._invalid[tier][slots] = False
+        if failed:
+            self._invalid[tier][np.fromiter(failed, dtype=np.int64)] = True
+
     def invalid(self, tier: str, slots: np.ndarray) -> np.ndarray:
         """Indices into ``slots`` of the slots that hold no valid block."""
         if tier not in self._invalid or slots.size == 0:
