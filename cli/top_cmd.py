@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tiercache.errors import MissingDependencyError
+from tiercache.metrics import require_prometheus_client
 
 from .common import fail, human_bytes
 
@@ -212,9 +213,9 @@ def top(
     if (url is None) == (root is None):
         fail("give either --url (a cache's metrics exporter) or --root (a file-tier root)")
     try:
-        import prometheus_client
-    except ImportError:
-        fail(str(MissingDependencyError("tiercache top needs prometheus-client: pip install 'tiercache[metrics]'")))
+        require_prometheus_client()
+    except MissingDependencyError as exc:
+        fail(str(exc))
     if url is not None and "://" not in url:
         url = f"http://{url}"
     if url is not None and urllib.parse.urlsplit(url).path in ("", "/"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from tiercache import (
     TransferError,
     UnknownPoolError,
 )
-from tiercache.files import block_filename, posix_io
+from tiercache.files import block_filename
 
 
 def test_round_trip_host_file_host(make_config, rng):

@@ -35,6 +35,17 @@ def _data(rng, pools, n):
     return {p.name: rng.integers(0, 256, (n, p.block_nbytes), dtype=np.uint8) for p in pools}
 
 
+def _written(tmp_path, rng, engine, n, **kw):
+    """A tier of random pools holding ``n`` random blocks: ``(pools, keys, data, tier, root)``."""
+    pools = _pools(rng)
+    keys = random_keys(rng, n)
+    data = _data(rng, pools, n)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, engine, **kw)
+    assert not any(ft.write(_items(keys, data)).values())
+    return pools, keys, data, ft, root
+
+
 def _items(keys, arrays):
     return [(k, {name: arr[i] for name, arr in arrays.items()}) for i, k in enumerate(keys)]
 
@@ -121,11 +132,7 @@ def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine):
 @needs_native
 @pytest.mark.parametrize("engine", NATIVE)
 def test_read_fault_mid_batch(tmp_path, rng, engine):
-    pools = _pools(rng)
-    keys = random_keys(rng, 40)
-    data = _data(rng, pools, 40)
-    ft = _tier(tmp_path / "root", pools, engine, fsync="none")
-    assert not any(ft.write(_items(keys, data)).values())
+    pools, keys, data, ft, _ = _written(tmp_path, rng, engine, 40, fsync="none")
     doomed = keys[int(rng.integers(0, 40))]
     batchio.set_fault(batchio.READ, block_filename(doomed, "act"), errno.EIO, times=1)
     try:
@@ -145,13 +152,8 @@ def test_read_fault_mid_batch(tmp_path, rng, engine):
 @pytest.mark.parametrize("engine", NATIVE)
 @pytest.mark.parametrize("fsync", ["none", "data"])
 def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
-    pools = _pools(rng)
-    keys = random_keys(rng, 20)
-    old = _data(rng, pools, 20)
+    pools, keys, _old, ft, root = _written(tmp_path, rng, engine, 20, fsync=fsync)
     new = _data(rng, pools, 20)
-    root = tmp_path / "root"
-    ft = _tier(root, pools, engine, fsync=fsync)
-    assert not any(ft.write(_items(keys, old)).values())
     doomed = keys[int(rng.integers(0, 20))]
     batchio.set_fault(batchio.WRITE, block_filename(doomed, "kv")[:-4], errno.ENOSPC)
     try:
@@ -163,10 +165,12 @@ def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
     assert not [p for p in os.listdir(root) if p.startswith(".tmp.")]
     # no half-written block: neither pool's file of the failed key is left
     assert not [p for p in os.listdir(root) if p.startswith(block_filename(doomed, "")[:-4])]
-    out = {p.name: np.zeros((20, p.block_nbytes), np.uint8) for p in pools}
     ok = [i for i, k in enumerate(keys) if k != doomed]
-    errs = ft.read(_items([keys[i] for i in ok], {n: a[ok] for n, a in out.items()}))
+    out = {p.name: np.zeros((len(ok), p.block_nbytes), np.uint8) for p in pools}
+    errs = ft.read(_items([keys[i] for i in ok], out))
     assert not any(errs.values())
+    for name in new:  # the other blocks hold the new bytes (the read used to fill copies, unchecked)
+        assert np.array_equal(out[name], new[name][ok])
     ft.close()
 
 

@@ -26,7 +26,6 @@ from tiercache.errors import CorruptBlockError
 from tiercache.files.blockfile import (
     ALIGN,
     DATA_OFFSET,
-    TMP_PREFIX,
     check_header,
     checksum,
     decode_header,
