@@ -89,6 +89,7 @@ class Job(str, Enum):
     file = "file"
     layerwise = "layerwise"
     metrics = "metrics"
+    shared = "shared"
 
 
 class Baseline(str, Enum):
@@ -142,7 +143,9 @@ def bench(
                                           "against dd / raw O_DIRECT / kvikio on the root's disk; layerwise: layer-wise "
                                           "onboarding into engine tensors against onboarding all first (GPU); metrics: "
                                           "cache calls with metrics off and on (exported, scraped), host<->file and "
-                                          "(GPU) device<->host.")] = Job.main,
+                                          "(GPU) device<->host; shared: --procs processes writing and reading one shared root "
+                                          "against one process (--bs, default 64k; --batch; --blocks per process).")] = Job.main,
+    procs: Annotated[int, typer.Option(help="Processes of the shared job.", min=2, max=64)] = 4,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
     repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5) and fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
@@ -175,6 +178,9 @@ def bench(
                 "baseline": "none" if no_baseline else (baseline.value if baseline else None),
                 "io": io.value if io else None, "time_based": time_based or None}
     fio_opts = {k: v for k, v in fio_opts.items() if v is not None}
+    if job is Job.shared:
+        _shared_job(config, output_format, root, procs, blocks, bs, min(batch, 256), repeat, seed, quick)
+        return
     if jobfiles or (set(fio_opts) - {"io"}) or plot_path is not None:
         from .fio_cmd import run_fio
 
@@ -259,6 +265,25 @@ def _metrics_job(config: Path | None, output_format: OutputFormat, root: Path | 
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_metrics_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | None, procs: int,
+                blocks: int | None, bs: str | None, batch: int, repeat: int, seed: int | None, quick: bool) -> None:
+    from tiercache.bench.benchshared import format_shared_report, run_shared_bench
+    from tiercache.bench.fiospec import parse_size
+
+    try:
+        cfg = load_config(config or _default_config(), root=root)
+        log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+        opts = {"fsync": cfg.fsync, "io_engine": cfg.io_engine, "io_threads": cfg.io_threads,
+                "direct_io": cfg.direct_io, "io_mode": cfg.io_mode}
+        rep = run_shared_bench(Path(cfg.root), procs=procs, blocks=blocks or (128 if quick else 512),
+                               block_bytes=parse_size(bs, "--bs") if bs else 64 << 10, batch=batch,
+                               repeat=repeat if repeat > 1 else 3, seed=seed, file_options=opts, log=log)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_shared_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
 
 

@@ -6,6 +6,7 @@ while others read and write the same keys (tests/shared_worker.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -196,6 +197,61 @@ def test_a_block_deleted_by_another_process_is_gone_not_corrupt(tmp_path, rng):
         assert np.array_equal(b.get([ks[1]]).reshape(1, -1), data[1:])
 
 
+def test_sweeps_delete_the_least_recently_read_first(tmp_path, rng, monkeypatch):
+    root = tmp_path / "r"
+    with TierCache(_cfg(root, file_slots=64, min_age_s=0)) as a, TierCache(_cfg(root, file_slots=4, min_age_s=0)) as b:
+        ks = _keys(rng, 6)
+        data = random_blocks(rng, POOL, 6)
+        a.put(ks, data)
+        a.flush(ks)
+        old = time.time() - 100
+        for i, k in enumerate(ks):                # published in key order, 100 s ago and before
+            os.utime(root / block_filename(k, "p"), (old + i + 0.5, old + i))
+        touched = []
+        real = type(b.tiers["file"]).touch
+        monkeypatch.setattr(type(b.tiers["file"]), "touch", lambda self, keys: (touched.extend(keys), real(self, keys)))
+        assert np.array_equal(b.get(ks[:2]), data[:2])  # b reads the two oldest: they are used now
+        assert b.get(ks[:2]) is not None and sorted(touched) == sorted(ks[:2])  # once per key and min_age_s
+        b.file_index._last_sweep = 0
+        b.file_index.after_write()                # b's capacity of 4: the 2 least recently used go
+        assert {k for k in ks if (root / block_filename(k, "p")).exists()} == {ks[0], ks[1], ks[4], ks[5]}
+        path = root / block_filename(ks[4], "p")  # no read (no kernel atime update): touch alone
+        b.tiers["file"].touch([ks[4]])
+        st = os.stat(path)
+        assert st.st_mtime == old + 4 and st.st_atime > old + 50  # publication time kept, use time now
+
+
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("torch", marks=pytest.mark.gpu)])
+def test_a_process_onboards_blocks_as_another_publishes_them(tmp_path, backend):
+    """A offloads a sequence's blocks (2 device blocks per host block, the last one partial)
+    from its engine tensors; B, started after A published the first, onboards each into its
+    own tensors once it is published: exact bytes, the partial block's positions found in
+    the files' headers, and blocks onboarded that were published after B started."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    root, logs = tmp_path / "root", tmp_path / "logs"
+    logs.mkdir()
+    seed = random.randrange(1 << 30)
+    args = [str(root), str(logs), str(seed), "15", "2", backend]
+    script = str(HERE / "shared_sequence.py")
+    a = subprocess.Popen([sys.executable, script, "offload", *args], cwd=HERE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (logs / "published.log").exists() or not (logs / "published.log").read_text():
+            assert a.poll() is None and time.monotonic() < deadline, "A published nothing"
+            time.sleep(0.01)
+        b = subprocess.run([sys.executable, script, "onboard", *args], cwd=HERE, capture_output=True, text=True,
+                           timeout=120)
+        assert a.wait(timeout=60) == 0
+    finally:
+        a.kill()
+    assert b.returncode == 0, (seed, b.stdout, b.stderr)
+    rep = json.loads(b.stdout.strip().splitlines()[-1])
+    assert rep["onboarded"] == 8 and rep["wrong"] == 0
+    assert rep["missing_position_refused"] is True
+    assert rep["after_ready"] >= 7               # all but the first were published while B ran
+
+
 def test_purge_and_verify_while_processes_share_the_root(tmp_path, rng):
     from typer.testing import CliRunner
 
@@ -312,3 +368,21 @@ def test_processes_share_a_root_through_sigkills(tmp_path):
             assert all(np.array_equal(out[p.name][0], want[p.name]) for p in POOLS), k.hex()
         c.file_index.after_write()
         assert _block_count(root) <= capacity
+
+
+def test_bench_shared_job(tmp_path):
+    from typer.testing import CliRunner
+
+    from tiercache.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "--job", "shared", "--procs", "3", "--blocks", "12", "--batch", "5",
+                                   "--bs", "8k", "--root", str(tmp_path), "--output-format", "json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["ok"] and rep["procs"] == 3 and rep["block_bytes"] == 8192 and len(rep["passes"]) == 3
+    for p in rep["passes"]:
+        assert p["shared"]["discovered"] == 36 and p["single"]["blocks"] == p["shared"]["blocks"] == 36
+        assert p["read_ratio"] == p["shared"]["read"]["gbps"] / p["single"]["read"]["gbps"] > 0
+    assert not any(tmp_path.iterdir())            # every pass's root removed
+    res = CliRunner().invoke(app, ["bench", "--job", "shared", "--procs", "1", "--root", str(tmp_path)])
+    assert res.exit_code == 2 and "procs" in res.output

@@ -126,6 +126,7 @@ class TierCache:
         self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters)
         self.file_index.negative_ttl_s = config.negative_ttl_s
         self.mover.after_file_write = self.file_index.after_write
+        self.mover.after_file_read = self.file_index.after_read
         self.file_index.make_room = lambda n, protect: self.mover.make_room("file", n, protect)
         self._engine_slots = None if device_pools is None else EngineSlots(
             device_pools, blocks_per_host_block, self.tiers, self.placement, self.mover, self.file_index,

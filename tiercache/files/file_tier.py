@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -200,11 +201,13 @@ class FileTier:
 
     def sweep(self, capacity_blocks: int, keep: set = frozenset()) -> tuple[list[Key], int]:
         """Shared mode: hold the root as a whole to ``capacity_blocks`` complete blocks by
-        deleting the oldest (newest file's modification time) that are older than
-        ``min_age_s``; also removes abandoned temporary files and incomplete blocks (files for
-        some pools only) older than ``tmp_max_age_s``. Keys in ``keep`` (this process's pinned
-        blocks) are never deleted. Returns the deleted keys and the complete blocks left on disk."""
-        found: dict[Key, dict[str, float]] = {}
+        deleting the least recently used (the newest access or modification time of a block's
+        files; readers refresh it with :meth:`touch`) among those published more than
+        ``min_age_s`` ago; also removes abandoned temporary files and incomplete blocks
+        (files for some pools only) older than ``tmp_max_age_s``. Keys in ``keep`` (this
+        process's pinned blocks) are never deleted. Returns the deleted keys and the complete
+        blocks left on disk."""
+        found: dict[Key, dict[str, tuple[float, float]]] = {}
         now = time.time()
         with self.dir.scandir() as entries:
             listing = list(entries)
@@ -221,14 +224,49 @@ class FileTier:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            found.setdefault(parsed[0], {})[parsed[1]] = st.st_mtime
-        complete = sorted((max(m.values()), k) for k, m in found.items() if len(m) == len(self.pools))
-        stale = [k for k, m in found.items() if len(m) < len(self.pools) and now - max(m.values()) > self.tmp_max_age_s]
+            found.setdefault(parsed[0], {})[parsed[1]] = (st.st_mtime, max(st.st_atime, st.st_mtime))
+        complete = sorted((max(u for _, u in m.values()), max(p for p, _ in m.values()), k)
+                          for k, m in found.items() if len(m) == len(self.pools))
+        stale = [k for k, m in found.items()
+                 if len(m) < len(self.pools) and now - max(p for p, _ in m.values()) > self.tmp_max_age_s]
         self.delete(stale)
         over = len(complete) - capacity_blocks
-        gone = [k for mtime, k in complete if now - mtime > self.min_age_s and k not in keep][:max(over, 0)]
+        gone = [k for _, mtime, k in complete if now - mtime > self.min_age_s and k not in keep][:max(over, 0)]
         self.delete(gone)
         return gone, len(complete) - len(gone)
+
+    def touch(self, keys: list[Key]) -> None:
+        """Shared mode: mark ``keys`` as just used, for :meth:`sweep`'s order, by setting the
+        access time of their first pool's file to now (its modification time, the
+        publication time that ``min_age_s`` counts from, is kept): one ``stat`` and one
+        ``utimensat`` per block. Files deleted meanwhile are skipped."""
+        pool = next(iter(self.pools))
+        now_ns = time.time_ns()
+        for k in keys:
+            name = block_filename(k, pool)
+            try:
+                st = os.stat(name, dir_fd=self.dir.fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    os.utime(name, ns=(now_ns, st.st_mtime_ns), dir_fd=self.dir.fd, follow_symlinks=False)
+            except (FileNotFoundError, PermissionError):  # gone, or another user's file: no refresh
+                pass
+
+    def header_extra(self, key: Key) -> dict:
+        """The ``extra`` metadata of ``key``'s first pool file's header (for example the
+        positions of a partial host block); empty when the file is gone or does not verify
+        (its read will then fail and name why)."""
+        pool = next(iter(self.pools))
+        name = block_filename(key, pool)
+        try:
+            fd = self.dir.child(name).open(os.O_RDONLY)
+        except (OSError, NotRegularFileError):
+            return {}
+        try:
+            return posix_io.read_header(fd, key, self.pools[pool], name).extra
+        except (CorruptBlockError, OSError):
+            return {}
+        finally:
+            os.close(fd)
 
     def evict(self, keys: list[Key]) -> list[Key]:
         """Policy eviction of ``keys`` from the bottom tier; returns the keys whose files were

@@ -45,6 +45,8 @@ class FileIndex:
         self.negative_ttl_s = 1.0
         self.sweep_interval_s = 1.0
         self._last_sweep = 0.0
+        #: shared mode: key -> time.monotonic() of this process's last refresh of its use time
+        self._touched: dict[Key, float] = {}
         #: ``make_room(n, protect)`` frees ``n`` file-tier slots (set by the cache: the mover's)
         self.make_room: Callable[[int, set], None] = lambda n, protect: None
         #: shared mode: complete blocks in the root at the last sweep (None before one)
@@ -110,7 +112,36 @@ class FileIndex:
             self.make_room(len(found), set(keys))
             self.placement.tiers["file"].add(found)
             self.counters["discovered_blocks"] += len(found)
+            if self.k > 1:
+                self._discover_positions(found)
         return found
+
+    def _discover_positions(self, keys: list[Key]) -> None:
+        """The positions of discovered partial host blocks, from their files' headers (a
+        block whose header says nothing holds all ``k``)."""
+        for k in keys:
+            mask = self.file_tier.header_extra(k).get("positions")
+            if mask is not None:
+                self.positions[k] = int(mask)
+                self.file_tier.block_meta[k] = {"positions": int(mask)}
+
+    def after_read(self, keys: list[Key]) -> None:
+        """Shared mode, after ``keys`` were read from files: refresh their use time in the
+        root (:meth:`FileTier.touch <tiercache.files.FileTier.touch>`), so that the root's
+        sweeps delete the least recently used blocks, not the oldest published; at most once
+        per key every ``max(1, min_age_s)`` seconds per process."""
+        if not self.shared or not keys:
+            return
+        now = time.monotonic()
+        every = max(1.0, self.file_tier.min_age_s)
+        todo = [k for k in keys if now - self._touched.get(k, -every) >= every]
+        if not todo:
+            return
+        self.file_tier.touch(todo)
+        for k in todo:
+            self._touched[k] = now
+        if len(self._touched) > 65536:  # forget old entries now and then
+            self._touched = {k: t for k, t in self._touched.items() if now - t < every}
 
     def after_write(self, keep: set = frozenset()) -> None:
         """Shared mode, after file writes: at most every ``sweep_interval_s``, hold the root

@@ -48,6 +48,8 @@ class BlockMover:
         self.counters = counters
         #: called after blocks were written to the file tier (shared roots: the root-wide sweep)
         self.after_file_write: Callable[[set], None] = lambda keep: None
+        #: called with the keys read from the file tier (shared roots: refresh their use time)
+        self.after_file_read: Callable[[list], None] = lambda keys: None
 
     def transfer(self, keys: list[Key], src: str, dst: str, src_rows, dst_rows,
                  src_arrays: dict | None = None, dst_arrays: dict | None = None) -> dict[Key, BaseException]:
@@ -66,6 +68,7 @@ class BlockMover:
         failed = {(keys[k] if isinstance(k, int) and "file" not in (src, dst) else k): e for k, e in res.failed.items()}
         if src == "file":
             self._quarantine_bad_reads(failed)
+            self.after_file_read([k for k in keys if k not in failed] if failed else keys)
         block = sum(self.pools[p].block_nbytes for p in pools)
         self.counters[f"bytes_{src}_to_{dst}"] += (len(keys) - len(failed)) * block
         self.counters["failed_transfers"] += len(failed)
