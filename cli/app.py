@@ -90,6 +90,7 @@ class Job(str, Enum):
     layerwise = "layerwise"
     metrics = "metrics"
     shared = "shared"
+    hf = "hf"
 
 
 class Baseline(str, Enum):
@@ -144,8 +145,12 @@ def bench(
                                           "onboarding into engine tensors against onboarding all first (GPU); metrics: "
                                           "cache calls with metrics off and on (exported, scraped), host<->file and "
                                           "(GPU) device<->host; shared: --procs processes writing and reading one shared root "
-                                          "against one process (--bs, default 64k; --batch; --blocks per process).")] = Job.main,
+                                          "against one process (--bs, default 64k; --batch; --blocks per process); hf: transformers "
+                                          "generate with its plain cache, its offloaded cache and tiercache's (GPU).")] = Job.main,
     procs: Annotated[int, typer.Option(help="Processes of the shared job.", min=2, max=64)] = 4,
+    context: Annotated[Optional[list[int]], typer.Option(help="hf job: context lengths in tokens (repeat the option; "
+                                                              "default 16384 and 32768).", min=64)] = None,
+    new_tokens: Annotated[int, typer.Option(help="hf job: tokens generated per run.", min=2, max=4096)] = 32,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
     repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5) and fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
@@ -178,6 +183,9 @@ def bench(
                 "baseline": "none" if no_baseline else (baseline.value if baseline else None),
                 "io": io.value if io else None, "time_based": time_based or None}
     fio_opts = {k: v for k, v in fio_opts.items() if v is not None}
+    if job is Job.hf:
+        _hf_job(output_format, root, context, new_tokens, 1, quick)
+        return
     if job is Job.shared:
         _shared_job(config, output_format, root, procs, blocks, bs, min(batch, 256), repeat, seed, quick)
         return
@@ -284,6 +292,21 @@ def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | N
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_shared_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] | None, new_tokens: int, batch: int,
+            quick: bool) -> None:
+    from tiercache.bench.benchhf import format_hf_report, run_hf_bench
+
+    try:
+        base = root or load_config(_default_config()).root
+        log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+        ctx = tuple(contexts or ((4096, 8192) if quick else (16384, 32768)))
+        rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, batch=batch, root=Path(base), log=log)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_hf_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
 
 

@@ -1,0 +1,112 @@
+"""tiercache.integrations.transformers.TieredCache: greedy generation with random-weight
+Llama, Qwen2 and Mistral-style (GQA) models gives exactly DynamicCache's tokens, with the KV in
+the host tier and with most of it in files (host tier smaller than half the KV); unsupported
+models and operations are clear errors. On the CPU with host tensors (CI, where transformers
+is installed) and on a GPU (bf16, CUDA tensors)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from tiercache import ConfigError  # noqa: E402
+from tiercache.integrations.transformers import TieredCache, UnsupportedCacheOperation, kv_bytes_per_token  # noqa: E402
+
+GEOMETRY = dict(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+
+
+def _model(kind: str, device: str, dtype):
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+    extra = {"sliding_window": None} if kind == "mistral" else {}
+    if kind == "qwen2":
+        extra = {"use_sliding_window": False, "layer_types": ["full_attention"] * GEOMETRY["num_hidden_layers"]}
+    cfg = cls[0](**GEOMETRY, **extra)
+    return cls[1](cfg).to(device=device, dtype=dtype).eval()
+
+
+def _generate(model, ids, cache, new_tokens):
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                              past_key_values=cache, pad_token_id=0)
+
+
+def _check_modes(kind, device, dtype, tmp_path, batch, prompt, new_tokens, tpb):
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    model = _model(kind, device, dtype)
+    ids = torch.randint(1, GEOMETRY["vocab_size"], (batch, prompt), device=device)
+    want = _generate(model, ids, DynamicCache(config=model.config), new_tokens)
+    total = prompt + new_tokens
+    with TieredCache(model.config, max_cache_len=total, tokens_per_block=tpb) as host:
+        got = _generate(model, ids, host, new_tokens)
+        assert torch.equal(got, want), (seed, "host")
+        st = host.stats()
+        assert st["tokens"] == [total - 1] * GEOMETRY["num_hidden_layers"]  # the last token is never fed back
+        assert "file" not in st["tiers"] and st["counters"]["offloaded_blocks"] > 0
+    kv = kv_bytes_per_token(model.config, torch.finfo(dtype).bits // 8) * batch * total
+    host_bytes = kv * 2 // 5                           # the KV is 2.5x the host tier: most blocks in files
+    with TieredCache(model.config, max_cache_len=total, tokens_per_block=tpb, host_bytes=host_bytes,
+                     root=tmp_path / kind) as files:
+        got = _generate(model, ids, files, new_tokens)
+        assert torch.equal(got, want), (seed, "files")
+        cnt = files.stats()["counters"]
+        assert cnt["onboard_hits_file"] > cnt.get("onboard_hits_host", 0) and cnt["bytes_file_to_host"] > kv
+    assert not list((tmp_path / kind).glob("block_*"))  # the scratch files are gone after close
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_greedy_tokens_match_dynamic_cache_cpu(tmp_path, kind):
+    _check_modes(kind, "cpu", torch.float32, tmp_path, batch=2, prompt=45, new_tokens=24, tpb=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_greedy_tokens_match_dynamic_cache_gpu(tmp_path, kind):
+    _check_modes(kind, "cuda", torch.bfloat16, tmp_path, batch=3, prompt=300, new_tokens=40, tpb=32)
+
+
+def test_unsupported_models_and_operations_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="full-attention layers only.*sliding_attention"):
+        TieredCache(transformers.MistralConfig(**GEOMETRY, sliding_window=64), max_cache_len=64)
+    cfg = transformers.LlamaConfig(**GEOMETRY)
+    for kw, bad in ((dict(max_cache_len=0), "max_cache_len = 0"), (dict(max_cache_len=8, ring_layers=1), "ring_layers"),
+                    (dict(max_cache_len=8, tokens_per_block=0), "tokens_per_block"),
+                    (dict(max_cache_len=8, host_bytes=-1), "host_bytes")):
+        with pytest.raises(ConfigError, match=bad):
+            TieredCache(cfg, **kw)
+    torch.manual_seed(0)
+    model = _model("llama", "cpu", torch.float32)
+    ids = torch.randint(1, 300, (1, 20))
+    with TieredCache(model.config, max_cache_len=24, tokens_per_block=8, host_bytes=4096) as small:
+        with pytest.raises(ConfigError, match="host_bytes = 4096 holds .* root="):
+            _generate(model, ids, small, 2)
+    with TieredCache(model.config, max_cache_len=24, tokens_per_block=8) as c:
+        with pytest.raises(ConfigError, match="exceed max_cache_len = 24"):
+            _generate(model, ids, c, 8)
+        with pytest.raises(UnsupportedCacheOperation, match="beam search"):
+            c.reorder_cache(torch.tensor([0]))
+        with pytest.raises(UnsupportedCacheOperation, match="cropping"):
+            c.crop(-1)
+
+
+def test_reset_starts_a_new_sequence(tmp_path):
+    torch.manual_seed(1)
+    model = _model("llama", "cpu", torch.float32)
+    a, b = torch.randint(1, 300, (1, 30)), torch.randint(1, 300, (1, 17))
+    with TieredCache(model.config, max_cache_len=64, tokens_per_block=8, host_bytes=16 * 8192,
+                     root=tmp_path / "r") as c:
+        _generate(model, a, c, 5)
+        c.reset()
+        assert c.get_seq_length() == 0
+        got = _generate(model, b, c, 9)
+    assert torch.equal(got, _generate(model, b, DynamicCache(config=model.config), 9))

@@ -1,0 +1,218 @@
+"""The transformers benchmark: one random-weight model generating from one prompt with (a) the
+plain ``DynamicCache``, (b) transformers' own offloading (``cache_implementation="offloaded"``:
+each layer's KV on the CPU, the next layer prefetched on a side stream), (c) tiercache's
+:class:`~tiercache.integrations.transformers.TieredCache` with its host tier, and (d) the
+same with a host tier smaller than the KV and the rest in block files, in one run on one GPU.
+
+Per mode and context length: time to first token (the prefill), decode tokens/s (steps after
+the first), peak VRAM above the weights (``torch.cuda.max_memory_allocated``), pinned host
+memory, and whether the tokens equal (a)'s. The PCIe bound of a step is the KV bytes it must
+bring to the GPU (every layer's keys and values of the whole context, at the context's mean
+length over the decode steps) over a contiguous pinned host-to-device copy's bandwidth
+measured in the same run; a mode's share of it is its tokens/s over that bound. The files
+mode reports the bytes per second it read from files beside fio's random-read bandwidth on
+the same directory with the same file size (when fio is installed).
+
+The model is built from a config (Llama-3.2-1B's geometry by default: 16 layers, hidden 2048,
+32 heads, 8 KV heads, head_dim 64, bf16); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                    max_position_embeddings=131072, tie_word_embeddings=True)
+MODES = ("plain", "offloaded", "tiercache-host", "tiercache-files")
+
+
+def h2d_gbps(torch, nbytes: int = 512 << 20, reps: int = 10) -> float:
+    """Contiguous pinned host -> device copy bandwidth (GB/s, median of ``reps``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times = sorted(times[2:])
+    return nbytes / times[len(times) // 2] / 1e9
+
+
+def _pinned_bytes(torch) -> int:
+    """Peak bytes of PyTorch's pinned host allocator (0 where it reports nothing)."""
+    try:
+        st = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return 0
+    return int(st.get("allocated_bytes.all.peak", st.get("reserved_bytes.all.peak", 0)))
+
+
+def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
+    """Generate greedily, stamping the time after every step's logits."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+            return scores
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([Stamp()]), **kw)
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return {"tokens": out, "ttft_s": stamps[0] - t0, "decode_tok_s": decode}
+
+
+def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, modes=MODES, root: Path | None = None,
+                 files_context: int | None = None, files_new_tokens: int = 8, host_fraction: float = 0.4,
+                 tokens_per_block: int = 256, ring_layers: int = 3, geometry: dict | None = None, seed: int = 0,
+                 log=lambda s: None) -> dict:
+    """Run every mode at every context length (prompt = context - new tokens).
+
+    Args:
+        contexts: total tokens per sequence (prompt and generated).
+        new_tokens: tokens generated per run (decode tokens/s over the steps after the first).
+        batch: sequences per run.
+        modes: any of :data:`MODES`.
+        root: directory for the files mode (required for it).
+        files_context: the files mode's context (default: the smallest of ``contexts``);
+            it generates ``files_new_tokens``.
+        host_fraction: the files mode's host tier as a fraction of the KV (0.4: the KV is
+            2.5x the host tier).
+        tokens_per_block, ring_layers: :class:`TieredCache` settings.
+        geometry: ``LlamaConfig`` fields (default :data:`LLAMA_3_2_1B`).
+
+    Returns:
+        ``{"h2d_gbps", "kv_bytes_per_token", "runs": [{mode, context, ttft_s, decode_tok_s,
+        pcie_bound_tok_s, share_of_bound, peak_vram_bytes, pinned_bytes, identical, ...}],
+        "ok"}``.
+
+    Raises:
+        MissingDependencyError: no torch/transformers. TierUnavailableError: no GPU.
+    """
+    from tiercache.errors import ConfigError, MissingDependencyError, TierUnavailableError
+
+    try:
+        import torch
+        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+        from tiercache.integrations.transformers import TieredCache, kv_bytes_per_token
+    except ImportError as exc:
+        raise MissingDependencyError(f"--job hf needs torch and transformers: {exc}") from exc
+    if not torch.cuda.is_available():
+        raise TierUnavailableError("--job hf needs a CUDA GPU")
+    if "tiercache-files" in modes and root is None:
+        raise ConfigError("the tiercache-files mode needs a root directory (--root)")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**(geometry or LLAMA_3_2_1B))
+    model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    per_token = kv_bytes_per_token(cfg, 2) * batch
+    bw = h2d_gbps(torch)
+    log(f"h2d {bw:.1f} GB/s; KV {per_token} bytes/token")
+    runs, reference = [], {}
+    files_context = files_context or min(contexts)
+    plan = [(m, c) for c in contexts for m in modes if m != "tiercache-files"]
+    if "tiercache-files" in modes:
+        plan.append(("tiercache-files", files_context))
+    if files_context not in contexts:
+        plan.insert(0, ("plain", files_context))
+    for mode, ctx in plan:
+        n_new = files_new_tokens if mode == "tiercache-files" else new_tokens
+        g = torch.Generator().manual_seed(seed + ctx)
+        ids = torch.randint(1, cfg.vocab_size, (batch, ctx - new_tokens), generator=g).cuda()
+        kw, cache = {}, None
+        if mode == "plain":
+            kw["past_key_values"] = DynamicCache(config=cfg)
+        elif mode == "offloaded":
+            kw["cache_implementation"] = "offloaded"
+        else:
+            host = None if mode == "tiercache-host" else int(per_token * ctx * host_fraction)
+            sub = None if mode == "tiercache-host" else Path(root) / "hf-bench"
+            cache = TieredCache(cfg, max_cache_len=ctx, tokens_per_block=tokens_per_block, host_bytes=host,
+                                root=sub, ring_layers=ring_layers)
+            kw["past_key_values"] = cache
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+            torch.cuda.reset_peak_host_memory_stats()
+        try:
+            r = _timed_generate(torch, model, ids, n_new, **kw)
+            rec = {"mode": mode, "context": ctx, "new_tokens": n_new, "ttft_s": r["ttft_s"],
+                   "decode_tok_s": r["decode_tok_s"], "peak_vram_bytes": torch.cuda.max_memory_allocated() - base,
+                   "pinned_bytes": _pinned_bytes(torch)}
+            if cache is not None:
+                st = cache.stats()
+                rec["pinned_bytes"] += st["tiers"]["host"]["bytes_capacity"]
+                rec["vram_ring_bytes"] = st["vram_bytes"]
+                rec["counters"] = {k: v for k, v in st["counters"].items() if k.startswith(("bytes_", "onboard_"))}
+                if mode == "tiercache-files":
+                    steps_s = n_new / max(r["decode_tok_s"], 1e-9) if r["decode_tok_s"] else 0
+                    rec["file_read_gbps"] = st["counters"].get("bytes_file_to_host", 0) / 1e9 / max(
+                        r["ttft_s"] + steps_s, 1e-9)
+                    rec["kv_over_host"] = per_token * ctx / st["tiers"]["host"]["bytes_capacity"]
+                    rec["disk"] = _disk_baseline(Path(root) / "hf-fio", st["block_bytes"] // 2)
+        finally:
+            if cache is not None:
+                cache.close()
+        mean_len = ctx - n_new / 2
+        rec["pcie_bound_tok_s"] = bw * 1e9 / (per_token * mean_len)
+        rec["share_of_bound"] = rec["decode_tok_s"] / rec["pcie_bound_tok_s"]
+        if mode == "plain":
+            reference[ctx] = r["tokens"]
+        ref = reference.get(ctx)
+        n = min(ref.shape[1], r["tokens"].shape[1]) if ref is not None else 0
+        rec["identical"] = bool(ref is not None and torch.equal(ref[:, :n], r["tokens"][:, :n]))
+        runs.append(rec)
+        log(f"{mode:16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
+            f"({rec['share_of_bound']:.2f} of PCIe bound), peak VRAM {rec['peak_vram_bytes'] / 2**20:.0f} MiB, "
+            f"identical {rec['identical']}")
+    if root is not None:
+        shutil.rmtree(Path(root) / "hf-fio", ignore_errors=True)
+    return {"h2d_gbps": bw, "kv_bytes_per_token": per_token, "batch": batch, "tokens_per_block": tokens_per_block,
+            "ring_layers": ring_layers, "gpu": torch.cuda.get_device_name(), "runs": runs,
+            "ok": all(r["identical"] for r in runs)}
+
+
+def _disk_baseline(directory: Path, file_bytes: int) -> dict | None:
+    """fio random reads of ``file_bytes`` blocks on ``directory`` (None without fio)."""
+    from tiercache.bench.fiobase import fio_binary, run_fio
+    from tiercache.bench.fiospec import FioJob
+
+    if fio_binary() is None:
+        return None
+    job = FioJob(name="hfdisk", rw="randread", iodepth=16, direct=True)
+    rec = run_fio(job, file_bytes, max(64, (1 << 30) // file_bytes), directory, "read")
+    return {"method": rec["method"], "read_gbps": rec["bw_bytes"] / 1e9}
+
+
+def format_hf_report(rep: dict) -> str:
+    """A text table of :func:`run_hf_bench`'s report."""
+    lines = [f"{rep['gpu']}: contiguous host->device {rep['h2d_gbps']:.1f} GB/s; KV {rep['kv_bytes_per_token']} "
+             f"bytes/token; batch {rep['batch']}",
+             f"{'mode':16s} {'context':>7s} {'TTFT s':>7s} {'tok/s':>7s} {'PCIe bound':>10s} {'share':>6s} "
+             f"{'VRAM MiB':>9s} {'pinned MiB':>10s} identical"]
+    for r in rep["runs"]:
+        lines.append(f"{r['mode']:16s} {r['context']:7d} {r['ttft_s']:7.2f} {r['decode_tok_s']:7.1f} "
+                     f"{r['pcie_bound_tok_s']:10.1f} {r['share_of_bound']:6.2f} {r['peak_vram_bytes'] / 2**20:9.0f} "
+                     f"{r['pinned_bytes'] / 2**20:10.0f} {r['identical']}")
+        if "file_read_gbps" in r:
+            disk = r.get("disk")
+            lines.append(f"  files: KV {r['kv_over_host']:.1f}x the host tier; read {r['file_read_gbps']:.2f} GB/s "
+                         "from files" + (f" vs fio {disk['read_gbps']:.2f} GB/s ({r['file_read_gbps'] / disk['read_gbps']:.2f})"
+                                         if disk else ""))
+    lines.append("tokens: " + ("identical to the plain cache in every mode" if rep["ok"] else "DIFFER (see identical)"))
+    return "\n".join(lines)

@@ -1,0 +1,366 @@
+"""A Hugging Face ``transformers`` KV cache whose keys and values live in tiercache blocks:
+pinned host memory, then files, with a few layers' worth of VRAM.
+
+    from tiercache.integrations.transformers import TieredCache
+
+    cache = TieredCache(model.config, max_cache_len=32768)                  # host tier
+    cache = TieredCache(model.config, max_cache_len=32768, host_bytes=1 << 30,
+                        root="/mnt/nvme/kv")                                 # host, then files
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    cache.close()
+
+How it works. Tokens are grouped in blocks of ``tokens_per_block``; one tiercache key holds
+one layer's K and V for one token block, every sequence of the batch and every KV head (a host
+block of ``batch * num_kv_heads`` device blocks of ``[tokens_per_block, head_dim]``, pools
+``k`` and ``v``). VRAM holds a ring of ``ring_layers`` layer buffers ``[batch, heads,
+max_cache_len, head_dim]`` (K and V) and each layer's last, partial block (its *tail*). For
+every layer of every forward pass:
+
+1. the layer's full blocks were onboarded into a ring buffer ``ring_layers - 1`` layers
+   earlier, by one :meth:`~tiercache.TierCache.onboard_slots` that waits on the device for
+   the compute queued before it (the attention that last read that buffer); the current
+   stream now waits on its event (no host-side wait);
+2. the tail and the new tokens are copied in behind them (device to device), and the
+   attention gets views of the buffer (no concatenation, no allocation);
+3. blocks the new tokens complete are offloaded to the host tier
+   (:meth:`~tiercache.TierCache.offload_slots`, ordered after the copies on the stream); the
+   engine's slot ledger orders the buffer's reuse after those reads;
+4. the onboard of the layer ``ring_layers - 1`` ahead (wrapping into the next forward pass)
+   is queued.
+
+Cold blocks spill from the host tier to block files under ``root`` (least recently used
+first) and come back through it. The KV bytes never change on the way, so the attention sees
+the same keys and values as with ``DynamicCache``.
+
+What it does not do (each a :class:`~tiercache.errors.ConfigError` or
+:class:`UnsupportedCacheOperation` naming it): sliding-window, chunked or linear-attention
+layers; beam search (``reorder_cache``), cropping (assisted decoding), batch reshaping; more
+than ``max_cache_len`` tokens; ``batch * num_kv_heads > 64``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from tiercache.errors import ConfigError, MissingDependencyError, TierCacheError
+
+try:
+    import torch
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as exc:  # pragma: no cover - exercised where transformers is missing
+    raise MissingDependencyError(
+        "tiercache.integrations.transformers needs torch and transformers: pip install 'tiercache[hf]'") from exc
+
+__all__ = ["TieredCache", "UnsupportedCacheOperation"]
+
+#: most device blocks a host block may hold (``blocks_per_host_block``)
+MAX_POSITIONS = 64
+
+
+class UnsupportedCacheOperation(TierCacheError, NotImplementedError):
+    """A ``Cache`` operation :class:`TieredCache` does not implement (beam search, cropping)."""
+
+
+def _unsupported(what: str):
+    def method(self, *args, **kwargs):
+        raise UnsupportedCacheOperation(f"TieredCache does not support {what}; use DynamicCache for it")
+    method.__doc__ = f"Not supported: raises :class:`UnsupportedCacheOperation` ({what})."
+    return method
+
+
+class _Layer(CacheLayerMixin):
+    """One layer's view of a :class:`TieredCache` (what ``Cache``'s generic methods query)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: TieredCache, index: int) -> None:
+        super().__init__()
+        self._owner = weakref.proxy(owner)
+        self.index = index
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self._owner._initialize(key_states)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._owner.update(key_states, value_states, self.index)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._owner._lengths[self.index]
+
+    def get_max_length(self) -> int:
+        return self._owner.max_cache_len
+
+    def reset(self) -> None:
+        self._owner._lengths[self.index] = 0
+
+    offload = prefetch = lambda self: None  # noqa: E731 - the tiers do this
+    reorder_cache = _unsupported("beam search (reorder_cache)")
+    crop = _unsupported("cropping the cache (assisted decoding)")
+    batch_repeat_interleave = _unsupported("batch_repeat_interleave")
+    batch_select_indices = _unsupported("batch_select_indices")
+
+
+class TieredCache(Cache):
+    """A ``transformers`` ``Cache`` that keeps the KV cache in tiercache's host tier and files,
+    streaming each layer back into a small VRAM ring during every forward pass (see the module
+    docstring).
+
+    Args:
+        config: the model's config (``model.config``; its text config is used): layer count,
+            KV heads, ``head_dim``; every layer must be full attention.
+        max_cache_len: most tokens per sequence (prompt and generated), > 0.
+        tokens_per_block: tokens per block (one file per block and pool), 1..65536.
+        host_bytes: bytes of pinned host memory for the host tier (default: the whole KV
+            cache of ``max_cache_len`` tokens). Below that, ``root`` is required and holds
+            the rest. Blocks come back through the host tier, so it should hold at least
+            ``ring_layers`` layers' blocks to keep the onboards of the layers in flight
+            apart (less works, in pieces, with host-side waits).
+        root: directory of the file tier (None: host tier only). Its blocks are this cache's
+            scratch space: they are deleted when the cache starts and when it closes.
+        ring_layers: layer buffers in VRAM (2..num_layers): the onboard of a layer is queued
+            ``ring_layers - 1`` layers before its attention.
+        **options: other :class:`~tiercache.config.CacheConfig` fields (``fsync`` defaults
+            to ``"none"`` here: a KV cache need not survive the process; ``io_threads``,
+            ``io_engine``, ``direct_io``...).
+
+    The tier cache is created on the first ``update`` (batch size, dtype and device come from
+    the model), sized from ``max_cache_len`` and the batch: ``K + V`` bytes per block are
+    ``2 * batch * num_kv_heads * tokens_per_block * head_dim * itemsize``.
+
+    Raises:
+        ConfigError: a model with non-full-attention layers, sizes out of range, a host tier
+            too small without ``root``.
+        MissingDependencyError: torch or transformers missing (at import).
+    """
+
+    def __init__(self, config, max_cache_len: int, *, tokens_per_block: int = 256, host_bytes: int | None = None,
+                 root=None, ring_layers: int = 3, **options) -> None:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.num_layers = int(text.num_hidden_layers)
+        layer_types = getattr(text, "layer_types", None)
+        other = sorted({t for t in (layer_types or []) if t != "full_attention"})
+        if other or getattr(text, "sliding_window", None) is not None and layer_types is None:
+            raise ConfigError(f"TieredCache supports full-attention layers only; this model has "
+                              f"{other or ['sliding_attention']} layers (use DynamicCache for them)")
+        for name, value, lo, hi in (("max_cache_len", max_cache_len, 1, 1 << 24),
+                                    ("tokens_per_block", tokens_per_block, 1, 65536),
+                                    ("ring_layers", ring_layers, 2, max(2, self.num_layers))):
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ConfigError(f"{name} = {value!r} must be an integer in [{lo}, {hi}]")
+        if host_bytes is not None and (isinstance(host_bytes, bool) or not isinstance(host_bytes, int)
+                                       or host_bytes <= 0):
+            raise ConfigError(f"host_bytes = {host_bytes!r} must be a positive integer (bytes)")
+        self._max_len = max_cache_len
+        self.tokens_per_block = tokens_per_block
+        self.blocks_per_layer = -(-max_cache_len // tokens_per_block)
+        self.ring_layers = ring_layers
+        self.host_bytes = host_bytes
+        self.root = root
+        self.options = {"fsync": "none", **options}
+        self.tiers = None  # the TierCache, from the first update
+        self._lengths = [0] * self.num_layers
+        self._finalizer = None
+        super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
+
+    @property
+    def max_cache_len(self) -> int:
+        """Most tokens per sequence this cache holds."""
+        return self._max_len
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _initialize(self, key_states) -> None:
+        """Create the VRAM ring, the tails and the tier cache for ``key_states``' batch,
+        heads, head_dim, dtype and device."""
+        if self.tiers is not None:
+            return
+        from tiercache.cache import TierCache
+        from tiercache.serving import DevicePools
+
+        B, H, _, D = key_states.shape
+        self.batch, self.heads, self.head_dim = B, H, D
+        self.dtype, self.device = key_states.dtype, key_states.device
+        k = B * H
+        if k > MAX_POSITIONS:
+            raise ConfigError(f"batch {B} x {H} KV heads = {k} device blocks per host block; at most {MAX_POSITIONS} "
+                              "(use a smaller batch)")
+        R, nb, tpb = self.ring_layers, self.blocks_per_layer, self.tokens_per_block
+        cap = nb * tpb
+        kw = dict(dtype=self.dtype, device=self.device)
+        # ring[r] is [B, H, cap, D]; device block (r, b, h, j) is tokens j*tpb.. of (b, h): row
+        # ((r * B + b) * H + h) * nb + j of the flat [R * B * H * nb, tpb, D] view
+        self._ring = {n: torch.empty(R * k * nb, tpb, D, **kw) for n in ("k", "v")}
+        self._tail = {n: torch.empty(self.num_layers, B, H, tpb, D, **kw) for n in ("k", "v")}
+        self._ids = np.arange(R * k * nb, dtype=np.int64).reshape(R, k, nb)
+        block_bytes = 2 * k * tpb * D * key_states.element_size()
+        need = self.num_layers * nb
+        host_slots = need if self.host_bytes is None else self.host_bytes // block_bytes
+        if host_slots < need and self.root is None:
+            raise ConfigError(f"host_bytes = {self.host_bytes} holds {host_slots} blocks of {block_bytes} bytes; "
+                              f"{self.max_cache_len} tokens x {self.num_layers} layers need {need} "
+                              f"({need * block_bytes} bytes): give more "
+                              "host_bytes, or root= for a file tier")
+        if host_slots < 1:
+            raise ConfigError(f"host_bytes = {self.host_bytes} holds no block of {block_bytes} bytes")
+        on_gpu = self.device.type == "cuda"
+        pools = DevicePools(self._ring, token_axis=0, layers=[["k", "v"]], host_ok=not on_gpu,
+                            device_id=self.device.index if on_gpu else None)
+        file_slots = need if self.root is not None else 0
+        opts = {"metrics_registry": "none", "metrics_snapshot_s": 0, **self.options}
+        self.tiers = TierCache.for_engine(pools, host_slots=min(host_slots, need), file_slots=file_slots,
+                                          blocks_per_host_block=k, root=self.root, **opts)
+        if file_slots:  # the root is scratch space: a previous run's blocks go
+            self.tiers.evict(self.tiers.keys("file"))
+        self._finalizer = weakref.finalize(self, _close, self.tiers)
+        self.block_bytes = block_bytes
+        self._views = [{n: self._ring[n].view(R, B, H, cap, D)[r] for n in ("k", "v")} for r in range(R)]
+        self._pending: dict[int, tuple] = {}
+        self._updates = 0
+        self._key0 = 0
+
+    def _keys(self, layer: int, j0: int, j1: int) -> list[int]:
+        base = self._key0 + layer * self.blocks_per_layer
+        return list(range(base + j0, base + j1))
+
+    def _dev(self, slot: int, j0: int, j1: int) -> np.ndarray:
+        return np.ascontiguousarray(self._ids[slot, :, j0:j1].T)
+
+    def _onboard(self, layer: int, nfull: int, slot: int):
+        """Queue the onboard of ``layer``'s first ``nfull`` blocks into ring buffer ``slot``;
+        it starts after the compute queued so far."""
+        return self.tiers.onboard_slots(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull), layerwise=True)
+
+    # -- the Cache interface -------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Store ``key_states``/``value_states`` ``[batch, kv_heads, q, head_dim]`` of layer
+        ``layer_idx`` and return that layer's keys and values so far, ``[batch, kv_heads,
+        length, head_dim]`` views of a VRAM ring buffer, valid until the next
+        ``ring_layers - 1`` updates.
+
+        Raises:
+            ConfigError: more than ``max_cache_len`` tokens, or a batch/heads/dtype/device
+                other than the first update's.
+            TransferError: a block failed to move (its source copy stays valid).
+        """
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        if tuple(key_states.shape[:2]) != (self.batch, self.heads) or key_states.shape[3] != self.head_dim \
+                or key_states.dtype != self.dtype or key_states.device != self.device:
+            raise ConfigError(f"layer {layer_idx}: key states {tuple(key_states.shape)} {key_states.dtype} on "
+                              f"{key_states.device}; this cache holds [{self.batch}, {self.heads}, *, {self.head_dim}] "
+                              f"{self.dtype} on {self.device}")
+        s, q, tpb, R = self._lengths[layer_idx], key_states.shape[2], self.tokens_per_block, self.ring_layers
+        end = s + q
+        if end > self.max_cache_len:
+            raise ConfigError(f"layer {layer_idx}: {end} tokens exceed max_cache_len = {self.max_cache_len}")
+        g = self._updates
+        self._updates += 1
+        slot = g % R
+        nfull = s // tpb
+        pending = self._pending.pop(g, None)
+        for stale in [x for x in self._pending if x < g]:
+            del self._pending[stale]
+        if nfull:
+            if pending is not None and pending[:2] == (layer_idx, nfull):
+                handle = pending[2]
+            else:  # not the order the prefetch expected: onboard now (still only a device-side wait)
+                handle = self._onboard(layer_idx, nfull, slot)
+            handle.wait()
+        ring = self._views[slot]
+        new = {"k": key_states, "v": value_states}
+        for n in ("k", "v"):
+            if s > nfull * tpb:
+                ring[n][:, :, nfull * tpb:s].copy_(self._tail[n][layer_idx][:, :, :s - nfull * tpb])
+            ring[n][:, :, s:end].copy_(new[n])
+        done = end // tpb
+        if done > nfull:
+            self.tiers.offload_slots(self._keys(layer_idx, nfull, done), self._dev(slot, nfull, done), to="host")
+        start = max(s, done * tpb)
+        if end > start:
+            for n in ("k", "v"):
+                self._tail[n][layer_idx][:, :, start - done * tpb:end - done * tpb].copy_(ring[n][:, :, start:end])
+        self._lengths[layer_idx] = end
+        ahead = (layer_idx + R - 1) % self.num_layers
+        n_ahead = self._lengths[ahead] // tpb
+        if n_ahead:
+            self._pending[g + R - 1] = (ahead, n_ahead, self._onboard(ahead, n_ahead, (g + R - 1) % R))
+        return ring["k"][:, :, :end], ring["v"][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens stored for layer ``layer_idx``."""
+        return self._lengths[layer_idx] if 0 <= layer_idx < self.num_layers else 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """``max_cache_len``."""
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        """Forget every token (the blocks are dropped from every tier)."""
+        self._lengths = [0] * self.num_layers
+        if self.tiers is not None:
+            self.tiers.engine.synchronize()
+            self._pending.clear()
+            self._key0 += self.num_layers * self.blocks_per_layer  # fresh keys; the old ones go
+            for tier in ("host", "file"):
+                if tier in self.tiers.tiers:
+                    self.tiers.evict(self.tiers.keys(tier))
+
+    reorder_cache = _unsupported("beam search (reorder_cache)")
+    crop = _unsupported("cropping the cache (assisted decoding)")
+    batch_repeat_interleave = _unsupported("batch_repeat_interleave")
+    batch_select_indices = _unsupported("batch_select_indices")
+
+    # -- introspection and lifetime ------------------------------------------------------------
+    @property
+    def vram_bytes(self) -> int:
+        """Bytes of VRAM this cache holds (the ring and the tails; 0 before the first update)."""
+        if self.tiers is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (*self._ring.values(), *self._tail.values()))
+
+    def stats(self) -> dict:
+        """The tier cache's :meth:`~tiercache.TierCache.stats` plus ``"vram_bytes"``,
+        ``"block_bytes"`` and ``"tokens"`` (per layer); ``{}`` before the first update."""
+        if self.tiers is None:
+            return {}
+        return {**self.tiers.stats(), "vram_bytes": self.vram_bytes, "block_bytes": self.block_bytes,
+                "tokens": list(self._lengths)}
+
+    def close(self) -> None:
+        """Wait for transfers in flight, delete the file tier's blocks and close the tier cache
+        (idempotent; also done when the cache is garbage-collected)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _close(tiers) -> None:
+    try:
+        tiers.engine.synchronize()
+        if "file" in tiers.tiers:
+            tiers.evict(tiers.keys("file"))
+    finally:
+        tiers.close()
+
+
+def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """K and V bytes one token takes over every layer of ``config`` (``2 * layers *
+    kv_heads * head_dim * dtype_bytes``)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
