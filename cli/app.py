@@ -151,6 +151,7 @@ def bench(
     context: Annotated[Optional[list[int]], typer.Option(help="hf job: context lengths in tokens (repeat the option; "
                                                               "default 16384 and 32768).", min=64)] = None,
     new_tokens: Annotated[int, typer.Option(help="hf job: tokens generated per run.", min=2, max=4096)] = 32,
+    tokens_per_block: Annotated[int, typer.Option(help="hf job: TieredCache tokens_per_block.", min=1, max=65536)] = 256,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
     repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5) and fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
@@ -184,7 +185,7 @@ def bench(
                 "io": io.value if io else None, "time_based": time_based or None}
     fio_opts = {k: v for k, v in fio_opts.items() if v is not None}
     if job is Job.hf:
-        _hf_job(output_format, root, context, new_tokens, 1, quick)
+        _hf_job(output_format, root, context, new_tokens, tokens_per_block, quick)
         return
     if job is Job.shared:
         _shared_job(config, output_format, root, procs, blocks, bs, min(batch, 256), repeat, seed, quick)
@@ -295,15 +296,16 @@ def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | N
     raise typer.Exit(0 if rep["ok"] else 1)
 
 
-def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] | None, new_tokens: int, batch: int,
-            quick: bool) -> None:
+def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] | None, new_tokens: int,
+            tokens_per_block: int, quick: bool) -> None:
     from tiercache.bench.benchhf import format_hf_report, run_hf_bench
 
     try:
         base = root or load_config(_default_config()).root
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
         ctx = tuple(contexts or ((4096, 8192) if quick else (16384, 32768)))
-        rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, batch=batch, root=Path(base), log=log)
+        rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, root=Path(base), tokens_per_block=tokens_per_block,
+                           log=log)
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_hf_report(rep))

@@ -55,7 +55,10 @@ def _pinned_bytes(torch) -> int:
 
 
 def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
-    """Generate greedily, stamping the time after every step's logits."""
+    """Generate greedily, stamping the time after every step's logits. No attention mask is
+    passed (one unpadded sequence per row, as a user calls it): with an all-ones mask,
+    transformers builds a mask for every step and the plain cache decodes 2.5x slower at 16k
+    (17 against 43 tokens/s on the H100 machine)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps: list[float] = []
@@ -69,7 +72,7 @@ def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+        out = model.generate(ids, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                              logits_processor=LogitsProcessorList([Stamp()]), **kw)
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0

@@ -168,7 +168,7 @@ class Placement:
     def room(self, tier: str) -> int:
         """Slots of ``tier`` an operation may fill at once: its slots less its pinned blocks."""
         ts = self.tiers[tier]
-        return ts.num_slots - sum(1 for k in ts.slot_of if self.is_pinned(k))
+        return ts.num_slots - sum(1 for k, n in self.pins.items() if n > 0 and k in ts)
 
     def require_present(self, keys: list[Key]) -> None:
         """Raises:
