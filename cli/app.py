@@ -151,7 +151,7 @@ def bench(
     context: Annotated[Optional[list[int]], typer.Option(help="hf job: context lengths in tokens (repeat the option; "
                                                               "default 16384 and 32768).", min=64)] = None,
     new_tokens: Annotated[int, typer.Option(help="hf job: tokens generated per run.", min=2, max=4096)] = 32,
-    tokens_per_block: Annotated[int, typer.Option(help="hf job: TieredCache tokens_per_block.", min=1, max=65536)] = 256,
+    tokens_per_block: Annotated[int, typer.Option(help="hf job: TieredCache tokens_per_block.", min=1, max=65536)] = 1024,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
     repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5) and fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "

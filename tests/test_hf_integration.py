@@ -110,3 +110,26 @@ def test_reset_starts_a_new_sequence(tmp_path):
         assert c.get_seq_length() == 0
         got = _generate(model, b, c, 9)
     assert torch.equal(got, _generate(model, b, DynamicCache(config=model.config), 9))
+
+
+def test_bench_compares_tokens_and_logits_up_to_the_first_difference():
+    from tiercache.bench.benchhf import compare_to_reference
+
+    logits = [torch.randn(1, 8) for _ in range(4)]
+    ref = {"tokens": torch.tensor([[5, 6, 1, 2, 3, 4]]), "logits": logits}
+    same = {"tokens": ref["tokens"].clone(), "logits": [x + 0.01 for x in logits]}
+    got = compare_to_reference(torch, ref, same, prompt=2)
+    assert got["identical"] and got["first_divergence"] is None and abs(got["max_logit_diff"] - 0.01) < 1e-5
+    late = {"tokens": torch.tensor([[5, 6, 1, 2, 7, 7]]), "logits": [logits[0], logits[1], logits[2] + 0.25, logits[3] + 9]}
+    got = compare_to_reference(torch, ref, late, prompt=2)
+    assert not got["identical"] and got["first_divergence"] == 2 and abs(got["max_logit_diff"] - 0.25) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU error path")
+def test_bench_hf_job_needs_a_gpu(tmp_path):
+    from typer.testing import CliRunner
+
+    from tiercache.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "--job", "hf", "--root", str(tmp_path)])
+    assert res.exit_code != 0 and "needs a CUDA GPU" in res.output

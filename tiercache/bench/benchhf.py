@@ -27,6 +27,10 @@ LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                     max_position_embeddings=131072, tie_word_embeddings=True)
 MODES = ("plain", "offloaded", "tiercache-host", "tiercache-files")
+#: bf16 logits of two runs that see the same KV bytes may differ by kernel choice (split-K,
+#: attention over a strided or a contiguous cache); a mode passes when its tokens equal the plain
+#: cache's, or its logits stay within this up to the first step whose token differs
+LOGIT_TOLERANCE = 0.5
 
 
 def h2d_gbps(torch, nbytes: int = 512 << 20, reps: int = 10) -> float:
@@ -55,16 +59,18 @@ def _pinned_bytes(torch) -> int:
 
 
 def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
-    """Generate greedily, stamping the time after every step's logits. No attention mask is
-    passed (one unpadded sequence per row, as a user calls it): with an all-ones mask,
-    transformers builds a mask for every step and the plain cache decodes 2.5x slower at 16k
-    (17 against 43 tokens/s on the H100 machine)."""
+    """Generate greedily, stamping the time after every step's logits and keeping them (float32,
+    on the CPU). No attention mask is passed (one unpadded sequence per row, as a user calls
+    it): with an all-ones mask, transformers builds a mask for every step and the plain cache
+    decoded 2.5x slower at 16k (17 against 43 tokens/s on the H100 machine)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps: list[float] = []
+    logits: list = []
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
+            logits.append(scores.float().cpu())
             torch.cuda.synchronize()
             stamps.append(time.perf_counter())
             return scores
@@ -72,16 +78,30 @@ def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             logits_processor=LogitsProcessorList([Stamp()]), **kw)
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, logits_processor=LogitsProcessorList([Stamp()]), **kw)
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
-    return {"tokens": out, "ttft_s": stamps[0] - t0, "decode_tok_s": decode}
+    return {"tokens": out, "logits": logits, "ttft_s": stamps[0] - t0, "decode_tok_s": decode}
+
+
+def compare_to_reference(torch, ref: dict, run: dict, prompt: int) -> dict:
+    """Tokens and logits of ``run`` against the plain cache's ``ref``: ``identical`` (every
+    generated token), ``first_divergence`` (the first step whose token differs, None if none)
+    and ``max_logit_diff`` (largest absolute difference of the logits over the steps up to
+    and including it, where both runs had the same tokens so far)."""
+    a, b = ref["tokens"][:, prompt:], run["tokens"][:, prompt:]
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[:, :n] != b[:, :n]).any(dim=0).nonzero()
+    first = int(diff[0]) if diff.numel() else None
+    upto = n if first is None else first + 1
+    worst = max((float((x - y).abs().max()) for x, y in zip(ref["logits"][:upto], run["logits"][:upto])),
+                default=0.0)
+    return {"identical": first is None, "first_divergence": first, "max_logit_diff": worst}
 
 
 def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, modes=MODES, root: Path | None = None,
                  files_context: int | None = None, files_new_tokens: int = 8, host_fraction: float = 0.4,
-                 tokens_per_block: int = 256, ring_layers: int = 3, geometry: dict | None = None, seed: int = 0,
+                 tokens_per_block: int = 1024, ring_layers: int = 3, geometry: dict | None = None, seed: int = 0,
                  log=lambda s: None) -> dict:
     """Run every mode at every context length (prompt = context - new tokens).
 
@@ -127,7 +147,7 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
     log(f"h2d {bw:.1f} GB/s; KV {per_token} bytes/token")
     runs, reference = [], {}
     files_context = files_context or min(contexts)
-    plan = [(m, c) for c in contexts for m in modes if m != "tiercache-files"]
+    plan = [(m, c) for c in contexts for m in ("plain", *modes) if m != "tiercache-files"]  # plain twice: A/A
     if "tiercache-files" in modes:
         plan.append(("tiercache-files", files_context))
     if files_context not in contexts:
@@ -147,7 +167,9 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
             cache = TieredCache(cfg, max_cache_len=ctx, tokens_per_block=tokens_per_block, host_bytes=host,
                                 root=sub, ring_layers=ring_layers)
             kw["past_key_values"] = cache
-        torch.cuda.empty_cache()
+        if cache is None:  # a short run first: kernels chosen, allocator warm (the tiers' own run warms them)
+            _timed_generate(torch, model, ids[:, :256], 2, **({"past_key_values": DynamicCache(config=cfg)}
+                                                              if mode == "plain" else kw))
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
@@ -174,20 +196,18 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
         mean_len = ctx - n_new / 2
         rec["pcie_bound_tok_s"] = bw * 1e9 / (per_token * mean_len)
         rec["share_of_bound"] = rec["decode_tok_s"] / rec["pcie_bound_tok_s"]
-        if mode == "plain":
-            reference[ctx] = r["tokens"]
-        ref = reference.get(ctx)
-        n = min(ref.shape[1], r["tokens"].shape[1]) if ref is not None else 0
-        rec["identical"] = bool(ref is not None and torch.equal(ref[:, :n], r["tokens"][:, :n]))
+        if mode == "plain" and ctx not in reference:
+            reference[ctx] = r
+        rec.update(compare_to_reference(torch, reference[ctx], r, ids.shape[1]))
         runs.append(rec)
         log(f"{mode:16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
             f"({rec['share_of_bound']:.2f} of PCIe bound), peak VRAM {rec['peak_vram_bytes'] / 2**20:.0f} MiB, "
-            f"identical {rec['identical']}")
+            f"identical {rec['identical']} (max logit diff {rec['max_logit_diff']:.3g})")
     if root is not None:
         shutil.rmtree(Path(root) / "hf-fio", ignore_errors=True)
     return {"h2d_gbps": bw, "kv_bytes_per_token": per_token, "batch": batch, "tokens_per_block": tokens_per_block,
             "ring_layers": ring_layers, "gpu": torch.cuda.get_device_name(), "runs": runs,
-            "ok": all(r["identical"] for r in runs)}
+            "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs)}
 
 
 def _disk_baseline(directory: Path, file_bytes: int) -> dict | None:
@@ -207,15 +227,17 @@ def format_hf_report(rep: dict) -> str:
     lines = [f"{rep['gpu']}: contiguous host->device {rep['h2d_gbps']:.1f} GB/s; KV {rep['kv_bytes_per_token']} "
              f"bytes/token; batch {rep['batch']}",
              f"{'mode':16s} {'context':>7s} {'TTFT s':>7s} {'tok/s':>7s} {'PCIe bound':>10s} {'share':>6s} "
-             f"{'VRAM MiB':>9s} {'pinned MiB':>10s} identical"]
+             f"{'VRAM MiB':>9s} {'pinned MiB':>10s} identical (first differing step, max logit diff up to it)"]
     for r in rep["runs"]:
         lines.append(f"{r['mode']:16s} {r['context']:7d} {r['ttft_s']:7.2f} {r['decode_tok_s']:7.1f} "
                      f"{r['pcie_bound_tok_s']:10.1f} {r['share_of_bound']:6.2f} {r['peak_vram_bytes'] / 2**20:9.0f} "
-                     f"{r['pinned_bytes'] / 2**20:10.0f} {r['identical']}")
+                     f"{r['pinned_bytes'] / 2**20:10.0f} {r['identical']} ({r['first_divergence']}, "
+                     f"{r['max_logit_diff']:.3g})")
         if "file_read_gbps" in r:
             disk = r.get("disk")
             lines.append(f"  files: KV {r['kv_over_host']:.1f}x the host tier; read {r['file_read_gbps']:.2f} GB/s "
                          "from files" + (f" vs fio {disk['read_gbps']:.2f} GB/s ({r['file_read_gbps'] / disk['read_gbps']:.2f})"
                                          if disk else ""))
-    lines.append("tokens: " + ("identical to the plain cache in every mode" if rep["ok"] else "DIFFER (see identical)"))
+    lines.append("tokens: " + ("identical to the plain cache, or logits within "
+                               f"{LOGIT_TOLERANCE} up to the first differing token" if rep["ok"] else "DIFFER beyond the tolerance"))
     return "\n".join(lines)

@@ -141,7 +141,7 @@ class TieredCache(Cache):
         MissingDependencyError: torch or transformers missing (at import).
     """
 
-    def __init__(self, config, max_cache_len: int, *, tokens_per_block: int = 256, host_bytes: int | None = None,
+    def __init__(self, config, max_cache_len: int, *, tokens_per_block: int = 1024, host_bytes: int | None = None,
                  root=None, ring_layers: int = 3, **options) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
