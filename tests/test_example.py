@@ -33,3 +33,16 @@ def test_readme_api_snippet_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md (The API)", "exec"), {})
     assert (tmp_path / "tiercache-demo" / ".tiercache-root").is_file()
+
+
+@pytest.mark.parametrize("files", [False, True])
+def test_tiered_cache_example(tmp_path, files):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    script = EXAMPLE.parent / "hf_tiered_cache.py"
+    run = subprocess.run([sys.executable, str(script), "--new", "12", *(["--root", str(tmp_path)] if files else [])],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "identical tokens: yes" in run.stdout
+    moved = float(run.stdout.split("files -> host ")[1].split(" MiB")[0])
+    assert (moved > 0) == files

@@ -116,6 +116,8 @@ def test_bench_compares_tokens_and_logits_up_to_the_first_difference():
     from tiercache.bench.benchhf import compare_to_reference
 
     logits = [torch.randn(1, 8) for _ in range(4)]
+    for x in logits:
+        x[0, 0] = -float("inf")                   # a token min_new_tokens forbids: -inf in both runs
     ref = {"tokens": torch.tensor([[5, 6, 1, 2, 3, 4]]), "logits": logits}
     same = {"tokens": ref["tokens"].clone(), "logits": [x + 0.01 for x in logits]}
     got = compare_to_reference(torch, ref, same, prompt=2)

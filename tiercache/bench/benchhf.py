@@ -84,6 +84,15 @@ def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
     return {"tokens": out, "logits": logits, "ttft_s": stamps[0] - t0, "decode_tok_s": decode}
 
 
+def _finite_diff(torch, x, y) -> float:
+    """Largest absolute difference where both logits are finite (the logits processors set
+    some to -inf, the same ones in both runs); inf where only one of them is finite."""
+    fx, fy = torch.isfinite(x), torch.isfinite(y)
+    if not torch.equal(fx, fy):
+        return float("inf")
+    return float((x[fx] - y[fy]).abs().max()) if bool(fx.any()) else 0.0
+
+
 def compare_to_reference(torch, ref: dict, run: dict, prompt: int) -> dict:
     """Tokens and logits of ``run`` against the plain cache's ``ref``: ``identical`` (every
     generated token), ``first_divergence`` (the first step whose token differs, None if none)
@@ -94,7 +103,7 @@ def compare_to_reference(torch, ref: dict, run: dict, prompt: int) -> dict:
     diff = (a[:, :n] != b[:, :n]).any(dim=0).nonzero()
     first = int(diff[0]) if diff.numel() else None
     upto = n if first is None else first + 1
-    worst = max((float((x - y).abs().max()) for x, y in zip(ref["logits"][:upto], run["logits"][:upto])),
+    worst = max((_finite_diff(torch, x, y) for x, y in zip(ref["logits"][:upto], run["logits"][:upto])),
                 default=0.0)
     return {"identical": first is None, "first_divergence": first, "max_logit_diff": worst}
 
