@@ -8,6 +8,8 @@ baseline in the same run:
   ``cudaMemcpyAsync``, alone and beside a bf16 GEMM (:mod:`.gpumon` samples clocks);
 - :mod:`.benchfile`: block files against raw I/O on the same directory;
 - :mod:`.benchlayer`: layer-wise onboarding into engine tensors;
+- :mod:`.benchshared`: N processes on one shared root against one;
+- :mod:`.benchhf`: transformers generate with its caches and TieredCache;
 - :mod:`.fiospec`, :mod:`.fiorun`: fio-style jobs through the transfer engine;
 - :mod:`.calibrate`: where the copy engines overtake the SM kernels on this GPU;
 - :mod:`.timing`, :mod:`.stagestats`: CUDA-event timing and per-stage statistics.
