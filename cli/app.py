@@ -152,6 +152,10 @@ def bench(
                                                               "default 16384 and 32768).", min=64)] = None,
     new_tokens: Annotated[int, typer.Option(help="hf job: tokens generated per run.", min=2, max=4096)] = 32,
     tokens_per_block: Annotated[int, typer.Option(help="hf job: TieredCache tokens_per_block.", min=1, max=65536)] = 1024,
+    ring_layers: Annotated[int, typer.Option(help="hf job: TieredCache ring_layers (layer buffers in VRAM).",
+                                             min=2, max=64)] = 3,
+    hf_mode: Annotated[Optional[list[str]], typer.Option("--hf-mode", help="hf job: modes to run (repeat; default all: "
+                                                         "plain, offloaded, tiercache-host, tiercache-files).")] = None,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
     repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5) and fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
@@ -185,7 +189,7 @@ def bench(
                 "io": io.value if io else None, "time_based": time_based or None}
     fio_opts = {k: v for k, v in fio_opts.items() if v is not None}
     if job is Job.hf:
-        _hf_job(output_format, root, context, new_tokens, tokens_per_block, quick)
+        _hf_job(output_format, root, context, new_tokens, tokens_per_block, quick, ring_layers, hf_mode)
         return
     if job is Job.shared:
         _shared_job(config, output_format, root, procs, blocks, bs, min(batch, 256), repeat, seed, quick)
@@ -297,15 +301,19 @@ def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | N
 
 
 def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] | None, new_tokens: int,
-            tokens_per_block: int, quick: bool) -> None:
-    from tiercache.bench.benchhf import format_hf_report, run_hf_bench
+            tokens_per_block: int, quick: bool, ring_layers: int = 3, modes: list[str] | None = None) -> None:
+    from tiercache.bench.benchhf import MODES, format_hf_report, run_hf_bench
+
+    bad = sorted(set(modes or ()) - set(MODES))
+    if bad:
+        _fail(f"--hf-mode {bad[0]!r}: expected one of {', '.join(MODES)}")
 
     try:
         base = root or load_config(_default_config()).root
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
         ctx = tuple(contexts or ((4096, 8192) if quick else (16384, 32768)))
         rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, root=Path(base), tokens_per_block=tokens_per_block,
-                           log=log)
+                           ring_layers=ring_layers, modes=tuple(modes or MODES), log=log)
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_hf_report(rep))

@@ -135,3 +135,8 @@ def test_bench_hf_job_needs_a_gpu(tmp_path):
 
     res = CliRunner().invoke(app, ["bench", "--job", "hf", "--root", str(tmp_path)])
     assert res.exit_code != 0 and "needs a CUDA GPU" in res.output
+
+
+def test_a_prompt_shorter_than_a_block_cpu(tmp_path):
+    """Prefill and every decode step within one block, then across blocks, through the tail."""
+    _check_modes("llama", "cpu", torch.float32, tmp_path, batch=1, prompt=5, new_tokens=20, tpb=8)

@@ -35,7 +35,7 @@ from tiercache.files import FileTier, IOPath, select_io_path, write_stats
 from tiercache.keys import Key, format_keys, normalize_keys
 from tiercache.memory import MemoryTier, make_device_tier, make_host_tier
 from tiercache.placement import TIER_ORDER, BlockMover, FileIndex, Placement
-from tiercache.serving import EngineSlots, OnboardHandle
+from tiercache.serving import EngineSlots, OnboardHandle, PreparedOnboard
 from tiercache.transfer import LATENCY_BUCKETS_S, Job, TransferEngine
 
 log = logging.getLogger("tiercache")
@@ -682,6 +682,37 @@ class TierCache:
         return self._slots().onboard_slots(keys, device_slots, layerwise=layerwise, num_tokens=num_tokens,
                                            stream=stream)
 
+    def prepare_onboard(self, keys, device_slots, *, layerwise: bool = False, num_tokens: int | None = None,
+                        stream=None) -> PreparedOnboard:
+        """Plan an onboard of ``keys`` into ``device_slots`` once, for many launches
+        (:meth:`PreparedOnboard.launch <tiercache.serving.prepared.PreparedOnboard.launch>`):
+        for engines that bring the same blocks into the same device blocks again and again,
+        such as a decoder streaming each layer's KV from host memory every step.
+
+        Args:
+            keys, device_slots, layerwise, num_tokens: as :meth:`onboard_slots`.
+            stream: the default stream of its launches (as :meth:`onboard_slots`).
+
+        Keys only in the file tier are read into the host tier now. Every key is then pinned
+        there until :meth:`PreparedOnboard.release <tiercache.serving.prepared.PreparedOnboard.release>`:
+        its host slot, and so the plan, stay valid; meanwhile the keys cannot be spilled,
+        evicted or replaced. Each launch copies the host blocks' contents at that time, ordered
+        after conflicting transfers like any onboard; on the host it costs the launch calls
+        (no per-key work).
+
+        Returns:
+            A :class:`~tiercache.serving.prepared.PreparedOnboard`.
+
+        Raises:
+            KeyNotFoundError: a key not stored, or a position its host block never held.
+            SlotRangeError: bad ``device_slots`` (as :meth:`onboard_slots`).
+            TierUnavailableError: no device pools, or no host tier.
+            TierFullError: the file-only keys do not fit in the host tier's unpinned slots.
+            TransferError: file reads that failed (the bad files are quarantined).
+        """
+        return self._slots().prepare_onboard(keys, device_slots, layerwise=layerwise, num_tokens=num_tokens,
+                                             stream=stream)
+
     def engine_stream(self, stream=None):
         """The stream the engine computes on, as ``offload_slots`` / ``onboard_slots`` default
         it: ``stream`` if given, else PyTorch's current stream (of this thread) for PyTorch
@@ -700,10 +731,13 @@ class TierCache:
         last call; never blocks (for engines that poll)."""
         return self.engine.get_finished()
 
-    def make_stream_wait(self, stream=None) -> None:
-        """``stream`` waits (on the device) for every onboard still in flight before running
-        what is queued on it next."""
-        self.engine.make_stream_wait(stream)
+    def make_stream_wait(self, stream=None, jobs=None) -> None:
+        """``stream`` (CuPy, PyTorch, ``__cuda_stream__`` or int handle; None: CuPy's current
+        stream) waits, on the device, for ``jobs`` (:class:`~tiercache.transfer.jobs.Job`, for
+        example an offload whose source blocks the engine is about to overwrite; default: every
+        onboard still in flight) before running what is queued on it next. Jobs of file I/O are
+        waited for on the host."""
+        self.engine.make_stream_wait(stream, jobs)
 
     # -- stats & lifecycle ----------------------------------------------------------------
     def stats(self, block: bool = True) -> dict:

@@ -5,7 +5,9 @@ each layer's KV on the CPU, the next layer prefetched on a side stream), (c) tie
 same with a host tier smaller than the KV and the rest in block files, in one run on one GPU.
 
 Per mode and context length: time to first token (the prefill), decode tokens/s (steps after
-the first), peak VRAM above the weights (``torch.cuda.max_memory_allocated``), pinned host
+the first), peak VRAM above the weights (``torch.cuda.max_memory_allocated``; over the whole
+run, set by the prefill's activations, and over the decode steps alone, where the KV cache's own
+VRAM dominates), tiercache's host time in ``update`` per step, pinned host
 memory, and whether the tokens equal (a)'s. The PCIe bound of a step is the KV bytes it must
 bring to the GPU (every layer's keys and values of the whole context, at the context's mean
 length over the decode steps) over a contiguous pinned host-to-device copy's bandwidth
@@ -58,7 +60,7 @@ def _pinned_bytes(torch) -> int:
     return int(st.get("allocated_bytes.all.peak", st.get("reserved_bytes.all.peak", 0)))
 
 
-def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
+def _timed_generate(torch, model, ids, new_tokens: int, cache=None, **kw) -> dict:
     """Generate greedily, stamping the time after every step's logits and keeping them (float32,
     on the CPU). No attention mask is passed (one unpadded sequence per row, as a user calls
     it): with an all-ones mask, transformers builds a mask for every step and the plain cache
@@ -67,12 +69,17 @@ def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
 
     stamps: list[float] = []
     logits: list = []
+    first: dict = {}
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
             logits.append(scores.float().cpu())
             torch.cuda.synchronize()
             stamps.append(time.perf_counter())
+            if len(stamps) == 1:  # the prefill's peak; from here the decode's
+                first["peak"] = torch.cuda.max_memory_allocated()
+                first["update_s"] = getattr(cache, "update_seconds", 0.0)
+                torch.cuda.reset_peak_memory_stats()
             return scores
 
     torch.cuda.synchronize()
@@ -80,8 +87,13 @@ def _timed_generate(torch, model, ids, new_tokens: int, **kw) -> dict:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0, logits_processor=LogitsProcessorList([Stamp()]), **kw)
-    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
-    return {"tokens": out, "logits": logits, "ttft_s": stamps[0] - t0, "decode_tok_s": decode}
+    steps = len(stamps) - 1
+    decode = steps / (stamps[-1] - stamps[0]) if steps else 0.0
+    rec = {"tokens": out, "logits": logits, "ttft_s": stamps[0] - t0, "decode_tok_s": decode,
+           "prefill_peak": first.get("peak", 0), "decode_peak": torch.cuda.max_memory_allocated()}
+    if cache is not None and steps:  # update() is called once per layer and step: its host time per step
+        rec["cache_host_ms_per_step"] = (cache.update_seconds - first["update_s"]) / steps * 1e3
+    return rec
 
 
 def _finite_diff(torch, x, y) -> float:
@@ -156,67 +168,83 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
     log(f"h2d {bw:.1f} GB/s; KV {per_token} bytes/token")
     runs, reference = [], {}
     files_context = files_context or min(contexts)
-    plan = [(m, c) for c in contexts for m in ("plain", *modes) if m != "tiercache-files"]  # plain twice: A/A
+    plan = [(m, c) for c in contexts for m in dict.fromkeys(("plain", *modes)) if m != "tiercache-files"]
     if "tiercache-files" in modes:
+        if files_context not in contexts:
+            plan.append(("plain", files_context))
         plan.append(("tiercache-files", files_context))
-    if files_context not in contexts:
-        plan.insert(0, ("plain", files_context))
     for mode, ctx in plan:
         n_new = files_new_tokens if mode == "tiercache-files" else new_tokens
         g = torch.Generator().manual_seed(seed + ctx)
         ids = torch.randint(1, cfg.vocab_size, (batch, ctx - new_tokens), generator=g).cuda()
-        kw, cache = {}, None
-        if mode == "plain":
-            kw["past_key_values"] = DynamicCache(config=cfg)
-        elif mode == "offloaded":
-            kw["cache_implementation"] = "offloaded"
-        else:
-            host = None if mode == "tiercache-host" else int(per_token * ctx * host_fraction)
-            sub = None if mode == "tiercache-host" else Path(root) / "hf-bench"
-            cache = TieredCache(cfg, max_cache_len=ctx, tokens_per_block=tokens_per_block, host_bytes=host,
-                                root=sub, ring_layers=ring_layers)
-            kw["past_key_values"] = cache
-        if cache is None:  # a short run first: kernels chosen, allocator warm (the tiers' own run warms them)
-            _timed_generate(torch, model, ids[:, :256], 2, **({"past_key_values": DynamicCache(config=cfg)}
-                                                              if mode == "plain" else kw))
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
-            torch.cuda.reset_peak_host_memory_stats()
-        try:
-            r = _timed_generate(torch, model, ids, n_new, **kw)
-            rec = {"mode": mode, "context": ctx, "new_tokens": n_new, "ttft_s": r["ttft_s"],
-                   "decode_tok_s": r["decode_tok_s"], "peak_vram_bytes": torch.cuda.max_memory_allocated() - base,
-                   "pinned_bytes": _pinned_bytes(torch)}
-            if cache is not None:
-                st = cache.stats()
-                rec["pinned_bytes"] += st["tiers"]["host"]["bytes_capacity"]
-                rec["vram_ring_bytes"] = st["vram_bytes"]
-                rec["counters"] = {k: v for k, v in st["counters"].items() if k.startswith(("bytes_", "onboard_"))}
-                if mode == "tiercache-files":
-                    steps_s = n_new / max(r["decode_tok_s"], 1e-9) if r["decode_tok_s"] else 0
-                    rec["file_read_gbps"] = st["counters"].get("bytes_file_to_host", 0) / 1e9 / max(
-                        r["ttft_s"] + steps_s, 1e-9)
-                    rec["kv_over_host"] = per_token * ctx / st["tiers"]["host"]["bytes_capacity"]
-                    rec["disk"] = _disk_baseline(Path(root) / "hf-fio", st["block_bytes"] // 2)
-        finally:
-            if cache is not None:
-                cache.close()
+        cold = cold_r = None
+        for attempt in ("cold", "warm"):  # the same run twice: the second one is reported
+            rec, r = _one_run(torch, model, cfg, mode, ctx, ids, n_new, per_token, root, host_fraction,
+                              tokens_per_block, ring_layers, DynamicCache, TieredCache)
+            if mode == "plain" and ctx not in reference:
+                reference[ctx] = r  # the first plain run: every other run (the warm plain one too) against it
+            if attempt == "cold":
+                cold, cold_r = rec, r
+        rec["cold_decode_tok_s"] = cold["decode_tok_s"]
+        rec["cold_identical"] = compare_to_reference(torch, reference[ctx], cold_r, ids.shape[1])["identical"]
         mean_len = ctx - n_new / 2
         rec["pcie_bound_tok_s"] = bw * 1e9 / (per_token * mean_len)
         rec["share_of_bound"] = rec["decode_tok_s"] / rec["pcie_bound_tok_s"]
-        if mode == "plain" and ctx not in reference:
-            reference[ctx] = r
         rec.update(compare_to_reference(torch, reference[ctx], r, ids.shape[1]))
         runs.append(rec)
         log(f"{mode:16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
-            f"({rec['share_of_bound']:.2f} of PCIe bound), peak VRAM {rec['peak_vram_bytes'] / 2**20:.0f} MiB, "
-            f"identical {rec['identical']} (max logit diff {rec['max_logit_diff']:.3g})")
+            f"(cold run {rec['cold_decode_tok_s']:.1f}; {rec['share_of_bound']:.2f} of PCIe bound), peak VRAM "
+            f"{rec['peak_vram_bytes'] / 2**20:.0f} MiB (decode {rec['decode_peak_vram_bytes'] / 2**20:.0f}), cache host "
+            f"{rec.get('cache_host_ms_per_step', 0):.1f} ms/step, identical {rec['identical']} "
+            f"(max logit diff {rec['max_logit_diff']:.3g})")
     if root is not None:
         shutil.rmtree(Path(root) / "hf-fio", ignore_errors=True)
     return {"h2d_gbps": bw, "kv_bytes_per_token": per_token, "batch": batch, "tokens_per_block": tokens_per_block,
             "ring_layers": ring_layers, "gpu": torch.cuda.get_device_name(), "runs": runs,
             "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs)}
+
+
+def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token: int, root, host_fraction: float,
+             tokens_per_block: int, ring_layers: int, DynamicCache, TieredCache) -> tuple[dict, dict]:
+    """One generate of ``mode``: its record (times, VRAM, pinned bytes, the cache's counters)
+    and the raw run (tokens, logits)."""
+    kw, cache = {}, None
+    if mode == "plain":
+        kw["past_key_values"] = DynamicCache(config=cfg)
+    elif mode == "offloaded":
+        kw["cache_implementation"] = "offloaded"
+    else:
+        host = None if mode == "tiercache-host" else int(per_token * ctx * host_fraction)
+        sub = None if mode == "tiercache-host" else Path(root) / "hf-bench"
+        cache = TieredCache(cfg, max_cache_len=ctx, tokens_per_block=tokens_per_block, host_bytes=host, root=sub,
+                            ring_layers=ring_layers)
+        kw["past_key_values"] = cache
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+        torch.cuda.reset_peak_host_memory_stats()
+    try:
+        r = _timed_generate(torch, model, ids, n_new, cache=cache, **kw)
+        rec = {"mode": mode, "context": ctx, "new_tokens": n_new, "ttft_s": r["ttft_s"],
+               "decode_tok_s": r["decode_tok_s"], "peak_vram_bytes": max(r["prefill_peak"], r["decode_peak"]) - base,
+               "decode_peak_vram_bytes": r["decode_peak"] - base, "pinned_bytes": _pinned_bytes(torch)}
+        if cache is not None:
+            rec["cache_host_ms_per_step"] = r.get("cache_host_ms_per_step", 0.0)
+            st = cache.stats()
+            rec["pinned_bytes"] += st["tiers"]["host"]["bytes_capacity"]
+            rec["vram_ring_bytes"] = st["vram_bytes"]
+            rec["prepared"] = st["prepared"]
+            rec["counters"] = {k: v for k, v in st["counters"].items() if k.startswith(("bytes_", "onboard_"))}
+            if mode == "tiercache-files":
+                steps_s = n_new / max(r["decode_tok_s"], 1e-9) if r["decode_tok_s"] else 0
+                rec["file_read_gbps"] = st["counters"].get("bytes_file_to_host", 0) / 1e9 / max(
+                    r["ttft_s"] + steps_s, 1e-9)
+                rec["kv_over_host"] = per_token * ctx / st["tiers"]["host"]["bytes_capacity"]
+                rec["disk"] = _disk_baseline(Path(root) / "hf-fio", st["block_bytes"] // 2)
+    finally:
+        if cache is not None:
+            cache.close()
+    return rec, r
 
 
 def _disk_baseline(directory: Path, file_bytes: int) -> dict | None:
@@ -236,12 +264,15 @@ def format_hf_report(rep: dict) -> str:
     lines = [f"{rep['gpu']}: contiguous host->device {rep['h2d_gbps']:.1f} GB/s; KV {rep['kv_bytes_per_token']} "
              f"bytes/token; batch {rep['batch']}",
              f"{'mode':16s} {'context':>7s} {'TTFT s':>7s} {'tok/s':>7s} {'PCIe bound':>10s} {'share':>6s} "
-             f"{'VRAM MiB':>9s} {'pinned MiB':>10s} identical (first differing step, max logit diff up to it)"]
+             f"{'VRAM MiB':>9s} {'decode':>7s} {'pinned MiB':>10s} identical (first differing step, max logit diff "
+             "up to it)"]
     for r in rep["runs"]:
         lines.append(f"{r['mode']:16s} {r['context']:7d} {r['ttft_s']:7.2f} {r['decode_tok_s']:7.1f} "
                      f"{r['pcie_bound_tok_s']:10.1f} {r['share_of_bound']:6.2f} {r['peak_vram_bytes'] / 2**20:9.0f} "
-                     f"{r['pinned_bytes'] / 2**20:10.0f} {r['identical']} ({r['first_divergence']}, "
-                     f"{r['max_logit_diff']:.3g})")
+                     f"{r['decode_peak_vram_bytes'] / 2**20:7.0f} {r['pinned_bytes'] / 2**20:10.0f} {r['identical']} "
+                     f"({r['first_divergence']}, {r['max_logit_diff']:.3g})"
+                     + (f"; cache host {r['cache_host_ms_per_step']:.1f} ms/step" if "cache_host_ms_per_step" in r
+                        else ""))
         if "file_read_gbps" in r:
             disk = r.get("disk")
             lines.append(f"  files: KV {r['kv_over_host']:.1f}x the host tier; read {r['file_read_gbps']:.2f} GB/s "

@@ -12,13 +12,13 @@ Depends on :mod:`tiercache.memory` and the foundation; knows nothing of keys, ti
 """
 
 from .batchcopy import BatchCopy
-from .copykernels import CopyLauncher
+from .copykernels import CopyLauncher, PreparedLaunch
 from .copyplan import contiguous_runs, memcpy_runs
 from .segments import Segments, segments_for
 from .stagedcopy import StagedCopier, run_starts
 from .uploadring import UploadRing
 
 __all__ = [
-    "BatchCopy", "CopyLauncher", "Segments", "StagedCopier", "UploadRing", "contiguous_runs",
+    "BatchCopy", "CopyLauncher", "PreparedLaunch", "Segments", "StagedCopier", "UploadRing", "contiguous_runs",
     "memcpy_runs", "run_starts", "segments_for",
 ]

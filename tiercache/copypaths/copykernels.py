@@ -153,6 +153,7 @@ class CopyLauncher:
         self.batch_streams = batch_streams
         self._aux: list = []  # auxiliary streams of split batched copies
         self._keep = None  # arguments of the last batch call
+        self._recording: list | None = None  # while prepare_many plans: the operations, not issued
         from tiercache.copypaths.stagedcopy import StagedCopier
         from tiercache.copypaths.uploadring import UploadRing
 
@@ -187,8 +188,8 @@ class CopyLauncher:
         if force == "memcpy" and not whole:
             # partial copies without the kernel (pageable memory): one 2-D copy per block
             for a, b in zip(src_slots.tolist(), dst_slots.tolist()):
-                cupy.cuda.runtime.memcpy2DAsync(dp + b * row_dst, seg.seg_stride, sp + a * row_src, seg.seg_stride,
-                                                seg.seg_bytes, seg.segs, MEMCPY_DEFAULT, stream.ptr)
+                self._emit(lambda st, d=dp + b * row_dst, s=sp + a * row_src: cupy.cuda.runtime.memcpy2DAsync(
+                    d, seg.seg_stride, s, seg.seg_stride, seg.seg_bytes, seg.segs, MEMCPY_DEFAULT, st.ptr), stream)
             return "memcpy"
         if whole and force not in ("kernel", "batch", "bulk"):
             runs = contiguous_runs(src_slots, dst_slots)
@@ -196,8 +197,7 @@ class CopyLauncher:
                                                                            self.batch_min_bytes)
             if big.any():
                 for a, b, m in zip(runs.src[big].tolist(), runs.dst[big].tolist(), runs.length[big].tolist()):
-                    cupy.cuda.runtime.memcpyAsync(dp + b * row_dst, sp + a * row_src, m * row_src,
-                                                  MEMCPY_DEFAULT, stream.ptr)
+                    self._memcpy(dp + b * row_dst, sp + a * row_src, m * row_src, stream)
                 used.add("memcpy")
                 starts = np.concatenate(([0], np.cumsum(runs.length)[:-1]))
                 covered = np.zeros(n, dtype=bool)
@@ -208,7 +208,7 @@ class CopyLauncher:
         if whole and kernel_idx.size and host_dev and row_src <= self.staged.chunk_bytes and (
                 force == "staged" or force is None and self._wants_staged(
                     isinstance(src, np.ndarray), (src_slots if isinstance(src, np.ndarray) else dst_slots)[kernel_idx],
-                    row_src)) and self.staged.reserve():
+                    row_src)) and self._staged_ok():
             self.staged.copy(src, src_slots[kernel_idx], dst, dst_slots[kernel_idx], stream)
             used.add("staged")
             kernel_idx = kernel_idx[:0]
@@ -242,7 +242,10 @@ class CopyLauncher:
         import cupy
 
         n = src_off.size
-        if force == "batch" or (force is None and seg.seg_bytes >= self.batch_min_bytes):
+        # a prepared launch takes a kernel where one can copy the rows: its host cost per run is
+        # one launch, where the driver's batched copy costs ~1-2 us per row on every run
+        batch_ok = self._recording is None or self._bulk is None
+        if force == "batch" or (force is None and batch_ok and seg.seg_bytes >= self.batch_min_bytes):
             # one copy-engine copy per segment (a whole block is one segment): segments this long
             # move faster there than by SMs, and the copy engines leave the SMs to compute (a
             # token-major partial copy is one N x 128 KiB segment per Llama-8B block)
@@ -254,10 +257,20 @@ class CopyLauncher:
                 used.add("batch")
             else:
                 for a, b in zip(srcs.tolist(), dsts.tolist()):
-                    cupy.cuda.runtime.memcpyAsync(b, a, seg.seg_bytes, MEMCPY_DEFAULT, stream.ptr)
+                    self._memcpy(b, a, seg.seg_bytes, stream)
                 used.add("memcpy")
             return
         table = self.offsets_table([src_off], [dst_off])
+        if self._recording is not None:
+            # a prepared launch owns its table on the device; each run zeroes the bulk kernel's
+            # counters (the rest of the table never changes)
+            with cupy.cuda.Device(self.device_id):
+                offs = cupy.asarray(table)
+            p = offs.data.ptr
+            cp, cn = p + 16 * n, 8 * (table.size - 2 * n)
+            self._emit(lambda st, _keep=offs: cupy.cuda.runtime.memsetAsync(cp, 0, cn, st.ptr), stream)
+            used.add(self.launch_table(sp, dp, p, p + 8 * n, n, p + 16 * n, seg, vec, stream, force))
+            return
         offs = self.ring.upload(table, stream)  # async, from pinned memory
         p = offs.data.ptr
         used.add(self.launch_table(sp, dp, p, p + 8 * n, n, p + 16 * n, seg, vec, stream, force))
@@ -295,19 +308,19 @@ class CopyLauncher:
             # the per-SM cap keeps small CTAs from stacking on one SM (where a compute CTA then
             # no longer fits); large CTAs never fit beside compute, so several may share an SM
             per_sm = self.bulk_ctas_per_sm if shape == "small" else 0
-            fn((sms * self.bulk_ctas_per_sm,), (32,),
-               (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n), np.int64(seg.segs),
-                np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(chunk),
-                np.uint64(counters_p), np.int32(per_sm)),
-               stream=stream, shared_mem=smem)
+            args = (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n), np.int64(seg.segs),
+                    np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(chunk),
+                    np.uint64(counters_p), np.int32(per_sm))
+            grid = (sms * self.bulk_ctas_per_sm,)
+            self._emit(lambda st: fn(grid, (32,), args, stream=st, shared_mem=smem), stream)
             return "bulk"
         chunks = n * seg.segs * (seg.seg_bytes // vec)
         sms = self.num_sms if all_sms else self.max_sms
         grid = max(1, min(math.ceil(chunks / (self.threads * self.unroll)), sms * self.ctas_per_sm))
-        self._kernels[vec]((grid,), (self.threads,),
-                           (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n),
-                            np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes)),
-                           stream=stream)
+        fn = self._kernels[vec]
+        args = (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n),
+                np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes))
+        self._emit(lambda st: fn((grid,), (self.threads,), args, stream=st), stream)
         return "kernel"
 
     def _launch_batch(self, dsts: np.ndarray, srcs: np.ndarray, row: int, stream) -> None:
@@ -321,19 +334,63 @@ class CopyLauncher:
 
         k = max(1, min(self.batch_streams, dsts.size))
         parts = np.array_split(np.arange(dsts.size), k)
-        self._keep = [self.batch.prepare(dsts[p], srcs[p], np.full(p.size, row, dtype=np.uint64)) for p in parts]
+        batches = [self.batch.prepare(dsts[p], srcs[p], np.full(p.size, row, dtype=np.uint64)) for p in parts]
         with cupy.cuda.Device(self.device_id):
             while len(self._aux) < k - 1:
                 self._aux.append(copy_stream("high"))
         aux = self._aux[:k - 1]
-        if aux:
-            start = stream.record()
+
+        def run(stream) -> None:
+            self._keep = batches
+            if aux:
+                start = stream.record()
+                for a in aux:
+                    a.wait_event(start)
+            for args, st in zip(batches, [stream, *aux]):
+                self.batch.launch(args, st.ptr)
             for a in aux:
-                a.wait_event(start)
-        for args, st in zip(self._keep, [stream, *aux]):
-            self.batch.launch(args, st.ptr)
-        for a in aux:
-            stream.wait_event(a.record())
+                stream.wait_event(a.record())
+
+        self._emit(run, stream)
+
+    # -- issuing, or recording for a prepared launch ------------------------------------------
+    def _emit(self, op, stream) -> None:
+        """Run ``op(stream)`` now, or keep it for :class:`PreparedLaunch` while recording."""
+        if self._recording is not None:
+            self._recording.append(op)
+        else:
+            op(stream)
+
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream) -> None:
+        import cupy
+
+        self._emit(lambda st: cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, st.ptr), stream)
+
+    def _staged_ok(self) -> bool:
+        """The staged path may take a batch (its buffers are reserved); a prepared launch
+        cannot record it (it cycles shared staging buffers), so recording stops there."""
+        if self._recording is not None:
+            raise _NotRecordable
+        return self.staged.reserve()
+
+    def prepare_many(self, copies: list) -> PreparedLaunch:
+        """Plan :meth:`launch_many` of ``copies`` once, for many runs: the path choice,
+        addresses, driver batch arguments and kernel tables are built now (tables uploaded to
+        the device once), and :meth:`PreparedLaunch.run` only issues the calls. The rows,
+        arrays and their contents' addresses must stay as they are while it is used. A batch
+        for the staged path is not recorded: its runs plan afresh each time. Rows that would go to
+        the driver's batched copy (``batch_min_bytes`` and more) go to the bulk kernel instead,
+        where the GPU has it: the batched copy's host cost grows with the rows on every run
+        (about 130 us for 128 rows on an H100 host), a kernel launch's does not."""
+        self._recording = []
+        try:
+            path = self.launch_many(copies, None)
+            ops = self._recording
+        except _NotRecordable:
+            path, ops = None, None
+        finally:
+            self._recording = None
+        return PreparedLaunch(self, copies, ops, path)
 
     def launch_many(self, copies: list, stream) -> str:
         """Enqueue several :class:`~tiercache.transfer.rowcopy.RowCopy` (e.g. one per layer's pool) on
@@ -361,7 +418,7 @@ class CopyLauncher:
             return "none"
         h2d = isinstance(copies[0].src, np.ndarray)
         if h2d != isinstance(copies[0].dst, np.ndarray) and row_src <= self.staged.chunk_bytes and self._wants_staged(
-                h2d, src_addr if h2d else dst_addr, row_src, step=row_src) and self.staged.reserve():
+                h2d, src_addr if h2d else dst_addr, row_src, step=row_src) and self._staged_ok():
             host_at, dev_at = (src_addr, dst_addr) if h2d else (dst_addr, src_addr)
             pool_of = np.repeat(np.arange(len(copies)), [c.src_rows.size for c in copies])
             self.staged.copy_addrs(host_at, dev_at, row_src, h2d, stream, group=pool_of)
@@ -371,3 +428,34 @@ class CopyLauncher:
         self._launch_offsets(0, src_addr, 0, dst_addr, row_src, seg, stream, None, used,
                              vector_bytes(row_src, *bases))
         return "+".join(sorted(used))
+
+
+class _NotRecordable(Exception):
+    """A path a :class:`PreparedLaunch` cannot replay (the staged path)."""
+
+
+class PreparedLaunch:
+    """A :meth:`CopyLauncher.launch_many` planned once (:meth:`CopyLauncher.prepare_many`) and
+    issued by :meth:`run` as often as needed: per run only the driver calls and kernel
+    launches (a few microseconds each), none of the planning (run detection, path choice,
+    address arithmetic, table uploads) that costs a fresh launch most of its host time.
+
+    Attributes:
+        copies: the :class:`~tiercache.transfer.rowcopy.RowCopy` list it moves.
+        path: the paths its runs take (as :meth:`CopyLauncher.launch_many` names them), or
+            None when it plans afresh each run (the staged path).
+    """
+
+    def __init__(self, launcher: CopyLauncher, copies: list, ops: list | None, path: str | None) -> None:
+        self.launcher = launcher
+        self.copies = copies
+        self._ops = ops
+        self.path = path
+
+    def run(self, stream) -> str:
+        """Enqueue the copies on ``stream`` (a CuPy stream); returns the paths used."""
+        if self._ops is None:
+            return self.launcher.launch_many(self.copies, stream)
+        for op in self._ops:
+            op(stream)
+        return self.path

@@ -40,6 +40,7 @@ than ``max_cache_len`` tokens; ``batch * num_kv_heads > 64``.
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import numpy as np
@@ -168,6 +169,7 @@ class TieredCache(Cache):
         self.tiers = None  # the TierCache, from the first update
         self._lengths = [0] * self.num_layers
         self._finalizer = None
+        self.update_seconds = 0.0  # host time spent in update() (all layers, all steps)
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
 
     @property
@@ -221,9 +223,15 @@ class TieredCache(Cache):
         self._finalizer = weakref.finalize(self, _close, self.tiers)
         self.block_bytes = block_bytes
         self._views = [{n: self._ring[n].view(R, B, H, cap, D)[r] for n in ("k", "v")} for r in range(R)]
+        self._tails = [{n: self._tail[n][i] for n in ("k", "v")} for i in range(self.num_layers)]
         self._pending: dict[int, tuple] = {}
         self._updates = 0
         self._key0 = 0
+        # the host tier holds every block: each (layer, ring buffer) onboard is planned once
+        # per block count (TierCache.prepare_onboard) and only launched per step
+        self._prepare = host_slots >= need
+        self._plans: dict[tuple[int, int], tuple[int, object]] = {}
+        self._offloads: dict[int, object] = {}  # ring buffer -> its last offload job
 
     def _keys(self, layer: int, j0: int, j1: int) -> list[int]:
         base = self._key0 + layer * self.blocks_per_layer
@@ -235,7 +243,21 @@ class TieredCache(Cache):
     def _onboard(self, layer: int, nfull: int, slot: int):
         """Queue the onboard of ``layer``'s first ``nfull`` blocks into ring buffer ``slot``;
         it starts after the compute queued so far."""
+        if self._prepare:
+            n, plan = self._plans.get((layer, slot), (0, None))
+            if n != nfull:  # a block more since the last plan (every tokens_per_block tokens)
+                if plan is not None:
+                    plan.release()
+                plan = self.tiers.prepare_onboard(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull),
+                                                  layerwise=True)
+                self._plans[layer, slot] = (nfull, plan)
+            return plan.launch()
         return self.tiers.onboard_slots(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull), layerwise=True)
+
+    def _release_plans(self) -> None:
+        for _, plan in self._plans.values():
+            plan.release()
+        self._plans.clear()
 
     # -- the Cache interface -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -249,6 +271,13 @@ class TieredCache(Cache):
                 other than the first update's.
             TransferError: a block failed to move (its source copy stays valid).
         """
+        t0 = time.perf_counter()
+        try:
+            return self._update(key_states, value_states, layer_idx)
+        finally:
+            self.update_seconds += time.perf_counter() - t0
+
+    def _update(self, key_states, value_states, layer_idx: int):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
@@ -274,25 +303,36 @@ class TieredCache(Cache):
             else:  # not the order the prefetch expected: onboard now (still only a device-side wait)
                 handle = self._onboard(layer_idx, nfull, slot)
             handle.wait()
-        ring = self._views[slot]
-        new = {"k": key_states, "v": value_states}
-        for n in ("k", "v"):
-            if s > nfull * tpb:
-                ring[n][:, :, nfull * tpb:s].copy_(self._tail[n][layer_idx][:, :, :s - nfull * tpb])
-            ring[n][:, :, s:end].copy_(new[n])
+        ring, tails = self._views[slot], self._tails[layer_idx]
+        last = self._offloads.pop(slot, None)
+        if last is not None:  # the buffer's last offload read it: write after it (device-side)
+            self.tiers.make_stream_wait(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None,
+                                        jobs=[last])
+        base = nfull * tpb
+        new = (("k", key_states), ("v", value_states))
+        if end <= base + tpb:  # the new tokens stay in the last block (decode): through the tail
+            for n, x in new:
+                tails[n].narrow(2, s - base, q).copy_(x)
+                ring[n].narrow(2, base, end - base).copy_(tails[n].narrow(2, 0, end - base))
+        else:  # they fill blocks (prefill): straight into the ring, the rest into the tail
+            for n, x in new:
+                if s > base:
+                    ring[n].narrow(2, base, s - base).copy_(tails[n].narrow(2, 0, s - base))
+                ring[n].narrow(2, s, q).copy_(x)
         done = end // tpb
         if done > nfull:
-            self.tiers.offload_slots(self._keys(layer_idx, nfull, done), self._dev(slot, nfull, done), to="host")
+            self._offloads[slot] = self.tiers.offload_slots(self._keys(layer_idx, nfull, done),
+                                                            self._dev(slot, nfull, done), to="host")
         start = max(s, done * tpb)
-        if end > start:
-            for n in ("k", "v"):
-                self._tail[n][layer_idx][:, :, start - done * tpb:end - done * tpb].copy_(ring[n][:, :, start:end])
+        if end > start and end > base + tpb:
+            for n, _ in new:
+                tails[n].narrow(2, start - done * tpb, end - start).copy_(ring[n].narrow(2, start, end - start))
         self._lengths[layer_idx] = end
         ahead = (layer_idx + R - 1) % self.num_layers
         n_ahead = self._lengths[ahead] // tpb
         if n_ahead:
             self._pending[g + R - 1] = (ahead, n_ahead, self._onboard(ahead, n_ahead, (g + R - 1) % R))
-        return ring["k"][:, :, :end], ring["v"][:, :, :end]
+        return ring["k"].narrow(2, 0, end), ring["v"].narrow(2, 0, end)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens stored for layer ``layer_idx``."""
@@ -308,6 +348,8 @@ class TieredCache(Cache):
         if self.tiers is not None:
             self.tiers.engine.synchronize()
             self._pending.clear()
+            self._offloads.clear()
+            self._release_plans()
             self._key0 += self.num_layers * self.blocks_per_layer  # fresh keys; the old ones go
             for tier in ("host", "file"):
                 if tier in self.tiers.tiers:
@@ -328,11 +370,14 @@ class TieredCache(Cache):
 
     def stats(self) -> dict:
         """The tier cache's :meth:`~tiercache.TierCache.stats` plus ``"vram_bytes"``,
-        ``"block_bytes"`` and ``"tokens"`` (per layer); ``{}`` before the first update."""
+        ``"block_bytes"``, ``"tokens"`` (per layer), ``"update_seconds"`` (host time spent in
+        :meth:`update`, every layer and step: the cost this cache adds to a forward pass on
+        the host) and ``"prepared"`` (whether onboards are planned once and launched per step:
+        when the host tier holds the whole KV cache); ``{}`` before the first update."""
         if self.tiers is None:
             return {}
         return {**self.tiers.stats(), "vram_bytes": self.vram_bytes, "block_bytes": self.block_bytes,
-                "tokens": list(self._lengths)}
+                "tokens": list(self._lengths), "update_seconds": self.update_seconds, "prepared": self._prepare}
 
     def close(self) -> None:
         """Wait for transfers in flight, delete the file tier's blocks and close the tier cache

@@ -43,13 +43,25 @@ class _Handle:
         return (0, self.handle)
 
 
+_WRAPPED: dict[tuple[int, int], object] = {}  # (handle, device) -> CuPy stream: wrapping costs microseconds
+
+
 def _external(handle: int):
     import cupy
 
+    key = (handle, cupy.cuda.runtime.getDevice())
+    st = _WRAPPED.get(key)
+    if st is not None:
+        return st
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:  # CuPy 14+: ExternalStream is deprecated
-        return from_external(_Handle(handle))
-    return cupy.cuda.ExternalStream(handle)
+        st = from_external(_Handle(handle))
+    else:
+        st = cupy.cuda.ExternalStream(handle)
+    if len(_WRAPPED) >= 256:  # a handle names one CUDA stream while it lives; forget old ones
+        _WRAPPED.clear()
+    _WRAPPED[key] = st
+    return st
 
 
 def copy_stream(priority: str = "high"):

@@ -5,6 +5,8 @@
 - :mod:`.slotplan`: the engine's block ids ``[n, k]`` -> row copies (host blocks of ``k``
   device blocks, whole or first tokens, whole or per layer);
 - :mod:`.layerwise`: :class:`OnboardHandle`: one CUDA event per layer of an onboard;
+- :mod:`.prepared`: :class:`PreparedOnboard`: an onboard planned once (keys checked, host
+  blocks pinned, copy plan built) and launched many times;
 - :mod:`.engineslots`: :class:`EngineSlots`: ``offload_slots`` / ``onboard_slots`` by block id,
   the part of :class:`~tiercache.TierCache` that works on the engine's tensors.
 
@@ -14,7 +16,8 @@ Depends on :mod:`tiercache.placement`, :mod:`tiercache.transfer`, :mod:`tiercach
 from .devicepools import DevicePools, LayerPart
 from .engineslots import EngineSlots
 from .layerwise import OnboardHandle
+from .prepared import PreparedOnboard
 
 __all__ = [
-    "DevicePools", "EngineSlots", "LayerPart", "OnboardHandle",
+    "DevicePools", "EngineSlots", "LayerPart", "OnboardHandle", "PreparedOnboard",
 ]

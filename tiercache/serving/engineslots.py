@@ -30,6 +30,7 @@ from tiercache.memory import as_cupy_stream
 from tiercache.placement import BlockMover, FileIndex, Placement
 from tiercache.serving.devicepools import DevicePools
 from tiercache.serving.layerwise import OnboardHandle
+from tiercache.serving.prepared import PreparedOnboard
 from tiercache.serving.slotplan import device_slot_matrix, masks_of, plan_device_host
 
 
@@ -150,11 +151,7 @@ class EngineSlots:
         """:meth:`TierCache.onboard_slots <tiercache.TierCache.onboard_slots>` (its docstring has the
         arguments, semantics and errors)."""
         with self._guard():
-            ks = normalize_keys(keys)
-            self.file_index.discover(ks)
-            dev = device_slot_matrix(device_slots, len(ks), self.blocks_per_host_block, self.device_pools.num_blocks)
-            self.placement.require_present(ks)
-            self.file_index.check_positions(ks, masks_of(dev).tolist())
+            ks, dev = self._checked_onboard(keys, device_slots)
             engine_stream = self.engine_stream(stream)
             room = self.placement.room("host") if "host" in self.tiers else 0
             if 0 < room < len([k for k in ks if k not in self.placement.tiers["host"]]):
@@ -187,6 +184,40 @@ class EngineSlots:
         if not layerwise and self.engine.gpu and self.device_pools.on_device:
             handle.wait(engine_stream)
         return handle
+
+    def _checked_onboard(self, keys, device_slots) -> tuple[list, np.ndarray]:
+        ks = normalize_keys(keys)
+        self.file_index.discover(ks)
+        dev = device_slot_matrix(device_slots, len(ks), self.blocks_per_host_block, self.device_pools.num_blocks)
+        self.placement.require_present(ks)
+        self.file_index.check_positions(ks, masks_of(dev).tolist())
+        return ks, dev
+
+    def prepare_onboard(self, keys, device_slots, *, layerwise: bool = False, num_tokens: int | None = None,
+                        stream=None) -> PreparedOnboard:
+        """:meth:`TierCache.prepare_onboard <tiercache.TierCache.prepare_onboard>` (its docstring has
+        the arguments, semantics and errors)."""
+        with self._guard():
+            ks, dev = self._checked_onboard(keys, device_slots)
+            if "host" not in self.tiers:
+                raise TierUnavailableError("prepare_onboard copies from the host tier; this cache has none "
+                                           "(use onboard_slots)")
+            ts = self.placement.tiers["host"]
+            below = [k for k in ks if k not in ts]
+            if below:
+                self.mover.copy_into(below, "host", set(ks))
+            self.placement.pin(ks)
+            try:
+                host_slots = np.array([ts.slot_of[k] for k in ks], dtype=np.int64)
+                groups, dev_ledger, host_ledger = plan_device_host(
+                    self.device_pools, self.tiers["host"].arrays, self.blocks_per_host_block, dev, host_slots,
+                    to_device=True, layerwise=layerwise, num_tokens=num_tokens)
+                rows = self.engine.prepare_rows("host", host_ledger, "device", dev_ledger, groups, direction="onboard")
+            except BaseException:
+                self.placement.unpin(ks)
+                raise
+            self.counters["prepared_onboards"] += 1
+        return PreparedOnboard(self, ks, rows, len(groups), layerwise, stream)
 
     def _onboard_from_file_direct(self, ks, dev, num_tokens, engine_stream) -> OnboardHandle:
         if self.blocks_per_host_block != 1 or num_tokens is not None:

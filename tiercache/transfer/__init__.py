@@ -14,12 +14,12 @@ Depends on :mod:`tiercache.copypaths`, :mod:`tiercache.files`, :mod:`tiercache.m
 """
 
 from .carveout import sm_carveout
-from .engine import TransferEngine
+from .engine import PreparedRows, TransferEngine
 from .jobs import Job, JobResult
 from .rowcopy import RowCopy, row_view
 from .transferstats import LATENCY_BUCKETS_S, PathTotals, TransferStats
 
 __all__ = [
-    "Job", "JobResult", "LATENCY_BUCKETS_S", "PathTotals", "RowCopy", "TransferEngine", "TransferStats", "row_view",
+    "Job", "JobResult", "LATENCY_BUCKETS_S", "PathTotals", "PreparedRows", "RowCopy", "TransferEngine", "TransferStats", "row_view",
     "sm_carveout",
 ]

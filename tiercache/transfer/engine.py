@@ -214,28 +214,68 @@ class TransferEngine:
                 mismatched lengths (nothing is enqueued).
         """
         with self._lock:
-            s = self._slots(src, src_slots, None, "source", unique=False)
-            d = self._slots(dst, dst_slots, s.size, "destination", unique=False)
-            for g in groups:
-                for rc in g:
-                    rc.validate()
+            s, d = self._check_rows(src, src_slots, dst, dst_slots, groups)
             self._reap()
             return self._memory_job(direction or _direction(src, dst), src, s, dst, d, groups)
 
-    def _memory_job(self, direction, src, s, dst, d, groups: list[list[RowCopy]]) -> Job:
-        nbytes = sum(rc.nbytes for g in groups for rc in g)
-        arrays = [a for g in groups for rc in g for a in (rc.src, rc.dst)]
-        on_gpu = self.gpu and any(not isinstance(a, np.ndarray) for a in arrays)
+    def _check_rows(self, src: str, src_slots, dst: str, dst_slots, groups: list[list[RowCopy]]):
+        s = self._slots(src, src_slots, None, "source", unique=False)
+        d = self._slots(dst, dst_slots, s.size, "destination", unique=False)
+        for g in groups:
+            for rc in g:
+                rc.validate()
+        return s, d
+
+    def prepare_rows(self, src: str, src_slots, dst: str, dst_slots, groups: list[list[RowCopy]],
+                     direction: str | None = None) -> PreparedRows:
+        """:meth:`copy_rows` planned once, to be enqueued many times by :meth:`run_prepared`:
+        validation, and on the GPU the launch plans (:meth:`CopyLauncher.prepare_many
+        <tiercache.copypaths.copykernels.CopyLauncher.prepare_many>`), happen here. The arrays,
+        rows and slots must keep their meaning while it is used (the caller pins what they
+        name); each run is ordered by the ledger like any job.
+
+        Raises:
+            SlotRangeError: as :meth:`copy_rows` (nothing is prepared).
+        """
+        with self._lock:
+            s, d = self._check_rows(src, src_slots, dst, dst_slots, groups)
+            plans = None
+            if self._on_gpu(groups):
+                import cupy
+
+                with cupy.cuda.Device(self.device_id):
+                    plans = [self.launcher.prepare_many(g) if self._reachable(g) else None for g in groups]
+            return PreparedRows(direction or _direction(src, dst), src, s, dst, d, groups, plans,
+                                sum(rc.nbytes for g in groups for rc in g))
+
+    def run_prepared(self, prepared: PreparedRows) -> Job:
+        """Enqueue one run of ``prepared`` (from :meth:`prepare_rows`) as a job, ordered
+        against every other job by the ledger; returns the job."""
+        with self._lock:
+            self._reap()
+            p = prepared
+            return self._memory_job(p.direction, p.src, p.src_slots, p.dst, p.dst_slots, p.groups, p.plans, p.nbytes)
+
+    def _on_gpu(self, groups: list[list[RowCopy]]) -> bool:
+        return self.gpu and any(not isinstance(a, np.ndarray) for g in groups for rc in g for a in (rc.src, rc.dst))
+
+    def _reachable(self, group: list[RowCopy]) -> bool:
+        return all(self._gpu_reachable(rc.src) and self._gpu_reachable(rc.dst) for rc in group)
+
+    def _memory_job(self, direction, src, s, dst, d, groups: list[list[RowCopy]], plans=None,
+                    nbytes: int | None = None) -> Job:
+        if nbytes is None:
+            nbytes = sum(rc.nbytes for g in groups for rc in g)
         jid = next(self._ids)
-        if on_gpu:
-            job = self._gpu_job(jid, direction, src, s, dst, d, groups, nbytes)
+        if self._on_gpu(groups):
+            job = self._gpu_job(jid, direction, src, s, dst, d, groups, nbytes, plans)
         else:
             job = self._cpu_job(jid, direction, src, s, dst, d, groups, nbytes)
         self._pending[job.id] = job
         return job
 
     # -- GPU copies ---------------------------------------------------------------------------
-    def _gpu_job(self, jid, direction, src, s, dst, d, groups, nbytes) -> Job:
+    def _gpu_job(self, jid, direction, src, s, dst, d, groups, nbytes, plans=None) -> Job:
         import cupy
 
         stream = self._streams.next(direction if direction in ("offload", "onboard") else "copy")
@@ -272,7 +312,9 @@ class TransferEngine:
             paths = set()
             job.num_groups = len(groups)
             for gi, group in enumerate(groups):
-                if all(self._gpu_reachable(rc.src) and self._gpu_reachable(rc.dst) for rc in group):
+                if plans is not None and plans[gi] is not None:
+                    paths.update(plans[gi].run(stream).split("+"))
+                elif self._reachable(group):
                     paths.update(self.launcher.launch_many(group, stream).split("+"))
                 else:  # pageable caller memory: the kernels cannot reach it, copy engines can
                     for rc in group:
@@ -475,3 +517,18 @@ def _cpu_copy(src: np.ndarray, s: np.ndarray, dst: np.ndarray, d: np.ndarray, se
     sv = src.reshape(src.shape[0], seg.segs, seg.seg_stride)
     dv = dst.reshape(dst.shape[0], seg.segs, seg.seg_stride)
     dv[d, :, : seg.seg_bytes] = sv[s, :, : seg.seg_bytes]
+
+
+class PreparedRows:
+    """A row copy planned once by :meth:`TransferEngine.prepare_rows` (the arguments of
+    :meth:`TransferEngine.copy_rows`, validated, with one launch plan per group on the GPU:
+    None where a group plans afresh each run, as for pageable caller memory)."""
+
+    def __init__(self, direction: str, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray,
+                 groups: list[list[RowCopy]], plans: list | None, nbytes: int) -> None:
+        self.direction = direction
+        self.src, self.src_slots = src, src_slots
+        self.dst, self.dst_slots = dst, dst_slots
+        self.groups = groups
+        self.plans = plans
+        self.nbytes = nbytes

@@ -1,0 +1,175 @@
+"""Prepared onboards (TierCache.prepare_onboard): planned once, launched many times.
+
+Every launch must land exactly what onboard_slots would (every engine layout, host blocks of k
+device blocks with partial positions, layer-wise, first tokens only); the keys stay pinned in
+the host tier while the plan is held (file-only keys are brought up first); launches are
+ordered against other transfers by the slot ledger; a released plan or a closed cache refuses
+to launch. NumPy "device" tensors on the CPU; CuPy and PyTorch CUDA tensors with the ``gpu``
+marker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import random_keys
+from layouts import LAYOUTS, expected_partial, make_pools, scramble, snapshot
+
+from tiercache import (
+    ClosedError,
+    KeyNotFoundError,
+    PinnedBlockError,
+    SlotRangeError,
+    TierCache,
+    TierFullError,
+    TierUnavailableError,
+)
+
+BACKENDS = [
+    "numpy",
+    pytest.param("cupy", marks=pytest.mark.gpu),
+    pytest.param("torch", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    if request.param == "torch":
+        pytest.importorskip("torch")
+    return request.param
+
+
+def _cache(pools, tmp_path, k, host_slots, file_slots=64):
+    return TierCache.for_engine(pools, host_slots=host_slots, file_slots=file_slots, blocks_per_host_block=k,
+                                root=tmp_path / "root", fsync="none")
+
+
+def _positions(rng, n, k, nb):
+    dev = rng.permutation(nb)[: n * k].reshape(n, k).astype(np.int64)
+    if k > 1:
+        dev[0, : int(rng.integers(1, k))] = -1
+        dev[-1, int(rng.integers(1, k)):] = -1
+    return dev
+
+
+def _expect(pools, stored, dev_src, dev_dst, old, num_tokens=None):
+    """Device block ``dev_dst[i, j]`` holds what ``dev_src[i, j]`` held in ``stored``; every
+    other block holds what it held in ``old``."""
+    now = snapshot(pools)
+    for spec in pools.specs:
+        want = old[spec.name].copy()
+        for a, b in zip(dev_src.reshape(-1).tolist(), dev_dst.reshape(-1).tolist()):
+            if a >= 0:
+                block = stored[spec.name][a]
+                want[b] = block if num_tokens is None else expected_partial(old[spec.name][b], block, spec, num_tokens)
+        assert np.array_equal(now[spec.name], want), spec.name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_launch_lands_the_blocks(tmp_path, rng, backend, layout, k):
+    """Launched three times, with the device blocks scrambled in between, each launch lands
+    the same bytes as the first, and nothing outside its destination changes."""
+    pools = make_pools(layout, rng, backend, nb=30)
+    n = 5
+    keys = random_keys(rng, n)
+    dev = _positions(rng, n, k, pools.num_blocks)
+    stored = snapshot(pools)
+    layerwise = bool(rng.integers(2))
+    num_tokens = None if rng.integers(2) else int(rng.integers(1, 8))
+    with _cache(pools, tmp_path, k, host_slots=8) as c:
+        c.offload_slots(keys, dev, wait=True)
+        order = rng.permutation(n)
+        dst = np.where(dev[order] >= 0, rng.permutation(pools.num_blocks)[: n * k].reshape(n, k), -1)
+        with c.prepare_onboard([keys[i] for i in order], dst, layerwise=layerwise, num_tokens=num_tokens) as p:
+            assert p.num_layers == (len(pools.layers) if layerwise else 1)
+            for _ in range(3):
+                scramble(pools, rng)
+                old = snapshot(pools)
+                p.launch().synchronize()
+                _expect(pools, stored, dev[order], dst, old, num_tokens)
+        counters = c.stats()["counters"]
+        assert counters["prepared_onboard_launches"] == 3 and counters["onboarded_blocks"] == 3 * n
+
+
+def test_keys_are_pinned_while_held_and_come_up_from_files(tmp_path, rng, backend):
+    pools = make_pools("vllm", rng, backend, nb=24)
+    keys = random_keys(rng, 6)
+    dev = rng.permutation(pools.num_blocks)[:6].astype(np.int64)
+    stored = snapshot(pools)
+    with _cache(pools, tmp_path, 1, host_slots=4) as c:
+        c.offload_slots(keys, dev, to="file")
+        assert all(set(c.lookup(key)) == {"file"} for key in keys)
+        dst = rng.permutation(pools.num_blocks)[:3].astype(np.int64)
+        p = c.prepare_onboard(keys[:3], dst)
+        assert all("host" in c.lookup(key) for key in keys[:3])
+        with pytest.raises(PinnedBlockError, match="evict"):
+            c.evict(keys[:1])
+        with pytest.raises(PinnedBlockError, match="replace"):
+            c.offload_slots(keys[1:2], dev[:1], wait=True)
+        # the other keys stream through the one host slot left; the pinned ones stay
+        c.onboard_slots(keys[3:], rng.permutation(pools.num_blocks)[:3]).synchronize()
+        assert all("host" in c.lookup(key) for key in keys[:3])
+        with pytest.raises(TierFullError, match="pinned"):  # 3 pinned of 4: no room for 2 more
+            c.prepare_onboard(keys[3:5], dst[:2])
+        scramble(pools, rng)
+        old = snapshot(pools)
+        p.launch().synchronize()
+        _expect(pools, stored, dev[:3], dst, old)
+        p.release()
+        p.release()  # idempotent
+        with pytest.raises(ClosedError, match="released"):
+            p.launch()
+        c.evict(keys[:1])  # unpinned now
+        q = c.prepare_onboard(keys[1:2], dst[:1])
+    with pytest.raises(ClosedError):
+        q.launch()
+    q.release()  # after close: nothing to undo, no error
+
+
+def test_bad_arguments_are_refused_and_pin_nothing(tmp_path, rng):
+    pools = make_pools("mla", rng, "numpy", nb=12)
+    keys = random_keys(rng, 3)
+    with _cache(pools, tmp_path, 2, host_slots=4) as c:
+        c.offload_slots(keys, np.array([[0, 1], [2, 3], [4, -1]]), wait=True)
+        with pytest.raises(KeyNotFoundError):
+            c.prepare_onboard([b"missing"], [[5, 6]])
+        with pytest.raises(KeyNotFoundError, match="position"):
+            c.prepare_onboard(keys[2:], [[5, 6]])  # position 1 was never filled
+        with pytest.raises(SlotRangeError, match="twice"):
+            c.prepare_onboard(keys[:2], [[5, 6], [6, 7]])
+        with pytest.raises(SlotRangeError, match="outside"):
+            c.prepare_onboard(keys[:1], [[5, 99]])
+        assert not c.placement.pins
+    with TierCache.for_engine(make_pools("mla", rng, "numpy", nb=12), file_slots=8, root=tmp_path / "r2",
+                              fsync="none") as c:
+        c.offload_slots(keys[:1], [0])
+        with pytest.raises(TierUnavailableError, match="host tier"):
+            c.prepare_onboard(keys[:1], [1])
+
+
+def test_launches_are_ordered_against_other_transfers(tmp_path, rng, backend):
+    """Two plans into the same device blocks land in launch order; an offload right after
+    the launches reads what the second wrote; a launch right after the offload that fills its
+    host blocks lands the new bytes (no waits on the host in between)."""
+    pools = make_pools("fastdeploy", rng, backend, nb=40)
+    n = 8
+    keys, other = random_keys(rng, n), random_keys(rng, n)
+    perm = rng.permutation(pools.num_blocks).astype(np.int64)
+    src, dst, dst2 = perm[:n], perm[n:2 * n], perm[2 * n:3 * n]
+    with _cache(pools, tmp_path, 1, host_slots=3 * n) as c:
+        c.offload_slots(keys, src, wait=True)
+        c.offload_slots(other, src[::-1].copy(), wait=True)
+        stored = snapshot(pools)
+        first, second = c.prepare_onboard(keys, dst), c.prepare_onboard(other, dst)
+        for _ in range(3):
+            scramble(pools, rng)
+            first.launch()
+            second.launch()
+            echo = random_keys(rng, n)
+            c.offload_slots(echo, dst)  # must read what `second` wrote: other's blocks
+            with c.prepare_onboard(echo, dst2) as third:
+                old = snapshot(pools)
+                third.launch().synchronize()
+                _expect(pools, stored, src[::-1].copy(), dst2, old)
+        first.release()
+        second.release()
