@@ -44,8 +44,13 @@ class SlotLedger:
     def _ids(arr: np.ndarray, slots: np.ndarray) -> list[int]:
         if slots.size == 0:
             return []
-        ids = np.unique(arr[slots])
-        return [int(i) for i in ids if i >= 0]
+        ids = arr[slots]
+        lo, hi = int(ids.min()), int(ids.max())
+        if hi < 0:  # nothing pending
+            return []
+        if lo == hi:  # one job wrote (or read) them all: the common case of a repeated batch
+            return [hi]
+        return np.unique(ids[ids >= 0]).tolist()
 
     def dependencies(self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray) -> tuple[list[int], list[int]]:
         """Job ids to wait for: ``(writers of the source, readers and writers of the
