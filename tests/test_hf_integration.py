@@ -99,15 +99,23 @@ def test_unsupported_models_and_operations_are_clear_errors(tmp_path):
             c.crop(-1)
 
 
-def test_reset_starts_a_new_sequence(tmp_path):
+@pytest.mark.parametrize("host_share", [0.4, 1.0])
+def test_reset_starts_a_new_sequence(tmp_path, host_share):
+    """Files beyond a small host tier, or a host tier that holds the KV (prepared onboards,
+    whose pins reset releases)."""
     torch.manual_seed(1)
     model = _model("llama", "cpu", torch.float32)
     a, b = torch.randint(1, 300, (1, 30)), torch.randint(1, 300, (1, 17))
-    with TieredCache(model.config, max_cache_len=64, tokens_per_block=8, host_bytes=16 * 8192,
+    host_bytes = int(kv_bytes_per_token(model.config, 4) * 64 * host_share)
+    with TieredCache(model.config, max_cache_len=64, tokens_per_block=8, host_bytes=host_bytes,
                      root=tmp_path / "r") as c:
         _generate(model, a, c, 5)
+        prepared = c.stats()["prepared"]
+        assert prepared == (host_share == 1.0)
+        assert bool(c.tiers.placement.pins) == prepared
+        assert (c.stats()["counters"].get("prepared_onboard_launches", 0) > 0) == prepared
         c.reset()
-        assert c.get_seq_length() == 0
+        assert c.get_seq_length() == 0 and not c.tiers.placement.pins
         got = _generate(model, b, c, 9)
     assert torch.equal(got, _generate(model, b, DynamicCache(config=model.config), 9))
 

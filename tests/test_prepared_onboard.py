@@ -173,3 +173,34 @@ def test_launches_are_ordered_against_other_transfers(tmp_path, rng, backend):
                 _expect(pools, stored, src[::-1].copy(), dst2, old)
         first.release()
         second.release()
+
+
+@pytest.mark.gpu
+def test_rows_for_the_batched_copy_launch_as_one_kernel(tmp_path, rng):
+    """128 KiB rows (a 1024-token block of head_dim 64, bf16): a fresh onboard gives them to the
+    driver's batched copy, a prepared one to the bulk kernel (one launch, its table on the
+    device); both land the same bytes."""
+    torch = pytest.importorskip("torch")
+    from tiercache.serving import DevicePools
+
+    nb, tpb, d = 24, 1024, 64
+    ring = {n: torch.from_numpy(rng.integers(0, 1 << 15, size=(nb, tpb, d), dtype=np.int16)).cuda().view(torch.bfloat16)
+            for n in ("k", "v")}
+    pools = DevicePools(ring, token_axis=0, layers=[["k", "v"]])
+    keys = random_keys(rng, 4)
+    dev = rng.permutation(nb)[:8].reshape(4, 2).astype(np.int64)
+    perm = rng.permutation([b for b in range(nb) if b not in dev]).astype(np.int64)
+    with _cache(pools, tmp_path, 2, host_slots=8) as c:
+        c.offload_slots(keys, dev, wait=True)
+        stored = snapshot(pools)
+        fresh = c.onboard_slots(keys, perm[:8].reshape(4, 2), layerwise=True)
+        fresh.synchronize()
+        assert fresh.job.path == "batch"
+        with c.prepare_onboard(keys, perm[8:16].reshape(4, 2), layerwise=True) as p:
+            for _ in range(2):
+                scramble(pools, rng)
+                old = snapshot(pools)
+                h = p.launch()
+                h.synchronize()
+                assert h.job.path == "bulk"
+                _expect(pools, stored, dev, perm[8:16].reshape(4, 2), old)

@@ -220,7 +220,8 @@ class TieredCache(Cache):
                                           blocks_per_host_block=k, root=self.root, **opts)
         if file_slots:  # the root is scratch space: a previous run's blocks go
             self.tiers.evict(self.tiers.keys("file"))
-        self._finalizer = weakref.finalize(self, _close, self.tiers)
+        self._plans: dict[tuple[int, int], tuple[int, object]] = {}
+        self._finalizer = weakref.finalize(self, _close, self.tiers, self._plans)
         self.block_bytes = block_bytes
         self._views = [{n: self._ring[n].view(R, B, H, cap, D)[r] for n in ("k", "v")} for r in range(R)]
         self._tails = [{n: self._tail[n][i] for n in ("k", "v")} for i in range(self.num_layers)]
@@ -230,7 +231,6 @@ class TieredCache(Cache):
         # the host tier holds every block: each (layer, ring buffer) onboard is planned once
         # per block count (TierCache.prepare_onboard) and only launched per step
         self._prepare = host_slots >= need
-        self._plans: dict[tuple[int, int], tuple[int, object]] = {}
         self._offloads: dict[int, object] = {}  # ring buffer -> its last offload job
 
     def _keys(self, layer: int, j0: int, j1: int) -> list[int]:
@@ -255,9 +255,7 @@ class TieredCache(Cache):
         return self.tiers.onboard_slots(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull), layerwise=True)
 
     def _release_plans(self) -> None:
-        for _, plan in self._plans.values():
-            plan.release()
-        self._plans.clear()
+        _release(self._plans)
 
     # -- the Cache interface -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -392,8 +390,15 @@ class TieredCache(Cache):
         self.close()
 
 
-def _close(tiers) -> None:
+def _release(plans: dict) -> None:
+    for _, plan in plans.values():
+        plan.release()
+    plans.clear()
+
+
+def _close(tiers, plans: dict) -> None:
     try:
+        _release(plans)  # their pins would refuse the eviction below
         tiers.engine.synchronize()
         if "file" in tiers.tiers:
             tiers.evict(tiers.keys("file"))
