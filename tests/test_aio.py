@@ -106,4 +106,14 @@ def test_await_engine_slots_and_cancel(tmp_path, rng, monkeypatch):
                 a, b = dev[i, j], dev[::-1][i, j]
                 for name in now:
                     assert np.array_equal(now[name][b], before[name][a])
+            # a prepared onboard: the file-only keys come up to the host tier in the worker
+            await ac.evict(keys)
+            stored = snapshot(pools)
+            await ac.offload_slots(keys[:2], dev[:2], to="file")
+            with await ac.prepare_onboard(keys[:2], dev[2:]) as p:
+                assert all("host" in ac.lookup(k) for k in keys[:2])
+                p.launch().synchronize()
+            now = snapshot(pools)
+            for name in now:
+                assert np.array_equal(now[name][dev[2:].reshape(-1)], stored[name][dev[:2].reshape(-1)])
     asyncio.run(main())
