@@ -7,7 +7,8 @@ same with a host tier smaller than the KV and the rest in block files, in one ru
 Per mode and context length: time to first token (the prefill), decode tokens/s (steps after
 the first), peak VRAM above the weights (``torch.cuda.max_memory_allocated``; over the whole
 run, set by the prefill's activations, and over the decode steps alone, where the KV cache's own
-VRAM dominates), tiercache's host time in ``update`` per step, pinned host
+VRAM dominates), tiercache's host time in ``update`` per step, the host's wait for the GPU
+after issuing a step (near zero when the host bounds the step), pinned host
 memory, and whether the tokens equal (a)'s. The PCIe bound of a step is the KV bytes it must
 bring to the GPU (every layer's keys and values of the whole context, at the context's mean
 length over the decode steps) over a contiguous pinned host-to-device copy's bandwidth
@@ -68,14 +69,17 @@ def _timed_generate(torch, model, ids, new_tokens: int, cache=None, **kw) -> dic
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps: list[float] = []
+    waits: list[float] = []  # per step: the host's wait for the GPU once the step was issued
     logits: list = []
     first: dict = {}
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
+            issued = time.perf_counter()
             logits.append(scores.float().cpu())
             torch.cuda.synchronize()
             stamps.append(time.perf_counter())
+            waits.append(stamps[-1] - issued)
             if len(stamps) == 1:  # the prefill's peak; from here the decode's
                 first["peak"] = torch.cuda.max_memory_allocated()
                 first["update_s"] = getattr(cache, "update_seconds", 0.0)
@@ -90,7 +94,9 @@ def _timed_generate(torch, model, ids, new_tokens: int, cache=None, **kw) -> dic
     steps = len(stamps) - 1
     decode = steps / (stamps[-1] - stamps[0]) if steps else 0.0
     rec = {"tokens": out, "logits": logits, "ttft_s": stamps[0] - t0, "decode_tok_s": decode,
-           "prefill_peak": first.get("peak", 0), "decode_peak": torch.cuda.max_memory_allocated()}
+           "prefill_peak": first.get("peak", 0), "decode_peak": torch.cuda.max_memory_allocated(),
+           # near 0: the host bounds the step (the GPU waits for it); near the step time: the GPU does
+           "gpu_wait_ms_per_step": sorted(waits[1:])[len(waits[1:]) // 2] * 1e3 if steps else 0.0}
     if cache is not None and steps:  # update() is called once per layer and step: its host time per step
         rec["cache_host_ms_per_step"] = (cache.update_seconds - first["update_s"]) / steps * 1e3
     return rec
@@ -195,7 +201,8 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
         log(f"{mode:16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
             f"(cold run {rec['cold_decode_tok_s']:.1f}; {rec['share_of_bound']:.2f} of PCIe bound), peak VRAM "
             f"{rec['peak_vram_bytes'] / 2**20:.0f} MiB (decode {rec['decode_peak_vram_bytes'] / 2**20:.0f}), cache host "
-            f"{rec.get('cache_host_ms_per_step', 0):.1f} ms/step, identical {rec['identical']} "
+            f"{rec.get('cache_host_ms_per_step', 0):.1f} ms/step, GPU wait {rec['gpu_wait_ms_per_step']:.1f} ms/step, "
+            f"identical {rec['identical']} "
             f"(max logit diff {rec['max_logit_diff']:.3g})")
     if root is not None:
         shutil.rmtree(Path(root) / "hf-fio", ignore_errors=True)
@@ -227,7 +234,8 @@ def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token:
         r = _timed_generate(torch, model, ids, n_new, cache=cache, **kw)
         rec = {"mode": mode, "context": ctx, "new_tokens": n_new, "ttft_s": r["ttft_s"],
                "decode_tok_s": r["decode_tok_s"], "peak_vram_bytes": max(r["prefill_peak"], r["decode_peak"]) - base,
-               "decode_peak_vram_bytes": r["decode_peak"] - base, "pinned_bytes": _pinned_bytes(torch)}
+               "decode_peak_vram_bytes": r["decode_peak"] - base, "pinned_bytes": _pinned_bytes(torch),
+               "gpu_wait_ms_per_step": r["gpu_wait_ms_per_step"]}
         if cache is not None:
             rec["cache_host_ms_per_step"] = r.get("cache_host_ms_per_step", 0.0)
             st = cache.stats()
@@ -271,7 +279,9 @@ def format_hf_report(rep: dict) -> str:
                      f"{r['pcie_bound_tok_s']:10.1f} {r['share_of_bound']:6.2f} {r['peak_vram_bytes'] / 2**20:9.0f} "
                      f"{r['decode_peak_vram_bytes'] / 2**20:7.0f} {r['pinned_bytes'] / 2**20:10.0f} {r['identical']} "
                      f"({r['first_divergence']}, {r['max_logit_diff']:.3g})"
-                     + (f"; cache host {r['cache_host_ms_per_step']:.1f} ms/step" if "cache_host_ms_per_step" in r
+                     + (f"; cold run {r['cold_decode_tok_s']:.1f} tok/s" if "cold_decode_tok_s" in r else "")
+                     + f"; GPU wait {r['gpu_wait_ms_per_step']:.1f} ms/step"
+                     + (f", cache host {r['cache_host_ms_per_step']:.1f} ms/step" if "cache_host_ms_per_step" in r
                         else ""))
         if "file_read_gbps" in r:
             disk = r.get("disk")
