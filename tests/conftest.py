@@ -27,6 +27,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu),
+                        pytest.param("torch", marks=pytest.mark.gpu)])
+def backend(request) -> str:
+    """The array library of engine tensors (tests/layouts.py): NumPy "device" tensors on the
+    CPU; CuPy and PyTorch CUDA tensors on a GPU."""
+    if request.param == "torch":
+        pytest.importorskip("torch")
+    return request.param
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A fresh seed per test, printed on failure (``TIERCACHE_TEST_SEED`` replays one)."""

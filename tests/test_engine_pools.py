@@ -15,20 +15,6 @@ from layouts import LAYOUTS, expected_partial, make_pools, scramble, snapshot
 from tiercache import ArrayMismatchError, ConfigError, KeyNotFoundError, SlotRangeError, TierCache, TierUnavailableError
 from tiercache.serving import DevicePools
 
-BACKENDS = [
-    "numpy",
-    pytest.param("cupy", marks=pytest.mark.gpu),
-    pytest.param("torch", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    if request.param == "torch":
-        pytest.importorskip("torch")
-    return request.param
-
-
 def _positions(rng, n: int, k: int, nb: int, partial: bool) -> np.ndarray:
     """``[n, k]`` distinct random device block ids; with ``partial``, the first host block
     lacks its first positions and the last one its last positions (-1)."""

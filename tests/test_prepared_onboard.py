@@ -24,20 +24,6 @@ from tiercache import (
     TierUnavailableError,
 )
 
-BACKENDS = [
-    "numpy",
-    pytest.param("cupy", marks=pytest.mark.gpu),
-    pytest.param("torch", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    if request.param == "torch":
-        pytest.importorskip("torch")
-    return request.param
-
-
 def _cache(pools, tmp_path, k, host_slots, file_slots=64):
     return TierCache.for_engine(pools, host_slots=host_slots, file_slots=file_slots, blocks_per_host_block=k,
                                 root=tmp_path / "root", fsync="none")
