@@ -154,6 +154,7 @@ class CopyLauncher:
         self._aux: list = []  # auxiliary streams of split batched copies
         self._keep = None  # arguments of the last batch call
         self._recording: list | None = None  # while prepare_many plans: the operations, not issued
+        self._upload_stream = None  # uploads of prepared launches' tables
         from tiercache.copypaths.stagedcopy import StagedCopier
         from tiercache.copypaths.uploadring import UploadRing
 
@@ -265,7 +266,12 @@ class CopyLauncher:
             # a prepared launch owns its table on the device; each run zeroes the bulk kernel's
             # counters (the rest of the table never changes)
             with cupy.cuda.Device(self.device_id):
-                offs = cupy.asarray(table)
+                # on a stream of its own: cupy.asarray's legacy stream would wait for the whole queue
+                if self._upload_stream is None:
+                    self._upload_stream = cupy.cuda.Stream(non_blocking=True)
+                offs = cupy.empty(table.shape, dtype=table.dtype)
+                offs.set(table, stream=self._upload_stream)
+                self._upload_stream.synchronize()
             p = offs.data.ptr
             cp, cn = p + 16 * n, 8 * (table.size - 2 * n)
             self._emit(lambda st, _keep=offs: cupy.cuda.runtime.memsetAsync(cp, 0, cn, st.ptr), stream)
