@@ -133,3 +133,27 @@ def test_randomized_workload_host_file(tmp_path, rng):
             assert m.check() == 0
     assert m.check() == 0
     assert m.ops > 1000
+
+
+def test_finished_jobs_behind_a_slow_one_are_retired_and_reported(tmp_path, kvpool, rng):
+    """Submissions retire finished jobs from the oldest on and stop at the first still running
+    (a slow file write here); past REAP_ALL_AT pending jobs they retire every finished one, so
+    the pending list stays bounded, and every job's result still reaches get_finished."""
+    eng = make_engine(tmp_path, (kvpool,), host_slots=8)
+    host = eng.tiers["host"].arrays["kv"]
+    host[:] = rng.integers(1, 256, size=host.shape, dtype=np.uint8)
+    eng.debug_file_delay_s = 0.5
+    slow = eng.copy("host", [0], "file", [0], keys=[int(rng.integers(1 << 40))])
+    eng.debug_file_delay_s = 0.0
+    n = 3 * TransferEngine.REAP_ALL_AT
+    most = 0
+    keys = rng.choice(1 << 40, n, replace=False) + 1
+    for i in range(n):  # file writes (CPU copies retire everything at once: they wait on the host anyway)
+        eng.copy("host", [1 + i % 7], "file", [1 + i % 15], keys=[int(keys[i])]).wait()
+        most = max(most, len(eng._pending))
+    assert not slow.done()
+    assert TransferEngine.REAP_ALL_AT < most <= TransferEngine.REAP_ALL_AT + 1
+    eng.synchronize()
+    results = eng.get_finished()
+    assert len(results) == n + 1 and len({r.job_id for r in results}) == n + 1
+    assert sum(row["jobs"] for row in eng.transfer_stats.snapshot()) == n + 1

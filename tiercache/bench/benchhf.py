@@ -76,10 +76,10 @@ def _timed_generate(torch, model, ids, new_tokens: int, cache=None, **kw) -> dic
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
             issued = time.perf_counter()
+            torch.cuda.synchronize()  # before the logits' copy to the host, which would wait itself
+            waits.append(time.perf_counter() - issued)
             logits.append(scores.float().cpu())
-            torch.cuda.synchronize()
             stamps.append(time.perf_counter())
-            waits.append(stamps[-1] - issued)
             if len(stamps) == 1:  # the prefill's peak; from here the decode's
                 first["peak"] = torch.cuda.max_memory_allocated()
                 first["update_s"] = getattr(cache, "update_seconds", 0.0)

@@ -6,7 +6,9 @@
   batched copy, the TMA bulk kernel, the gather/scatter kernel, the staged path);
 - :mod:`.batchcopy`: ``cuMemcpyBatchAsync`` over several streams;
 - :mod:`.stagedcopy`: copy engines for PCIe, the gather/scatter kernel for the VRAM hop;
-- :mod:`.uploadring`: a pinned ring for launch tables.
+- :mod:`.uploadring`: a pinned ring for launch tables;
+- :mod:`.driverlaunch`: kernel launches, memsets and copies through the driver with their
+  arguments packed once (what prepared launches replay).
 
 Depends on :mod:`tiercache.memory` and the foundation; knows nothing of keys, tiers or files.
 """

@@ -12,6 +12,8 @@ import ctypes
 
 import numpy as np
 
+from tiercache.errors import TransferError
+
 
 class _Attrs(ctypes.Structure):  # CUmemcpyAttributes: access order, src/dst location hints, flags
     _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcType", ctypes.c_int), ("srcId", ctypes.c_int),
@@ -51,7 +53,7 @@ class BatchCopy:
         """Enqueue the copies of ``args`` on ``stream_ptr``.
 
         Raises:
-            RuntimeError: the driver refused the batch (its CUresult).
+            TransferError: the driver refused the batch (its CUresult).
         """
         dsts, srcs, sizes, attrs, idxs, fail = args
         p = ctypes.c_void_p
@@ -59,4 +61,4 @@ class BatchCopy:
                   ctypes.byref(attrs), p(idxs.ctypes.data), ctypes.c_size_t(1)]
         rc = self.fn(*common, p(stream_ptr)) if self.v2 else self.fn(*common, p(fail.ctypes.data), p(stream_ptr))
         if rc != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {rc}")
+            raise TransferError(f"cuMemcpyBatchAsync failed with CUresult {rc}")

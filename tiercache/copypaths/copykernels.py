@@ -39,7 +39,9 @@ import math
 
 import numpy as np
 
+from tiercache.copypaths import driverlaunch
 from tiercache.copypaths.copyplan import contiguous_runs, memcpy_runs
+from tiercache.copypaths.driverlaunch import KernelCall, MemcpyCall, MemsetCall
 from tiercache.copypaths.segments import Segments, vector_bytes
 from tiercache.memory import MEMCPY_DEFAULT, data_ptr
 
@@ -274,7 +276,10 @@ class CopyLauncher:
                 self._upload_stream.synchronize()
             p = offs.data.ptr
             cp, cn = p + 16 * n, 8 * (table.size - 2 * n)
-            self._emit(lambda st, _keep=offs: cupy.cuda.runtime.memsetAsync(cp, 0, cn, st.ptr), stream)
+            zero = MemsetCall(cp, cn) if driverlaunch.available() else \
+                (lambda st: cupy.cuda.runtime.memsetAsync(cp, 0, cn, st.ptr))
+            zero.table = offs  # the table lives as long as the recorded calls
+            self._emit(zero, stream)
             used.add(self.launch_table(sp, dp, p, p + 8 * n, n, p + 16 * n, seg, vec, stream, force))
             return
         offs = self.ring.upload(table, stream)  # async, from pinned memory
@@ -318,7 +323,7 @@ class CopyLauncher:
                     np.int64(seg.seg_stride), np.int64(seg.seg_bytes), np.int64(chunk),
                     np.uint64(counters_p), np.int32(per_sm))
             grid = (sms * self.bulk_ctas_per_sm,)
-            self._emit(lambda st: fn(grid, (32,), args, stream=st, shared_mem=smem), stream)
+            self._kernel(fn, grid, (32,), args, smem, stream)
             return "bulk"
         chunks = n * seg.segs * (seg.seg_bytes // vec)
         sms = self.num_sms if all_sms else self.max_sms
@@ -326,7 +331,7 @@ class CopyLauncher:
         fn = self._kernels[vec]
         args = (np.uint64(sp), np.uint64(dp), np.uint64(src_p), np.uint64(dst_p), np.int64(n),
                 np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes))
-        self._emit(lambda st: fn((grid,), (self.threads,), args, stream=st), stream)
+        self._kernel(fn, (grid,), (self.threads,), args, 0, stream)
         return "kernel"
 
     def _launch_batch(self, dsts: np.ndarray, srcs: np.ndarray, row: int, stream) -> None:
@@ -367,10 +372,20 @@ class CopyLauncher:
         else:
             op(stream)
 
+    def _kernel(self, fn, grid, block, args: tuple, smem: int, stream) -> None:
+        """Launch ``fn`` now (CuPy), or record it as a driver call packed once."""
+        if self._recording is not None and driverlaunch.available():
+            self._recording.append(KernelCall(fn, grid, block, args, smem))
+        else:
+            self._emit(lambda st: fn(grid, block, args, stream=st, shared_mem=smem), stream)
+
     def _memcpy(self, dst: int, src: int, nbytes: int, stream) -> None:
         import cupy
 
-        self._emit(lambda st: cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, st.ptr), stream)
+        if self._recording is not None and driverlaunch.available():
+            self._recording.append(MemcpyCall(dst, src, nbytes))
+        else:
+            self._emit(lambda st: cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, st.ptr), stream)
 
     def _staged_ok(self) -> bool:
         """The staged path may take a batch (its buffers are reserved); a prepared launch

@@ -196,10 +196,12 @@ class TieredCache(Cache):
         R, nb, tpb = self.ring_layers, self.blocks_per_layer, self.tokens_per_block
         cap = nb * tpb
         kw = dict(dtype=self.dtype, device=self.device)
-        # ring[r] is [B, H, cap, D]; device block (r, b, h, j) is tokens j*tpb.. of (b, h): row
-        # ((r * B + b) * H + h) * nb + j of the flat [R * B * H * nb, tpb, D] view
-        self._ring = {n: torch.empty(R * k * nb, tpb, D, **kw) for n in ("k", "v")}
-        self._tail = {n: torch.empty(self.num_layers, B, H, tpb, D, **kw) for n in ("k", "v")}
+        # one tensor holds K and V (pools "k" and "v" are its halves), so that one copy moves
+        # both: ring buffer r of either is [B, H, cap, D]; device block (r, b, h, j) is tokens
+        # j*tpb.. of (b, h): row ((r * B + b) * H + h) * nb + j of the flat [R * B * H * nb, tpb, D]
+        self._kv = torch.empty(2, R * k * nb, tpb, D, **kw)
+        self._ring = {"k": self._kv[0], "v": self._kv[1]}
+        self._tail = torch.empty(self.num_layers, 2, B, H, tpb, D, **kw)  # each layer's last block, K and V
         self._ids = np.arange(R * k * nb, dtype=np.int64).reshape(R, k, nb)
         block_bytes = 2 * k * tpb * D * key_states.element_size()
         need = self.num_layers * nb
@@ -223,8 +225,9 @@ class TieredCache(Cache):
         self._plans: dict[tuple[int, int], tuple[int, object]] = {}
         self._finalizer = weakref.finalize(self, _close, self.tiers, self._plans)
         self.block_bytes = block_bytes
-        self._views = [{n: self._ring[n].view(R, B, H, cap, D)[r] for n in ("k", "v")} for r in range(R)]
-        self._tails = [{n: self._tail[n][i] for n in ("k", "v")} for i in range(self.num_layers)]
+        self._views = list(self._kv.view(2, R, B, H, cap, D).unbind(1))  # ring buffer r: [2, B, H, cap, D]
+        self._tails = list(self._tail.unbind(0))  # layer i's tail: [2, B, H, tpb, D]
+        self._cs = (None, None)  # (PyTorch stream handle, its CuPy wrapper): the compute stream
         self._pending: dict[int, tuple] = {}
         self._updates = 0
         self._key0 = 0
@@ -240,9 +243,21 @@ class TieredCache(Cache):
     def _dev(self, slot: int, j0: int, j1: int) -> np.ndarray:
         return np.ascontiguousarray(self._ids[slot, :, j0:j1].T)
 
-    def _onboard(self, layer: int, nfull: int, slot: int):
+    def _stream(self):
+        """The compute stream (PyTorch's current stream) as a CuPy stream, for the tier
+        cache's device-side waits (None for host tensors). Wrapped once per stream."""
+        if self.device.type != "cuda":
+            return None
+        st = torch.cuda.current_stream(self.device)
+        if st.cuda_stream != self._cs[0]:
+            from tiercache.memory import as_cupy_stream
+
+            self._cs = (st.cuda_stream, as_cupy_stream(st))
+        return self._cs[1]
+
+    def _onboard(self, layer: int, nfull: int, slot: int, stream):
         """Queue the onboard of ``layer``'s first ``nfull`` blocks into ring buffer ``slot``;
-        it starts after the compute queued so far."""
+        it starts after the compute queued so far on ``stream``."""
         if self._prepare:
             n, plan = self._plans.get((layer, slot), (0, None))
             if n != nfull:  # a block more since the last plan (every tokens_per_block tokens)
@@ -251,8 +266,9 @@ class TieredCache(Cache):
                 plan = self.tiers.prepare_onboard(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull),
                                                   layerwise=True)
                 self._plans[layer, slot] = (nfull, plan)
-            return plan.launch()
-        return self.tiers.onboard_slots(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull), layerwise=True)
+            return plan.launch(stream)
+        return self.tiers.onboard_slots(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull), layerwise=True,
+                                        stream=stream)
 
     def _release_plans(self) -> None:
         _release(self._plans)
@@ -295,42 +311,40 @@ class TieredCache(Cache):
         pending = self._pending.pop(g, None)
         for stale in [x for x in self._pending if x < g]:
             del self._pending[stale]
+        stream = self._stream()
         if nfull:
             if pending is not None and pending[:2] == (layer_idx, nfull):
                 handle = pending[2]
             else:  # not the order the prefetch expected: onboard now (still only a device-side wait)
-                handle = self._onboard(layer_idx, nfull, slot)
-            handle.wait()
-        ring, tails = self._views[slot], self._tails[layer_idx]
+                handle = self._onboard(layer_idx, nfull, slot, stream)
+            handle.wait(stream)
+        ring, tail = self._views[slot], self._tails[layer_idx]  # [2, B, H, tokens, D]: K and V
         last = self._offloads.pop(slot, None)
         if last is not None:  # the buffer's last offload read it: write after it (device-side)
-            self.tiers.make_stream_wait(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None,
-                                        jobs=[last])
+            self.tiers.make_stream_wait(stream, jobs=[last])
         base = nfull * tpb
-        new = (("k", key_states), ("v", value_states))
         if end <= base + tpb:  # the new tokens stay in the last block (decode): through the tail
-            for n, x in new:
-                tails[n].narrow(2, s - base, q).copy_(x)
-                ring[n].narrow(2, base, end - base).copy_(tails[n].narrow(2, 0, end - base))
+            tail[0].narrow(2, s - base, q).copy_(key_states)
+            tail[1].narrow(2, s - base, q).copy_(value_states)
+            ring.narrow(3, base, end - base).copy_(tail.narrow(3, 0, end - base))
         else:  # they fill blocks (prefill): straight into the ring, the rest into the tail
-            for n, x in new:
-                if s > base:
-                    ring[n].narrow(2, base, s - base).copy_(tails[n].narrow(2, 0, s - base))
-                ring[n].narrow(2, s, q).copy_(x)
+            if s > base:
+                ring.narrow(3, base, s - base).copy_(tail.narrow(3, 0, s - base))
+            ring[0].narrow(2, s, q).copy_(key_states)
+            ring[1].narrow(2, s, q).copy_(value_states)
         done = end // tpb
         if done > nfull:
             self._offloads[slot] = self.tiers.offload_slots(self._keys(layer_idx, nfull, done),
-                                                            self._dev(slot, nfull, done), to="host")
+                                                            self._dev(slot, nfull, done), to="host", stream=stream)
         start = max(s, done * tpb)
         if end > start and end > base + tpb:
-            for n, _ in new:
-                tails[n].narrow(2, start - done * tpb, end - start).copy_(ring[n].narrow(2, start, end - start))
+            tail.narrow(3, start - done * tpb, end - start).copy_(ring.narrow(3, start, end - start))
         self._lengths[layer_idx] = end
         ahead = (layer_idx + R - 1) % self.num_layers
         n_ahead = self._lengths[ahead] // tpb
         if n_ahead:
-            self._pending[g + R - 1] = (ahead, n_ahead, self._onboard(ahead, n_ahead, (g + R - 1) % R))
-        return ring["k"].narrow(2, 0, end), ring["v"].narrow(2, 0, end)
+            self._pending[g + R - 1] = (ahead, n_ahead, self._onboard(ahead, n_ahead, (g + R - 1) % R, stream))
+        return ring[0].narrow(2, 0, end), ring[1].narrow(2, 0, end)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens stored for layer ``layer_idx``."""
@@ -364,7 +378,7 @@ class TieredCache(Cache):
         """Bytes of VRAM this cache holds (the ring and the tails; 0 before the first update)."""
         if self.tiers is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (*self._ring.values(), *self._tail.values()))
+        return sum(t.numel() * t.element_size() for t in (self._kv, self._tail))
 
     def stats(self) -> dict:
         """The tier cache's :meth:`~tiercache.TierCache.stats` plus ``"vram_bytes"``,

@@ -16,6 +16,7 @@ of microseconds.
 from __future__ import annotations
 
 from tiercache.errors import ClosedError
+from tiercache.memory import as_cupy_stream
 from tiercache.serving.layerwise import OnboardHandle
 
 
@@ -64,9 +65,8 @@ class PreparedOnboard:
             if self.released:
                 raise ClosedError(f"this prepared onboard of {len(self.keys)} blocks was released")
             engine_stream = s.engine_stream(given)
-            s.engine.wait_for_stream(engine_stream)
-            job = s.engine.run_prepared(self._rows)
-            s.placement.tiers["host"].touch(self.keys)
+            # the copy waits for the work queued so far on the engine's stream (None: CuPy's current)
+            job = s.engine.run_prepared(self._rows, after=as_cupy_stream(engine_stream) if s.engine.gpu else None)
             s.counters["onboarded_blocks"] += len(self.keys)
             s.counters["onboard_hits_host"] += len(self.keys)
             s.counters["prepared_onboard_launches"] += 1
@@ -77,12 +77,15 @@ class PreparedOnboard:
         return handle
 
     def release(self) -> None:
-        """Unpin the keys (idempotent). Launches already enqueued complete normally."""
+        """Unpin the keys and mark them recently used in the host tier (idempotent). Launches
+        already enqueued complete normally."""
         if self.released:
             return
         self.released = True
         try:
             with self._slots._guard():
+                # recency is counted here, once: pinned keys cannot be spilled anyway
+                self._slots.placement.tiers["host"].touch(self.keys)
                 self._slots.placement.unpin(self.keys)
         except ClosedError:  # a closed cache holds no pins worth undoing
             pass

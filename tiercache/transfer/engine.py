@@ -100,6 +100,10 @@ class TransferEngine:
         if self.gpu:
             self._streams = StreamPool(device_id, max(1, streams_per_direction))
             self._events = EventPool()
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                self._after_event = cupy.cuda.Event(disable_timing=True)  # wait_for_stream, run_prepared(after=)
             self.launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms, memcpy_min_bytes=memcpy_min_bytes,
                                          batch_min_bytes=batch_min_bytes, batch_streams=batch_streams,
                                          bulk=bulk_shape != "off", bulk_shape="small" if bulk_shape == "off" else bulk_shape,
@@ -134,20 +138,40 @@ class TransferEngine:
         return self._pending.get(jid)
 
     def _reap(self) -> None:
-        for jid, job in list(self._pending.items()):
-            if job.done():
-                job.wait_host()  # sets the end time of threaded jobs; returns at once
-                res = job.result()
-                if res.failed:
-                    self._ledger.mark_failed(job, job.dst, job.failed_slots())
-                self._finished.append(res)
-                if self.transfer_stats is not None:
-                    self.transfer_stats.record(res.src, res.dst, res.path, res.blocks, res.nbytes, len(res.failed),
-                                               res.seconds)
-                del self._pending[jid]
-                if job.on_gpu:
-                    self._events.put(job.start_event, *job.group_events)
-                job.retired = True
+        """Retire every finished job."""
+        for job in [j for j in self._pending.values() if j.done()]:
+            self._retire(job)
+
+    def _reap_oldest(self) -> None:
+        """Retire finished jobs from the oldest on, up to the first one still running: what
+        each submission does (a few event queries, not one per pending job); every finished
+        job once more than ``REAP_ALL_AT`` are pending."""
+        if len(self._pending) > self.REAP_ALL_AT:
+            self._reap()
+            return
+        done = []
+        for job in self._pending.values():
+            if not job.done():
+                break
+            done.append(job)
+        for job in done:
+            self._retire(job)
+
+    REAP_ALL_AT = 64
+
+    def _retire(self, job: Job) -> None:
+        job.wait_host()  # sets the end time of threaded jobs; returns at once
+        res = job.result()
+        if res.failed:
+            self._ledger.mark_failed(job, job.dst, job.failed_slots())
+        self._finished.append(res)
+        if self.transfer_stats is not None:
+            self.transfer_stats.record(res.src, res.dst, res.path, res.blocks, res.nbytes, len(res.failed),
+                                       res.seconds)
+        del self._pending[job.id]
+        if job.on_gpu:
+            self._events.put(job.start_event, *job.group_events)
+        job.retired = True
 
     def _arrays(self, tier: str, given: dict | None, pools: list[str]) -> dict:
         if given is not None:
@@ -185,7 +209,7 @@ class TransferEngine:
                     raise SlotRangeError(f"file transfers need one key per block ({s.size} blocks)")
                 if num_tokens is not None:
                     raise SlotRangeError("partial (num_tokens) copies are for memory tiers; files hold whole blocks")
-            self._reap()
+            self._reap_oldest()
             direction = _direction(src, dst)
             if "file" in (src, dst):
                 nbytes = s.size * sum(sg.nbytes for sg in segs.values())
@@ -215,7 +239,7 @@ class TransferEngine:
         """
         with self._lock:
             s, d = self._check_rows(src, src_slots, dst, dst_slots, groups)
-            self._reap()
+            self._reap_oldest()
             return self._memory_job(direction or _direction(src, dst), src, s, dst, d, groups)
 
     def _check_rows(self, src: str, src_slots, dst: str, dst_slots, groups: list[list[RowCopy]]):
@@ -248,13 +272,18 @@ class TransferEngine:
             return PreparedRows(direction or _direction(src, dst), src, s, dst, d, groups, plans,
                                 sum(rc.nbytes for g in groups for rc in g))
 
-    def run_prepared(self, prepared: PreparedRows) -> Job:
+    def run_prepared(self, prepared: PreparedRows, after=None) -> Job:
         """Enqueue one run of ``prepared`` (from :meth:`prepare_rows`) as a job, ordered
-        against every other job by the ledger; returns the job."""
+        against every other job by the ledger; returns the job.
+
+        ``after``: a stream (as :meth:`wait_for_stream` takes it) whose work queued so far the
+        run waits for, on the device; unlike :meth:`wait_for_stream` only this job's stream
+        waits (one event record and one wait)."""
         with self._lock:
-            self._reap()
+            self._reap_oldest()
             p = prepared
-            return self._memory_job(p.direction, p.src, p.src_slots, p.dst, p.dst_slots, p.groups, p.plans, p.nbytes)
+            return self._memory_job(p.direction, p.src, p.src_slots, p.dst, p.dst_slots, p.groups, p.plans, p.nbytes,
+                                    after=after)
 
     def _on_gpu(self, groups: list[list[RowCopy]]) -> bool:
         return self.gpu and any(not isinstance(a, np.ndarray) for g in groups for rc in g for a in (rc.src, rc.dst))
@@ -263,19 +292,19 @@ class TransferEngine:
         return all(self._gpu_reachable(rc.src) and self._gpu_reachable(rc.dst) for rc in group)
 
     def _memory_job(self, direction, src, s, dst, d, groups: list[list[RowCopy]], plans=None,
-                    nbytes: int | None = None) -> Job:
+                    nbytes: int | None = None, after=None) -> Job:
         if nbytes is None:
             nbytes = sum(rc.nbytes for g in groups for rc in g)
         jid = next(self._ids)
         if self._on_gpu(groups):
-            job = self._gpu_job(jid, direction, src, s, dst, d, groups, nbytes, plans)
+            job = self._gpu_job(jid, direction, src, s, dst, d, groups, nbytes, plans, after)
         else:
             job = self._cpu_job(jid, direction, src, s, dst, d, groups, nbytes)
         self._pending[job.id] = job
         return job
 
     # -- GPU copies ---------------------------------------------------------------------------
-    def _gpu_job(self, jid, direction, src, s, dst, d, groups, nbytes, plans=None) -> Job:
+    def _gpu_job(self, jid, direction, src, s, dst, d, groups, nbytes, plans=None, after=None) -> Job:
         import cupy
 
         stream = self._streams.next(direction if direction in ("offload", "onboard") else "copy")
@@ -283,6 +312,9 @@ class TransferEngine:
         job.dst_slots = d
         job.stream = stream
         with cupy.cuda.Device(self.device_id):
+            if after is not None:
+                self._after_event.record(as_cupy_stream(after))
+                stream.wait_event(self._after_event)
             covers: list[Job] = []
             if self.ordering:
                 raw, war = self._ledger.dependencies(src, s, dst, d)
@@ -428,7 +460,9 @@ class TransferEngine:
         import cupy
 
         with self._lock, cupy.cuda.Device(self.device_id):
-            ev = cupy.cuda.Event(disable_timing=True)
+            # one event serves every call: a wait binds to the event's record at the time of
+            # the wait (cudaStreamWaitEvent), so recording it again later changes nothing
+            ev = self._after_event
             ev.record(as_cupy_stream(stream))
             for st in self._streams.all():
                 st.wait_event(ev)

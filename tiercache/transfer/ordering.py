@@ -31,11 +31,15 @@ class SlotLedger:
     """
 
     def __init__(self, capacities: dict[str, int]) -> None:
-        self._w = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
-        self._rg = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
-        self._rt = {t: np.full(n, -1, dtype=np.int64) for t, n in capacities.items()}
+        # per tier one [3, n] table: the last pending writer, GPU reader and threaded reader
+        # of every slot (one take reads all three); _w/_rg/_rt are its rows
+        self._t = {t: np.full((3, n), -1, dtype=np.int64) for t, n in capacities.items()}
+        self._w = {t: a[0] for t, a in self._t.items()}
+        self._rg = {t: a[1] for t, a in self._t.items()}
+        self._rt = {t: a[2] for t, a in self._t.items()}
         # slots whose last writer failed: they hold no valid block until written again
         self._invalid = {t: np.zeros(n, dtype=bool) for t, n in capacities.items()}
+        self._any_invalid = {t: False for t in capacities}  # False: no slot of the tier is invalid
 
     def tracks(self, tier: str) -> bool:
         return tier in self._w
@@ -44,22 +48,34 @@ class SlotLedger:
     def _ids(arr: np.ndarray, slots: np.ndarray) -> list[int]:
         if slots.size == 0:
             return []
-        ids = arr[slots]
-        lo, hi = int(ids.min()), int(ids.max())
+        ids = arr.take(slots)
+        hi = int(ids.max())
         if hi < 0:  # nothing pending
             return []
-        if lo == hi:  # one job wrote (or read) them all: the common case of a repeated batch
+        if int(ids.min()) == hi:  # one job wrote (or read) them all: the common case of a repeated batch
             return [hi]
         return np.unique(ids[ids >= 0]).tolist()
+
+    def _ids3(self, tier: str, slots: np.ndarray) -> list[int]:
+        """Ids of every pending writer and reader of ``slots`` (sorted, distinct)."""
+        if slots.size == 0:
+            return []
+        block = self._t[tier].take(slots, axis=1)  # [3, n]: writers, GPU readers, threaded readers
+        out: list[int] = []
+        for row, hi in zip(block, block.max(axis=1).tolist()):
+            if hi < 0:  # nothing pending of this kind
+                continue
+            if int(row.min()) == hi:
+                out.append(hi)
+            else:
+                out.extend(np.unique(row[row >= 0]).tolist())
+        return sorted(set(out)) if len(out) > 1 else out
 
     def dependencies(self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray) -> tuple[list[int], list[int]]:
         """Job ids to wait for: ``(writers of the source, readers and writers of the
         destination)``; tiers the ledger does not track (``caller``) contribute none."""
         raw = self._ids(self._w[src], src_slots) if src in self._w else []
-        war = []
-        if dst in self._w:
-            war = sorted(set(self._ids(self._w[dst], dst_slots)) | set(self._ids(self._rg[dst], dst_slots))
-                         | set(self._ids(self._rt[dst], dst_slots)))
+        war = self._ids3(dst, dst_slots) if dst in self._t else []
         return raw, war
 
     def previous_readers(self, tier: str, slots: np.ndarray, gpu: bool) -> list[int]:
@@ -72,11 +88,14 @@ class SlotLedger:
         """Record ``job`` as the reader of ``src_slots`` and the writer of ``dst_slots``."""
         if src in self._w and src_slots.size:
             (self._rg if gpu else self._rt)[src][src_slots] = job.id
-        if dst in self._w and dst_slots.size:
+        if dst in self._t and dst_slots.size:
             self._w[dst][dst_slots] = job.id
             self._rg[dst][dst_slots] = -1
             self._rt[dst][dst_slots] = -1
-            self._invalid[dst][dst_slots] = False
+            if self._any_invalid[dst]:
+                inv = self._invalid[dst]
+                inv[dst_slots] = False
+                self._any_invalid[dst] = bool(inv.any())
 
     def mark_failed(self, job: Job, tier: str, slots) -> None:
         """A finished ``job`` did not fill ``slots`` of ``tier``: flag those it still owns (no
@@ -85,7 +104,9 @@ class SlotLedger:
             return
         arr = np.fromiter(slots, dtype=np.int64)
         arr = arr[self._w[tier][arr] == job.id]
-        self._invalid[tier][arr] = True
+        if arr.size:
+            self._invalid[tier][arr] = True
+            self._any_invalid[tier] = True
 
     def set_valid(self, tier: str, slots: np.ndarray, failed: set[int]) -> None:
         """A copy that finished at once (on the CPU, after waiting for every conflicting job)
@@ -95,10 +116,11 @@ class SlotLedger:
         self._invalid[tier][slots] = False
         if failed:
             self._invalid[tier][np.fromiter(failed, dtype=np.int64)] = True
+        self._any_invalid[tier] = bool(self._invalid[tier].any())
 
     def invalid(self, tier: str, slots: np.ndarray) -> np.ndarray:
         """Indices into ``slots`` of the slots that hold no valid block."""
-        if tier not in self._invalid or slots.size == 0:
+        if tier not in self._invalid or slots.size == 0 or not self._any_invalid[tier]:
             return np.empty(0, dtype=np.int64)
         return np.flatnonzero(self._invalid[tier][slots])
 
@@ -110,5 +132,4 @@ class SlotLedger:
         """Ids of every pending reader and writer of ``slots`` (for host-side writes)."""
         if tier not in self._w:
             return []
-        return sorted(set(self._ids(self._w[tier], slots)) | set(self._ids(self._rg[tier], slots))
-                      | set(self._ids(self._rt[tier], slots)))
+        return self._ids3(tier, slots)

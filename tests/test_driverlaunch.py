@@ -1,0 +1,66 @@
+"""Driver calls packed once (tiercache.copypaths.driverlaunch): the bytes they move, against
+CuPy's own launch of the same kernel; argument checks on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiercache.copypaths.driverlaunch import KernelCall
+
+
+class _FakeKernel:
+    class kernel:  # noqa: N801 - mimics RawKernel.kernel
+        ptr = 0
+
+
+@pytest.mark.parametrize("bad", [3, 3.0, np.float32(1), np.int16(2), "x"])
+def test_kernel_call_refuses_arguments_it_cannot_pack(bad):
+    with pytest.raises(TypeError, match="kernel argument"):
+        KernelCall(_FakeKernel, (1,), (32,), (np.uint64(1), bad))
+
+
+@pytest.mark.gpu
+def test_driver_calls_move_the_bytes_cupy_would():
+    import cupy
+
+    from tiercache.copypaths import CopyLauncher
+    from tiercache.copypaths.driverlaunch import MemcpyCall, MemsetCall
+    from tiercache.copypaths.segments import Segments
+
+    rng = np.random.default_rng()
+    rows, row = 37, 4096
+    src = cupy.asarray(rng.integers(0, 256, (rows, row), dtype=np.uint8))
+    s_rows = rng.permutation(rows)[:20].astype(np.int64)
+    d_rows = rng.permutation(rows)[:20].astype(np.int64)
+    launcher = CopyLauncher(0)
+    fn = launcher._kernels[16]
+    seg = Segments(1, row, row)
+    table = cupy.asarray(np.concatenate([s_rows * row, d_rows * row]))
+    p = table.data.ptr
+    args = (np.uint64(src.data.ptr), np.uint64(0), np.uint64(p), np.uint64(p + 8 * s_rows.size),
+            np.int64(s_rows.size), np.int64(seg.segs), np.int64(seg.seg_stride), np.int64(seg.seg_bytes))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    outs = []
+    for how in ("cupy", "driver"):
+        dst = cupy.zeros((rows, row), dtype=np.uint8)
+        a = (*args[:1], np.uint64(dst.data.ptr), *args[2:])
+        if how == "cupy":
+            fn((4,), (launcher.threads,), a, stream=stream)
+        else:
+            KernelCall(fn, (4,), (launcher.threads,), a)(stream)
+        stream.synchronize()
+        outs.append(cupy.asnumpy(dst))
+    assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(outs[1][d_rows], cupy.asnumpy(src)[s_rows])
+
+    buf = cupy.asarray(rng.integers(1, 256, 1000, dtype=np.uint8))
+    MemsetCall(buf.data.ptr + 100, 300)(stream)
+    host = cupy.cuda.alloc_pinned_memory(1000)
+    pinned = np.frombuffer(host, dtype=np.uint8, count=1000)
+    pinned[:] = rng.integers(0, 256, 1000, dtype=np.uint8)
+    MemcpyCall(buf.data.ptr + 500, pinned.ctypes.data + 10, 200)(stream)
+    stream.synchronize()
+    got = cupy.asnumpy(buf)
+    assert not got[100:400].any()
+    assert np.array_equal(got[500:700], pinned[10:210])

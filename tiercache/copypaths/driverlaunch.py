@@ -1,0 +1,140 @@
+"""Kernel launches, memsets and copies issued straight through the CUDA driver (``libcuda``,
+via ctypes) with their arguments packed once: the calls a prepared launch
+(:class:`~tiercache.copypaths.copykernels.PreparedLaunch`) replays on every run.
+
+A CuPy ``RawKernel`` call converts and packs its arguments on every launch (about 30 us for
+the bulk kernel's eleven NumPy scalars on the H100 machine's host); a :class:`KernelCall`
+packs them when it is built and then costs one ``cuLaunchKernel``. The kernels are CuPy's
+own (the ``CUfunction`` of a compiled ``RawKernel``), so their attributes (dynamic shared
+memory, carveout) carry over.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from tiercache.errors import TransferError
+
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+_CTYPE = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+          np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32}
+
+
+class _Driver:
+    """The few driver entry points used here (None where ``libcuda.so.1`` is missing)."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            self.lib = None
+            return
+        self.lib = lib
+        vp, u32, sz = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+        lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp]
+        lib.cuMemsetD8Async.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, sz, vp]
+        lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, sz, vp]
+        for fn in (lib.cuLaunchKernel, lib.cuMemsetD8Async, lib.cuMemcpyAsync):
+            fn.restype = ctypes.c_int
+
+
+_DRIVER: _Driver | None = None
+
+
+def driver() -> _Driver:
+    """The loaded driver (loaded once)."""
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+def available() -> bool:
+    """True when ``libcuda.so.1`` loads (direct driver calls can be built)."""
+    return driver().lib is not None
+
+
+def _check(rc: int, what: str, retry) -> None:
+    if rc == CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched the runtime: make its context current
+        import cupy
+
+        cupy.cuda.runtime.free(0)
+        rc = retry()
+    if rc != 0:
+        raise TransferError(f"{what} failed with CUresult {rc}")
+
+
+class KernelCall:
+    """One kernel launch with fixed arguments, issued by calling it with a CuPy stream.
+
+    Args:
+        kernel: a compiled CuPy ``RawKernel`` (its ``kernel.ptr`` is the ``CUfunction``).
+        grid, block: launch dimensions (1 to 3 ints each).
+        args: the kernel's arguments as NumPy scalars (``uint64``, ``int64``, ``int32``,
+            ``uint32``), in order.
+        shared_mem: dynamic shared memory, bytes.
+
+    Raises:
+        TypeError: an argument of another type.
+    """
+
+    def __init__(self, kernel, grid, block, args: tuple, shared_mem: int = 0) -> None:
+        vals = []
+        for a in args:
+            ct = _CTYPE.get(a.dtype) if isinstance(a, np.generic) else None
+            if ct is None:
+                raise TypeError(f"kernel argument {a!r} of type {type(a).__name__}: expected a NumPy "
+                                "uint64, int64, int32 or uint32 scalar")
+            vals.append(ct(int(a)))
+        self._lib = driver().lib
+        self._f = int(kernel.kernel.ptr)
+        g = (tuple(grid) + (1, 1))[:3]
+        b = (tuple(block) + (1, 1))[:3]
+        self._dims = (*(int(x) for x in g), *(int(x) for x in b), int(shared_mem))
+        self._vals = vals  # kept alive: the parameter array points at them
+        self._params = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
+        self.args = tuple(args)
+
+    def __call__(self, stream) -> None:
+        """Enqueue the launch on CuPy ``stream``.
+
+        Raises:
+            TransferError: the driver refused it (its CUresult).
+        """
+        launch = self._lib.cuLaunchKernel
+        f, dims, params, st = self._f, self._dims, self._params, stream.ptr
+        rc = launch(f, *dims, st, params, None)
+        if rc:
+            _check(rc, "cuLaunchKernel", lambda: launch(f, *dims, st, params, None))
+
+
+class MemsetCall:
+    """``cuMemsetD8Async`` of ``nbytes`` zero bytes at device address ``ptr``."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self._lib = driver().lib
+        self.ptr, self.nbytes = int(ptr), int(nbytes)
+
+    def __call__(self, stream) -> None:
+        fn, p, n, st = self._lib.cuMemsetD8Async, self.ptr, self.nbytes, stream.ptr
+        rc = fn(p, 0, n, st)
+        if rc:
+            _check(rc, "cuMemsetD8Async", lambda: fn(p, 0, n, st))
+
+
+class MemcpyCall:
+    """``cuMemcpyAsync`` of ``nbytes`` from ``src`` to ``dst`` (unified addresses: device or
+    pinned host)."""
+
+    def __init__(self, dst: int, src: int, nbytes: int) -> None:
+        self._lib = driver().lib
+        self.dst, self.src, self.nbytes = int(dst), int(src), int(nbytes)
+
+    def __call__(self, stream) -> None:
+        fn, d, s, n, st = self._lib.cuMemcpyAsync, self.dst, self.src, self.nbytes, stream.ptr
+        rc = fn(d, s, n, st)
+        if rc:
+            _check(rc, "cuMemcpyAsync", lambda: fn(d, s, n, st))
