@@ -152,8 +152,9 @@ def bench(
                                                               "default 16384 and 32768).", min=64)] = None,
     new_tokens: Annotated[int, typer.Option(help="hf job: tokens generated per run.", min=2, max=4096)] = 32,
     tokens_per_block: Annotated[int, typer.Option(help="hf job: TieredCache tokens_per_block.", min=1, max=65536)] = 1024,
-    ring_layers: Annotated[int, typer.Option(help="hf job: TieredCache ring_layers (layer buffers in VRAM).",
-                                             min=2, max=64)] = 3,
+    ring_layers: Annotated[Optional[list[int]], typer.Option(help="hf job: TieredCache ring_layers (layer buffers in "
+                                                             "VRAM; repeat to run tiercache's modes once per value; "
+                                                             "default 3).", min=2, max=64)] = None,
     hf_mode: Annotated[Optional[list[str]], typer.Option("--hf-mode", help="hf job: modes to run (repeat; default all: "
                                                          "plain, offloaded, tiercache-host, tiercache-files).")] = None,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
@@ -301,7 +302,8 @@ def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | N
 
 
 def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] | None, new_tokens: int,
-            tokens_per_block: int, quick: bool, ring_layers: int = 3, modes: list[str] | None = None) -> None:
+            tokens_per_block: int, quick: bool, ring_layers: list[int] | None = None,
+            modes: list[str] | None = None) -> None:
     from tiercache.bench.benchhf import MODES, format_hf_report, run_hf_bench
 
     bad = sorted(set(modes or ()) - set(MODES))
@@ -313,7 +315,7 @@ def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] 
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
         ctx = tuple(contexts or ((4096, 8192) if quick else (16384, 32768)))
         rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, root=Path(base), tokens_per_block=tokens_per_block,
-                           ring_layers=ring_layers, modes=tuple(modes or MODES), log=log)
+                           ring_layers=tuple(ring_layers or (3,)), modes=tuple(modes or MODES), log=log)
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_hf_report(rep))

@@ -214,15 +214,16 @@ def test_hf_report_shows_every_measure():
     run = {"context": 16384, "ttft_s": 0.25, "decode_tok_s": 41.5, "pcie_bound_tok_s": 99.0, "share_of_bound": 0.42,
            "peak_vram_bytes": 1156 << 20, "decode_peak_vram_bytes": 133 << 20, "pinned_bytes": 512 << 20,
            "identical": False, "first_divergence": 26, "max_logit_diff": 0.03125, "gpu_wait_ms_per_step": 0.4,
-           "cold_decode_tok_s": 12.5}
-    files = {**run, "mode": "tiercache-files", "cache_host_ms_per_step": 3.25, "file_read_gbps": 0.89,
+           "cold_decode_tok_s": 12.5, "forward_host_ms_per_step": 10.25, "step_ms": 17.5}
+    files = {**run, "mode": "tiercache-files", "ring_layers": 2, "cache_host_ms_per_step": 3.25, "file_read_gbps": 0.89,
              "kv_over_host": 2.5, "disk": {"read_gbps": 1.45}}
     text = format_hf_report({"gpu": "H100", "h2d_gbps": 52.5, "kv_bytes_per_token": 32768, "batch": 1, "ok": True,
                              "runs": [{**run, "mode": "offloaded"}, files]})
     lines = text.splitlines()
     assert lines[2].split()[:10] == ["offloaded", "16384", "0.25", "41.5", "99.0", "0.42", "1156", "133", "512",
                                      "False"]
-    assert "(26, 0.0312); cold run 12.5 tok/s; GPU wait 0.4 ms/step" in lines[2] and "cache host" not in lines[2]
-    assert lines[3].endswith("cache host 3.2 ms/step")
+    assert "(26, 0.0312); cold run 12.5 tok/s; GPU wait 0.4 ms/step, forward 10.2 of 17.5 ms/step" in lines[2]
+    assert "cache host" not in lines[2] and "R=" not in lines[2]
+    assert lines[3].startswith("tiercache-files R=2 ") and lines[3].endswith("cache host 3.2 ms/step")
     assert "KV 2.5x the host tier; read 0.89 GB/s from files vs fio 1.45 GB/s (0.61)" in lines[4]
     assert lines[-1].startswith("tokens: identical")

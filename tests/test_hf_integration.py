@@ -148,3 +148,22 @@ def test_bench_hf_job_needs_a_gpu(tmp_path):
 def test_a_prompt_shorter_than_a_block_cpu(tmp_path):
     """Prefill and every decode step within one block, then across blocks, through the tail."""
     _check_modes("llama", "cpu", torch.float32, tmp_path, batch=1, prompt=5, new_tokens=20, tpb=8)
+
+
+@pytest.mark.gpu
+def test_bench_hf_sweeps_ring_sizes_on_a_tiny_model(tmp_path):
+    """run_hf_bench end to end on a small model: one run per ring size, the forward's host
+    time inside the step, tokens checked against the plain cache."""
+    from tiercache.bench.benchhf import LOGIT_TOLERANCE, run_hf_bench
+
+    tiny = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+    rep = run_hf_bench(contexts=(300,), new_tokens=6, modes=("tiercache-host",), tokens_per_block=64,
+                       ring_layers=(2, 3), geometry=tiny, root=tmp_path)
+    assert rep["ok"] and rep["ring_layers"] == [2, 3]
+    runs = {(r["mode"], r.get("ring_layers")): r for r in rep["runs"]}
+    assert set(runs) == {("plain", None), ("tiercache-host", 2), ("tiercache-host", 3)}
+    for r in runs.values():
+        assert 0 < r["forward_host_ms_per_step"] <= r["step_ms"]
+        assert r["identical"] or r["max_logit_diff"] <= LOGIT_TOLERANCE
+    assert runs["tiercache-host", 2]["vram_ring_bytes"] < runs["tiercache-host", 3]["vram_ring_bytes"]

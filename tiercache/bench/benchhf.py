@@ -70,6 +70,7 @@ def _timed_generate(torch, model, ids, new_tokens: int, cache=None, **kw) -> dic
 
     stamps: list[float] = []
     waits: list[float] = []  # per step: the host's wait for the GPU once the step was issued
+    forward: list[float] = []  # per step: host time inside the model's forward (issuing it)
     logits: list = []
     first: dict = {}
 
@@ -86,17 +87,29 @@ def _timed_generate(torch, model, ids, new_tokens: int, cache=None, **kw) -> dic
                 torch.cuda.reset_peak_memory_stats()
             return scores
 
+    began: list[float] = []
+    hooks = [model.register_forward_pre_hook(lambda *a: began.append(time.perf_counter())),
+             model.register_forward_hook(lambda *a: forward.append(time.perf_counter() - began[-1]))]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0, logits_processor=LogitsProcessorList([Stamp()]), **kw)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0, logits_processor=LogitsProcessorList([Stamp()]), **kw)
+    finally:
+        for h in hooks:
+            h.remove()
     steps = len(stamps) - 1
     decode = steps / (stamps[-1] - stamps[0]) if steps else 0.0
+    median = (lambda xs: sorted(xs)[len(xs) // 2] * 1e3 if xs else 0.0)
     rec = {"tokens": out, "logits": logits, "ttft_s": stamps[0] - t0, "decode_tok_s": decode,
            "prefill_peak": first.get("peak", 0), "decode_peak": torch.cuda.max_memory_allocated(),
            # near 0: the host bounds the step (the GPU waits for it); near the step time: the GPU does
-           "gpu_wait_ms_per_step": sorted(waits[1:])[len(waits[1:]) // 2] * 1e3 if steps else 0.0}
+           "gpu_wait_ms_per_step": median(waits[1:]),
+           # the rest of a step (generate's own host work: inputs, logits, stopping) leaves the
+           # GPU idle but for transfers queued ahead
+           "forward_host_ms_per_step": median(forward[1:]),
+           "step_ms": median([b - a for a, b in zip(stamps, stamps[1:])])}
     if cache is not None and steps:  # update() is called once per layer and step: its host time per step
         rec["cache_host_ms_per_step"] = (cache.update_seconds - first["update_s"]) / steps * 1e3
     return rec
@@ -128,8 +141,8 @@ def compare_to_reference(torch, ref: dict, run: dict, prompt: int) -> dict:
 
 def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, modes=MODES, root: Path | None = None,
                  files_context: int | None = None, files_new_tokens: int = 8, host_fraction: float = 0.4,
-                 tokens_per_block: int = 1024, ring_layers: int = 3, geometry: dict | None = None, seed: int = 0,
-                 log=lambda s: None) -> dict:
+                 tokens_per_block: int = 1024, ring_layers: int | tuple[int, ...] = 3, geometry: dict | None = None,
+                 seed: int = 0, log=lambda s: None) -> dict:
     """Run every mode at every context length (prompt = context - new tokens).
 
     Args:
@@ -142,7 +155,9 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
             it generates ``files_new_tokens``.
         host_fraction: the files mode's host tier as a fraction of the KV (0.4: the KV is
             2.5x the host tier).
-        tokens_per_block, ring_layers: :class:`TieredCache` settings.
+        tokens_per_block, ring_layers: :class:`TieredCache` settings; several ``ring_layers``
+            run every tiercache mode once per value (the VRAM the ring takes against the layers
+            prefetched ahead).
         geometry: ``LlamaConfig`` fields (default :data:`LLAMA_3_2_1B`).
 
     Returns:
@@ -174,19 +189,21 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
     log(f"h2d {bw:.1f} GB/s; KV {per_token} bytes/token")
     runs, reference = [], {}
     files_context = files_context or min(contexts)
-    plan = [(m, c) for c in contexts for m in dict.fromkeys(("plain", *modes)) if m != "tiercache-files"]
+    rings = (ring_layers,) if isinstance(ring_layers, int) else tuple(ring_layers)
+    plan = [(m, c, r) for c in contexts for m in dict.fromkeys(("plain", *modes)) if m != "tiercache-files"
+            for r in (rings if m.startswith("tiercache") else (None,))]
     if "tiercache-files" in modes:
         if files_context not in contexts:
-            plan.append(("plain", files_context))
-        plan.append(("tiercache-files", files_context))
-    for mode, ctx in plan:
+            plan.append(("plain", files_context, None))
+        plan.extend(("tiercache-files", files_context, r) for r in rings)
+    for mode, ctx, ring in plan:
         n_new = files_new_tokens if mode == "tiercache-files" else new_tokens
         g = torch.Generator().manual_seed(seed + ctx)
         ids = torch.randint(1, cfg.vocab_size, (batch, ctx - new_tokens), generator=g).cuda()
         cold = cold_r = None
         for attempt in ("cold", "warm"):  # the same run twice: the second one is reported
             rec, r = _one_run(torch, model, cfg, mode, ctx, ids, n_new, per_token, root, host_fraction,
-                              tokens_per_block, ring_layers, DynamicCache, TieredCache)
+                              tokens_per_block, ring, DynamicCache, TieredCache)
             if mode == "plain" and ctx not in reference:
                 reference[ctx] = r  # the first plain run: every other run (the warm plain one too) against it
             if attempt == "cold":
@@ -198,21 +215,27 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
         rec["share_of_bound"] = rec["decode_tok_s"] / rec["pcie_bound_tok_s"]
         rec.update(compare_to_reference(torch, reference[ctx], r, ids.shape[1]))
         runs.append(rec)
-        log(f"{mode:16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
+        log(f"{_label(rec):16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
             f"(cold run {rec['cold_decode_tok_s']:.1f}; {rec['share_of_bound']:.2f} of PCIe bound), peak VRAM "
             f"{rec['peak_vram_bytes'] / 2**20:.0f} MiB (decode {rec['decode_peak_vram_bytes'] / 2**20:.0f}), cache host "
             f"{rec.get('cache_host_ms_per_step', 0):.1f} ms/step, GPU wait {rec['gpu_wait_ms_per_step']:.1f} ms/step, "
+            f"forward {rec['forward_host_ms_per_step']:.1f} of {rec['step_ms']:.1f} ms/step, "
             f"identical {rec['identical']} "
             f"(max logit diff {rec['max_logit_diff']:.3g})")
     if root is not None:
         shutil.rmtree(Path(root) / "hf-fio", ignore_errors=True)
     return {"h2d_gbps": bw, "kv_bytes_per_token": per_token, "batch": batch, "tokens_per_block": tokens_per_block,
-            "ring_layers": ring_layers, "gpu": torch.cuda.get_device_name(), "runs": runs,
+            "ring_layers": list(rings), "gpu": torch.cuda.get_device_name(), "runs": runs,
             "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs)}
 
 
+def _label(rec: dict) -> str:
+    """A run's mode, with its ring size for tiercache's modes."""
+    return rec["mode"] + (f" R={rec['ring_layers']}" if rec.get("ring_layers") else "")
+
+
 def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token: int, root, host_fraction: float,
-             tokens_per_block: int, ring_layers: int, DynamicCache, TieredCache) -> tuple[dict, dict]:
+             tokens_per_block: int, ring_layers: int | None, DynamicCache, TieredCache) -> tuple[dict, dict]:
     """One generate of ``mode``: its record (times, VRAM, pinned bytes, the cache's counters)
     and the raw run (tokens, logits)."""
     kw, cache = {}, None
@@ -233,10 +256,12 @@ def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token:
     try:
         r = _timed_generate(torch, model, ids, n_new, cache=cache, **kw)
         rec = {"mode": mode, "context": ctx, "new_tokens": n_new, "ttft_s": r["ttft_s"],
+               "forward_host_ms_per_step": r["forward_host_ms_per_step"], "step_ms": r["step_ms"],
                "decode_tok_s": r["decode_tok_s"], "peak_vram_bytes": max(r["prefill_peak"], r["decode_peak"]) - base,
                "decode_peak_vram_bytes": r["decode_peak"] - base, "pinned_bytes": _pinned_bytes(torch),
                "gpu_wait_ms_per_step": r["gpu_wait_ms_per_step"]}
         if cache is not None:
+            rec["ring_layers"] = ring_layers
             rec["cache_host_ms_per_step"] = r.get("cache_host_ms_per_step", 0.0)
             st = cache.stats()
             rec["pinned_bytes"] += st["tiers"]["host"]["bytes_capacity"]
@@ -271,16 +296,18 @@ def format_hf_report(rep: dict) -> str:
     """A text table of :func:`run_hf_bench`'s report."""
     lines = [f"{rep['gpu']}: contiguous host->device {rep['h2d_gbps']:.1f} GB/s; KV {rep['kv_bytes_per_token']} "
              f"bytes/token; batch {rep['batch']}",
-             f"{'mode':16s} {'context':>7s} {'TTFT s':>7s} {'tok/s':>7s} {'PCIe bound':>10s} {'share':>6s} "
+             f"{'mode':20s} {'context':>7s} {'TTFT s':>7s} {'tok/s':>7s} {'PCIe bound':>10s} {'share':>6s} "
              f"{'VRAM MiB':>9s} {'decode':>7s} {'pinned MiB':>10s} identical (first differing step, max logit diff "
              "up to it)"]
     for r in rep["runs"]:
-        lines.append(f"{r['mode']:16s} {r['context']:7d} {r['ttft_s']:7.2f} {r['decode_tok_s']:7.1f} "
+        lines.append(f"{_label(r):20s} {r['context']:7d} {r['ttft_s']:7.2f} {r['decode_tok_s']:7.1f} "
                      f"{r['pcie_bound_tok_s']:10.1f} {r['share_of_bound']:6.2f} {r['peak_vram_bytes'] / 2**20:9.0f} "
                      f"{r['decode_peak_vram_bytes'] / 2**20:7.0f} {r['pinned_bytes'] / 2**20:10.0f} {r['identical']} "
                      f"({r['first_divergence']}, {r['max_logit_diff']:.3g})"
                      + (f"; cold run {r['cold_decode_tok_s']:.1f} tok/s" if "cold_decode_tok_s" in r else "")
                      + f"; GPU wait {r['gpu_wait_ms_per_step']:.1f} ms/step"
+                     + (f", forward {r['forward_host_ms_per_step']:.1f} of {r['step_ms']:.1f} ms/step"
+                        if "step_ms" in r else "")
                      + (f", cache host {r['cache_host_ms_per_step']:.1f} ms/step" if "cache_host_ms_per_step" in r
                         else ""))
         if "file_read_gbps" in r:

@@ -317,9 +317,9 @@ class TransferEngine:
                 stream.wait_event(self._after_event)
             covers: list[Job] = []
             if self.ordering:
-                raw, war = self._ledger.dependencies(src, s, dst, d)
+                raw, war, readers = self._ledger.lookup(src, s, dst, d, gpu=True)
                 waited_host = False
-                for dep in (self._job(i) for i in sorted(set(raw) | set(war))):
+                for dep in (self._job(i) for i in (sorted(set(raw) | set(war)) if raw and war else raw or war)):
                     if dep is None:
                         continue
                     if dep.futures or any(not c.on_gpu for c in dep.covers):
@@ -332,8 +332,7 @@ class TransferEngine:
                     bad = self._ledger.invalid(src, s)
                     if bad.size:
                         self._inherit_failures(job, src, s)
-                covers = [j for j in (self._job(i) for i in self._ledger.previous_readers(src, s, gpu=True))
-                          if j is not None and j.stream is not stream]
+                covers = [j for j in (self._job(i) for i in readers) if j is not None and j.stream is not stream]
             job.start_event = self._events.get()
             job.end_event = self._events.get()
             job.start_event.record(stream)

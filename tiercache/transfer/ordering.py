@@ -56,20 +56,29 @@ class SlotLedger:
             return [hi]
         return np.unique(ids[ids >= 0]).tolist()
 
-    def _ids3(self, tier: str, slots: np.ndarray) -> list[int]:
-        """Ids of every pending writer and reader of ``slots`` (sorted, distinct)."""
-        if slots.size == 0:
-            return []
-        block = self._t[tier].take(slots, axis=1)  # [3, n]: writers, GPU readers, threaded readers
+    @staticmethod
+    def _block_ids(block: np.ndarray, rows) -> list[int]:
+        """Distinct ids (sorted) in ``rows`` of ``block`` (a ``[3, n]`` take of a tier's table),
+        -1 (nothing pending) left out: one reduction per row and a second only where the row
+        holds ids, a sort only where it holds several."""
         out: list[int] = []
-        for row, hi in zip(block, block.max(axis=1).tolist()):
+        his = block.max(axis=1).tolist()
+        for r in rows:
+            hi = his[r]
             if hi < 0:  # nothing pending of this kind
                 continue
-            if int(row.min()) == hi:
+            row = block[r]
+            if int(row.min()) == hi:  # one job wrote (or read) them all: a repeated batch
                 out.append(hi)
             else:
                 out.extend(np.unique(row[row >= 0]).tolist())
         return sorted(set(out)) if len(out) > 1 else out
+
+    def _ids3(self, tier: str, slots: np.ndarray) -> list[int]:
+        """Ids of every pending writer and reader of ``slots`` (sorted, distinct)."""
+        if slots.size == 0:
+            return []
+        return self._block_ids(self._t[tier].take(slots, axis=1), (0, 1, 2))
 
     def dependencies(self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray) -> tuple[list[int], list[int]]:
         """Job ids to wait for: ``(writers of the source, readers and writers of the
@@ -77,6 +86,19 @@ class SlotLedger:
         raw = self._ids(self._w[src], src_slots) if src in self._w else []
         war = self._ids3(dst, dst_slots) if dst in self._t else []
         return raw, war
+
+    def lookup(self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray,
+               gpu: bool) -> tuple[list[int], list[int], list[int]]:
+        """:meth:`dependencies` and :meth:`previous_readers` of the source in one pass (one
+        take per tier): ``(raw, war, readers)``."""
+        raw: list[int] = []
+        readers: list[int] = []
+        if src in self._t and src_slots.size:
+            block = self._t[src].take(src_slots, axis=1)
+            raw = self._block_ids(block, (0,))
+            readers = self._block_ids(block, (1 if gpu else 2,))
+        war = self._ids3(dst, dst_slots) if dst in self._t else []
+        return raw, war, readers
 
     def previous_readers(self, tier: str, slots: np.ndarray, gpu: bool) -> list[int]:
         """Pending readers of ``slots`` of the same kind, which a new reader covers."""
