@@ -22,6 +22,8 @@ import numpy as np
 
 from tiercache.transfer.jobs import Job
 
+_MAX, _MIN = np.maximum.reduce, np.minimum.reduce  # the ufuncs' reductions, without ndarray.max's wrapper
+
 
 class SlotLedger:
     """The pending-job ids of every slot of every tier.
@@ -49,36 +51,39 @@ class SlotLedger:
         if slots.size == 0:
             return []
         ids = arr.take(slots)
-        hi = int(ids.max())
+        hi = int(_MAX(ids))
         if hi < 0:  # nothing pending
             return []
-        if int(ids.min()) == hi:  # one job wrote (or read) them all: the common case of a repeated batch
+        if int(_MIN(ids)) == hi:  # one job wrote (or read) them all: the common case of a repeated batch
             return [hi]
         return np.unique(ids[ids >= 0]).tolist()
 
     @staticmethod
-    def _block_ids(block: np.ndarray, rows) -> list[int]:
-        """Distinct ids (sorted) in ``rows`` of ``block`` (a ``[3, n]`` take of a tier's table),
-        -1 (nothing pending) left out: one reduction per row and a second only where the row
-        holds ids, a sort only where it holds several."""
+    def _block_ids(block: np.ndarray, his: list[int], rows) -> list[int]:
+        """Distinct ids (sorted) in ``rows`` of ``block`` (a ``[3, n]`` take of a tier's table
+        whose row maxima are ``his``), -1 (nothing pending) left out: a second reduction only
+        where a row holds ids, a sort only where it holds several."""
         out: list[int] = []
-        his = block.max(axis=1).tolist()
         for r in rows:
             hi = his[r]
             if hi < 0:  # nothing pending of this kind
                 continue
             row = block[r]
-            if int(row.min()) == hi:  # one job wrote (or read) them all: a repeated batch
+            if int(_MIN(row)) == hi:  # one job wrote (or read) them all: a repeated batch
                 out.append(hi)
             else:
                 out.extend(np.unique(row[row >= 0]).tolist())
         return sorted(set(out)) if len(out) > 1 else out
 
+    def _take(self, tier: str, slots: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        block = self._t[tier].take(slots, axis=1)  # [3, n]: writers, GPU readers, threaded readers
+        return block, _MAX(block, axis=1).tolist()
+
     def _ids3(self, tier: str, slots: np.ndarray) -> list[int]:
         """Ids of every pending writer and reader of ``slots`` (sorted, distinct)."""
         if slots.size == 0:
             return []
-        return self._block_ids(self._t[tier].take(slots, axis=1), (0, 1, 2))
+        return self._block_ids(*self._take(tier, slots), (0, 1, 2))
 
     def dependencies(self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray) -> tuple[list[int], list[int]]:
         """Job ids to wait for: ``(writers of the source, readers and writers of the
@@ -94,9 +99,9 @@ class SlotLedger:
         raw: list[int] = []
         readers: list[int] = []
         if src in self._t and src_slots.size:
-            block = self._t[src].take(src_slots, axis=1)
-            raw = self._block_ids(block, (0,))
-            readers = self._block_ids(block, (1 if gpu else 2,))
+            block, his = self._take(src, src_slots)
+            raw = self._block_ids(block, his, (0,))
+            readers = self._block_ids(block, his, (1 if gpu else 2,))
         war = self._ids3(dst, dst_slots) if dst in self._t else []
         return raw, war, readers
 
