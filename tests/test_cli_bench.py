@@ -226,4 +226,4 @@ def test_hf_report_shows_every_measure():
     assert "cache host" not in lines[2] and "R=" not in lines[2]
     assert lines[3].startswith("tiercache-files R=2 ") and lines[3].endswith("cache host 3.2 ms/step")
     assert "KV 2.5x the host tier; read 0.89 GB/s from files vs fio 1.45 GB/s (0.61)" in lines[4]
-    assert lines[-1].startswith("tokens: identical")
+    assert lines[-1].startswith("tiercache's tokens: identical")

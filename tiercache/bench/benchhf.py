@@ -163,7 +163,9 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
     Returns:
         ``{"h2d_gbps", "kv_bytes_per_token", "runs": [{mode, context, ttft_s, decode_tok_s,
         pcie_bound_tok_s, share_of_bound, peak_vram_bytes, pinned_bytes, identical, ...}],
-        "ok"}``.
+        "ok"}``; ``ok``: every tiercache (and plain) run's tokens equal the first plain run's,
+        or its logits stay within :data:`LOGIT_TOLERANCE` up to the first differing token (the
+        offloaded peer's rows report its own divergence without judging it).
 
     Raises:
         MissingDependencyError: no torch/transformers. TierUnavailableError: no GPU.
@@ -226,7 +228,9 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
         shutil.rmtree(Path(root) / "hf-fio", ignore_errors=True)
     return {"h2d_gbps": bw, "kv_bytes_per_token": per_token, "batch": batch, "tokens_per_block": tokens_per_block,
             "ring_layers": list(rings), "gpu": torch.cuda.get_device_name(), "runs": runs,
-            "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs)}
+            # the peer's own divergence is reported, not judged: ok is about tiercache's modes
+            "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs
+                      if r["mode"] != "offloaded")}
 
 
 def _label(rec: dict) -> str:
@@ -315,6 +319,8 @@ def format_hf_report(rep: dict) -> str:
             lines.append(f"  files: KV {r['kv_over_host']:.1f}x the host tier; read {r['file_read_gbps']:.2f} GB/s "
                          "from files" + (f" vs fio {disk['read_gbps']:.2f} GB/s ({r['file_read_gbps'] / disk['read_gbps']:.2f})"
                                          if disk else ""))
-    lines.append("tokens: " + ("identical to the plain cache, or logits within "
-                               f"{LOGIT_TOLERANCE} up to the first differing token" if rep["ok"] else "DIFFER beyond the tolerance"))
+    lines.append("tiercache's tokens: " + ("identical to the plain cache, or logits within "
+                                           f"{LOGIT_TOLERANCE} up to the first differing token" if rep["ok"]
+                                           else "DIFFER beyond the tolerance")
+                 + " (the offloaded peer's rows say its own)")
     return "\n".join(lines)

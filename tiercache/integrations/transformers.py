@@ -59,6 +59,10 @@ __all__ = ["TieredCache", "UnsupportedCacheOperation"]
 #: most device blocks a host block may hold (``blocks_per_host_block``)
 MAX_POSITIONS = 64
 
+# the current stream's raw handle without building a torch.cuda.Stream (the private call
+# torch.cuda.current_stream itself makes; absent from CPU-only builds)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 
 class UnsupportedCacheOperation(TierCacheError, NotImplementedError):
     """A ``Cache`` operation :class:`TieredCache` does not implement (beam search, cropping)."""
@@ -248,11 +252,12 @@ class TieredCache(Cache):
         cache's device-side waits (None for host tensors). Wrapped once per stream."""
         if self.device.type != "cuda":
             return None
-        st = torch.cuda.current_stream(self.device)
-        if st.cuda_stream != self._cs[0]:
+        raw = _raw_stream(self.device.index) if _raw_stream is not None else \
+            torch.cuda.current_stream(self.device).cuda_stream
+        if raw != self._cs[0]:
             from tiercache.memory import as_cupy_stream
 
-            self._cs = (st.cuda_stream, as_cupy_stream(st))
+            self._cs = (raw, as_cupy_stream(int(raw)))
         return self._cs[1]
 
     def _onboard(self, layer: int, nfull: int, slot: int, stream):
