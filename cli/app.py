@@ -158,7 +158,7 @@ def bench(
     hf_mode: Annotated[Optional[list[str]], typer.Option("--hf-mode", help="hf job: modes to run (repeat; default all: "
                                                          "plain, offloaded, tiercache-host, tiercache-files).")] = None,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
-    repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5) and fio-style jobs (medians of the ratios to the baseline of each pass).", min=1, max=20)] = 1,
+    repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5), hf (default 3) and fio-style jobs (medians of the ratios to the baseline of each pass; hf: of each mode's tokens/s).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "
                                                            "(read = onboard, write = offload).", rich_help_panel="fio job")] = None,
     bs: Annotated[Optional[str], typer.Option("--bs", help="Block size (16k, 2m; default: the config's pool).", rich_help_panel="fio job")] = None,
@@ -190,7 +190,8 @@ def bench(
                 "io": io.value if io else None, "time_based": time_based or None}
     fio_opts = {k: v for k, v in fio_opts.items() if v is not None}
     if job is Job.hf:
-        _hf_job(output_format, root, context, new_tokens, tokens_per_block, quick, ring_layers, hf_mode)
+        _hf_job(output_format, root, context, new_tokens, tokens_per_block, quick, ring_layers, hf_mode,
+                repeat if repeat > 1 else 3)
         return
     if job is Job.shared:
         _shared_job(config, output_format, root, procs, blocks, bs, min(batch, 256), repeat, seed, quick)
@@ -303,7 +304,7 @@ def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | N
 
 def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] | None, new_tokens: int,
             tokens_per_block: int, quick: bool, ring_layers: list[int] | None = None,
-            modes: list[str] | None = None) -> None:
+            modes: list[str] | None = None, repeat: int = 3) -> None:
     from tiercache.bench.benchhf import MODES, format_hf_report, run_hf_bench
 
     bad = sorted(set(modes or ()) - set(MODES))
@@ -315,7 +316,8 @@ def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] 
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
         ctx = tuple(contexts or ((4096, 8192) if quick else (16384, 32768)))
         rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, root=Path(base), tokens_per_block=tokens_per_block,
-                           ring_layers=tuple(ring_layers or (3,)), modes=tuple(modes or MODES), log=log)
+                           ring_layers=tuple(ring_layers or (3,)), modes=tuple(modes or MODES), repeat=repeat,
+                           log=log)
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_hf_report(rep))

@@ -214,7 +214,8 @@ def test_hf_report_shows_every_measure():
     run = {"context": 16384, "ttft_s": 0.25, "decode_tok_s": 41.5, "pcie_bound_tok_s": 99.0, "share_of_bound": 0.42,
            "peak_vram_bytes": 1156 << 20, "decode_peak_vram_bytes": 133 << 20, "pinned_bytes": 512 << 20,
            "identical": False, "first_divergence": 26, "max_logit_diff": 0.03125, "gpu_wait_ms_per_step": 0.4,
-           "cold_decode_tok_s": 12.5, "forward_host_ms_per_step": 10.25, "step_ms": 17.5}
+           "cold_decode_tok_s": 12.5, "forward_host_ms_per_step": 10.25, "step_ms": 17.5,
+           "decode_tok_s_passes": [40.25, 41.5, 43.0]}
     files = {**run, "mode": "tiercache-files", "ring_layers": 2, "cache_host_ms_per_step": 3.25, "file_read_gbps": 0.89,
              "kv_over_host": 2.5, "disk": {"read_gbps": 1.45}}
     text = format_hf_report({"gpu": "H100", "h2d_gbps": 52.5, "kv_bytes_per_token": 32768, "batch": 1, "ok": True,
@@ -222,8 +223,22 @@ def test_hf_report_shows_every_measure():
     lines = text.splitlines()
     assert lines[2].split()[:10] == ["offloaded", "16384", "0.25", "41.5", "99.0", "0.42", "1156", "133", "512",
                                      "False"]
-    assert "(26, 0.0312); cold run 12.5 tok/s; GPU wait 0.4 ms/step, forward 10.2 of 17.5 ms/step" in lines[2]
+    assert ("(26, 0.0312); passes 40.2/41.5/43.0; cold run 12.5 tok/s; GPU wait 0.4 ms/step, forward 10.2 of 17.5 "
+            "ms/step") in lines[2]
     assert "cache host" not in lines[2] and "R=" not in lines[2]
     assert lines[3].startswith("tiercache-files R=2 ") and lines[3].endswith("cache host 3.2 ms/step")
     assert "KV 2.5x the host tier; read 0.89 GB/s from files vs fio 1.45 GB/s (0.61)" in lines[4]
     assert lines[-1].startswith("tiercache's tokens: identical")
+
+
+def test_hf_median_pass_keeps_the_worst_token_comparison():
+    from tiercache.bench.benchhf import _median_pass
+
+    recs = [{"decode_tok_s": 30.0, "identical": True, "first_divergence": None, "max_logit_diff": 0.0, "ttft_s": 1},
+            {"decode_tok_s": 10.0, "identical": False, "first_divergence": 7, "max_logit_diff": 0.25, "ttft_s": 2},
+            {"decode_tok_s": 20.0, "identical": False, "first_divergence": 4, "max_logit_diff": 0.125, "ttft_s": 3}]
+    rec = _median_pass(recs)
+    assert rec["decode_tok_s"] == 20.0 and rec["ttft_s"] == 3  # the median pass's own record
+    assert rec["decode_tok_s_passes"] == [30.0, 10.0, 20.0]
+    assert (rec["identical"], rec["first_divergence"], rec["max_logit_diff"]) == (False, 4, 0.25)
+    assert recs[2]["first_divergence"] == 4 and "decode_tok_s_passes" not in recs[2]  # inputs untouched
