@@ -154,7 +154,7 @@ def bench(
     tokens_per_block: Annotated[int, typer.Option(help="hf job: TieredCache tokens_per_block.", min=1, max=65536)] = 1024,
     ring_layers: Annotated[Optional[list[int]], typer.Option(help="hf job: TieredCache ring_layers (layer buffers in "
                                                              "VRAM; repeat to run tiercache's modes once per value; "
-                                                             "default 3).", min=2, max=64)] = None,
+                                                             "default 2).", min=2, max=64)] = None,
     hf_mode: Annotated[Optional[list[str]], typer.Option("--hf-mode", help="hf job: modes to run (repeat; default all: "
                                                          "plain, offloaded, tiercache-host, tiercache-files).")] = None,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
@@ -316,7 +316,7 @@ def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] 
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
         ctx = tuple(contexts or ((4096, 8192) if quick else (16384, 32768)))
         rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, root=Path(base), tokens_per_block=tokens_per_block,
-                           ring_layers=tuple(ring_layers or (3,)), modes=tuple(modes or MODES), repeat=repeat,
+                           ring_layers=tuple(ring_layers or (2,)), modes=tuple(modes or MODES), repeat=repeat,
                            log=log)
     except TierCacheError as exc:
         _fail(str(exc))

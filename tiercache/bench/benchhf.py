@@ -141,7 +141,7 @@ def compare_to_reference(torch, ref: dict, run: dict, prompt: int) -> dict:
 
 def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, modes=MODES, root: Path | None = None,
                  files_context: int | None = None, files_new_tokens: int = 8, host_fraction: float = 0.4,
-                 tokens_per_block: int = 1024, ring_layers: int | tuple[int, ...] = 3, geometry: dict | None = None,
+                 tokens_per_block: int = 1024, ring_layers: int | tuple[int, ...] = 2, geometry: dict | None = None,
                  seed: int = 0, repeat: int = 3, log=lambda s: None) -> dict:
     """Run every mode at every context length (prompt = context - new tokens): once cold, then
     ``repeat`` passes over the modes in rotated orders; each mode reports its median pass.

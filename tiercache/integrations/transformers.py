@@ -147,7 +147,7 @@ class TieredCache(Cache):
     """
 
     def __init__(self, config, max_cache_len: int, *, tokens_per_block: int = 1024, host_bytes: int | None = None,
-                 root=None, ring_layers: int = 3, **options) -> None:
+                 root=None, ring_layers: int = 2, **options) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
         layer_types = getattr(text, "layer_types", None)
