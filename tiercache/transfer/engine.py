@@ -77,6 +77,9 @@ class TransferEngine:
     The engine is thread-safe (one lock around submission and bookkeeping).
     """
 
+    #: pending jobs past which a submission retires every finished job, not only the oldest ones
+    REAP_ALL_AT = 64
+
     def __init__(self, tiers: dict, pools: tuple[PoolSpec, ...], device_id: int = 0, *,
                  streams_per_direction: int = 2, ordering: bool = True, copy_kernel_sms: int | None = None,
                  memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 128 << 10, batch_streams: int = 2,
@@ -156,8 +159,6 @@ class TransferEngine:
             done.append(job)
         for job in done:
             self._retire(job)
-
-    REAP_ALL_AT = 64
 
     def _retire(self, job: Job) -> None:
         job.wait_host()  # sets the end time of threaded jobs; returns at once
@@ -276,9 +277,9 @@ class TransferEngine:
         """Enqueue one run of ``prepared`` (from :meth:`prepare_rows`) as a job, ordered
         against every other job by the ledger; returns the job.
 
-        ``after``: a stream (as :meth:`wait_for_stream` takes it) whose work queued so far the
-        run waits for, on the device; unlike :meth:`wait_for_stream` only this job's stream
-        waits (one event record and one wait)."""
+        ``after``: a stream (CuPy, PyTorch, ``__cuda_stream__`` or an int handle) whose work
+        queued so far the run waits for, on the device; unlike :meth:`wait_for_stream` only
+        this job's stream waits (one event record and one wait). None: no such wait."""
         with self._lock:
             self._reap_oldest()
             p = prepared
