@@ -133,10 +133,13 @@ def test_bad_arguments_are_refused_and_pin_nothing(tmp_path, rng):
             c.prepare_onboard(keys[:1], [1])
 
 
-def test_launches_are_ordered_against_other_transfers(tmp_path, rng, backend):
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_launches_are_ordered_against_other_transfers(tmp_path, rng, backend, exclusive):
     """Two plans into the same device blocks land in launch order; an offload right after
     the launches reads what the second wrote; a launch right after the offload that fills its
-    host blocks lands the new bytes (no waits on the host in between)."""
+    host blocks lands the new bytes (no waits on the host in between). Exclusive plans get
+    the same order from the stream alone: their replays skip the ledger, and each launch
+    (not layer-wise) makes the stream wait for it."""
     pools = make_pools("fastdeploy", rng, backend, nb=40)
     n = 8
     keys, other = random_keys(rng, n), random_keys(rng, n)
@@ -146,7 +149,7 @@ def test_launches_are_ordered_against_other_transfers(tmp_path, rng, backend):
         c.offload_slots(keys, src, wait=True)
         c.offload_slots(other, src[::-1].copy(), wait=True)
         stored = snapshot(pools)
-        first, second = c.prepare_onboard(keys, dst), c.prepare_onboard(other, dst)
+        first, second = (c.prepare_onboard(ks, dst, exclusive=exclusive) for ks in (keys, other))
         for _ in range(3):
             scramble(pools, rng)
             first.launch()
@@ -159,6 +162,67 @@ def test_launches_are_ordered_against_other_transfers(tmp_path, rng, backend):
                 _expect(pools, stored, src[::-1].copy(), dst2, old)
         first.release()
         second.release()
+
+
+def _device_scramble(pools, rng):
+    """Device-resident random bytes for every pool, and a function that copies them over the
+    pools on the current stream (a kernel: the host does not wait for the stream)."""
+    import cupy
+
+    new = {s.name: cupy.asarray(rng.integers(1, 256, size=pools.raw(s.name).shape, dtype=np.uint8))
+           for s in pools.specs}
+
+    def run():
+        for s in pools.specs:
+            pools.raw(s.name)[...] = new[s.name]
+
+    return {s.name: cupy.asnumpy(a) for s, a in zip(pools.specs, new.values())}, run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy", "torch"], indirect=True)
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_exclusive_replays_follow_the_stream_and_end_by_release(tmp_path, rng, backend, layerwise):
+    """An exclusive plan's launches after the first replay it (no ledger job, no pending
+    job): each lands the same bytes after whatever the stream queued before it (here a device
+    write of the same blocks behind a 30 ms spin, which a replay that ignored the stream would
+    precede and lose to); ``synchronize`` of the engine and ``release`` wait for a replay
+    still in flight."""
+    import cupy
+
+    from tiercache.memory import as_cupy_stream
+
+    pools = make_pools("vllm", rng, backend, nb=32)
+    n, k = 6, 2
+    keys = random_keys(rng, n)
+    dev = _positions(rng, n, k, pools.num_blocks)
+    stored = snapshot(pools)
+    with _cache(pools, tmp_path, k, host_slots=8) as c:
+        c.offload_slots(keys, dev, wait=True)
+        dst = np.where(dev >= 0, rng.permutation(pools.num_blocks)[: n * k].reshape(n, k), -1)
+        stream = as_cupy_stream(c.engine_stream())
+        p = c.prepare_onboard(keys, dst, layerwise=layerwise, exclusive=True)
+        first = p.launch()
+        assert first.job.start_event is not None  # the first launch is a ledger job
+        for i in range(3):
+            garbage, overwrite = _device_scramble(pools, rng)
+            pending = len(c.engine.pending())
+            c.engine.launcher.spin(stream, 30_000_000)
+            overwrite()
+            h = p.launch()
+            assert h.job.start_event is None and len(c.engine.pending()) <= pending  # a replay
+            if i == 0:
+                c.engine.synchronize()
+                assert h.done()
+            else:
+                h.synchronize()
+            cupy.cuda.Device().synchronize()
+            _expect(pools, stored, dev, dst, garbage)
+        c.engine.launcher.spin(stream, 30_000_000)
+        h = p.launch()
+        assert not h.done()
+        p.release()
+        assert h.done()  # release waited for it
 
 
 @pytest.mark.gpu

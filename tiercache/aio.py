@@ -78,14 +78,15 @@ class AsyncTierCache:
         await self._run(handle.synchronize)
         return handle
 
-    async def prepare_onboard(self, keys, device_slots, *, layerwise=False, num_tokens=None, stream=None):
+    async def prepare_onboard(self, keys, device_slots, *, layerwise=False, num_tokens=None, stream=None,
+                              exclusive=False):
         """Await :meth:`TierCache.prepare_onboard` (it may read file-only keys into the host
         tier); returns the :class:`~tiercache.serving.prepared.PreparedOnboard`, whose
         ``launch`` never blocks. ``stream`` defaults to the engine's current stream in the
         calling thread."""
         stream = self.cache.engine_stream(stream)
         return await self._run(self.cache.prepare_onboard, keys, device_slots, layerwise=layerwise,
-                               num_tokens=num_tokens, stream=stream)
+                               num_tokens=num_tokens, stream=stream, exclusive=exclusive)
 
     async def wait_layer(self, handle, layer: int) -> None:
         """Await layer ``layer`` of an :class:`~tiercache.serving.layerwise.OnboardHandle` (host-side;

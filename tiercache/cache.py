@@ -683,7 +683,7 @@ class TierCache:
                                            stream=stream)
 
     def prepare_onboard(self, keys, device_slots, *, layerwise: bool = False, num_tokens: int | None = None,
-                        stream=None) -> PreparedOnboard:
+                        stream=None, exclusive: bool = False) -> PreparedOnboard:
         """Plan an onboard of ``keys`` into ``device_slots`` once, for many launches
         (:meth:`PreparedOnboard.launch <tiercache.serving.prepared.PreparedOnboard.launch>`):
         for engines that bring the same blocks into the same device blocks again and again,
@@ -692,6 +692,11 @@ class TierCache:
         Args:
             keys, device_slots, layerwise, num_tokens: as :meth:`onboard_slots`.
             stream: the default stream of its launches (as :meth:`onboard_slots`).
+            exclusive: the device blocks are the caller's alone while the plan is held, and
+                the caller orders every other access to them through the launch stream; then
+                launches after the first replay it outside the slot ledger, for a few driver
+                calls of host time each (the contract is in
+                :class:`~tiercache.serving.prepared.PreparedOnboard`'s docstring).
 
         Keys only in the file tier are read into the host tier now. Every key is then pinned
         there until :meth:`PreparedOnboard.release <tiercache.serving.prepared.PreparedOnboard.release>`:
@@ -711,7 +716,7 @@ class TierCache:
             TransferError: file reads that failed (the bad files are quarantined).
         """
         return self._slots().prepare_onboard(keys, device_slots, layerwise=layerwise, num_tokens=num_tokens,
-                                             stream=stream)
+                                             stream=stream, exclusive=exclusive)
 
     def engine_stream(self, stream=None):
         """The stream the engine computes on, as ``offload_slots`` / ``onboard_slots`` default

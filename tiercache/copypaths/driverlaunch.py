@@ -98,6 +98,14 @@ class KernelCall:
         self._params = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
         self.args = tuple(args)
 
+    def set(self, index: int, value: int) -> None:
+        """Change argument ``index`` for the launches that follow (its type stays)."""
+        self._vals[index].value = value
+
+    def set_grid(self, x: int) -> None:
+        """Change the grid's x dimension for the launches that follow."""
+        self._dims = (int(x), *self._dims[1:])
+
     def __call__(self, stream) -> None:
         """Enqueue the launch on CuPy ``stream``.
 

@@ -202,11 +202,16 @@ class TieredCache(Cache):
         kw = dict(dtype=self.dtype, device=self.device)
         # one tensor holds K and V (pools "k" and "v" are its halves), so that one copy moves
         # both: ring buffer r of either is [B, H, cap, D]; device block (r, b, h, j) is tokens
-        # j*tpb.. of (b, h): row ((r * B + b) * H + h) * nb + j of the flat [R * B * H * nb, tpb, D]
-        self._kv = torch.empty(2, R * k * nb, tpb, D, **kw)
+        # j*tpb.. of (b, h): row ((r * B + b) * H + h) * nb + j of the flat [R * B * H * nb, tpb, D].
+        # Each layer's last block (its tail) follows as device blocks of their own, L * B * H
+        # rows, so that a block the decode completes is offloaded from the tail: the ring is
+        # then read and written only on the compute stream and by the onboards launched after it
+        rows = R * k * nb
+        L = self.num_layers
+        self._kv = torch.empty(2, rows + L * k, tpb, D, **kw)
         self._ring = {"k": self._kv[0], "v": self._kv[1]}
-        self._tail = torch.empty(self.num_layers, 2, B, H, tpb, D, **kw)  # each layer's last block, K and V
-        self._ids = np.arange(R * k * nb, dtype=np.int64).reshape(R, k, nb)
+        self._ids = np.arange(rows, dtype=np.int64).reshape(R, k, nb)
+        self._tail_ids = np.arange(rows, rows + L * k, dtype=np.int64).reshape(L, 1, k)
         block_bytes = 2 * k * tpb * D * key_states.element_size()
         need = self.num_layers * nb
         host_slots = need if self.host_bytes is None else self.host_bytes // block_bytes
@@ -229,8 +234,21 @@ class TieredCache(Cache):
         self._plans: dict[tuple[int, int], tuple[int, object]] = {}
         self._finalizer = weakref.finalize(self, _close, self.tiers, self._plans)
         self.block_bytes = block_bytes
-        self._views = list(self._kv.view(2, R, B, H, cap, D).unbind(1))  # ring buffer r: [2, B, H, cap, D]
-        self._tails = list(self._tail.unbind(0))  # layer i's tail: [2, B, H, tpb, D]
+        self._views = list(self._kv[:, :rows].view(2, R, B, H, cap, D).unbind(1))  # ring buffer r: [2, B, H, cap, D]
+        self._tails = list(self._kv[:, rows:].view(2, L, B, H, tpb, D).unbind(1))  # layer i's tail: [2, B, H, tpb, D]
+        self._out: dict[int, tuple] = {}  # ring buffer -> (tokens, K view, V view) last returned
+        self._append = None  # decode steps' token writes in one kernel launch (GPU)
+        if on_gpu:
+            from tiercache.copypaths.tokenappend import TokenAppend, usable
+
+            if usable():
+                isz = key_states.element_size()
+                row = D * isz
+                self._isz = isz
+                self._append = TokenAppend(self._kv.data_ptr(), self._kv.stride(0) * isz, H, k, row, cap * row,
+                                           tpb * row, self.device.index or 0)
+                self._tail_off = [(rows + i * k) * tpb * row for i in range(L)]
+                self._ring_off = [r * k * cap * row for r in range(R)]
         self._cs = (None, None)  # (PyTorch stream handle, its CuPy wrapper): the compute stream
         self._pending: dict[int, tuple] = {}
         self._updates = 0
@@ -238,7 +256,8 @@ class TieredCache(Cache):
         # the host tier holds every block: each (layer, ring buffer) onboard is planned once
         # per block count (TierCache.prepare_onboard) and only launched per step
         self._prepare = host_slots >= need
-        self._offloads: dict[int, object] = {}  # ring buffer -> its last offload job
+        self._offloads: dict[int, object] = {}  # ring buffer -> its last offload job (multi-token steps)
+        self._tail_offloads: dict[int, object] = {}  # layer -> the offload of its last completed tail
 
     def _keys(self, layer: int, j0: int, j1: int) -> list[int]:
         base = self._key0 + layer * self.blocks_per_layer
@@ -268,8 +287,11 @@ class TieredCache(Cache):
             if n != nfull:  # a block more since the last plan (every tokens_per_block tokens)
                 if plan is not None:
                     plan.release()
+                # exclusive: the ring is this cache's alone and every access to it is ordered
+                # on the compute stream (offloads that read it are waited for before the next
+                # launch into it), so launches after the first skip the slot ledger
                 plan = self.tiers.prepare_onboard(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull),
-                                                  layerwise=True)
+                                                  layerwise=True, exclusive=True)
                 self._plans[layer, slot] = (nfull, plan)
             return plan.launch(stream)
         return self.tiers.onboard_slots(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull), layerwise=True,
@@ -324,32 +346,48 @@ class TieredCache(Cache):
                 handle = self._onboard(layer_idx, nfull, slot, stream)
             handle.wait(stream)
         ring, tail = self._views[slot], self._tails[layer_idx]  # [2, B, H, tokens, D]: K and V
-        last = self._offloads.pop(slot, None)
-        if last is not None:  # the buffer's last offload read it: write after it (device-side)
-            self.tiers.make_stream_wait(stream, jobs=[last])
+        waits = [j for j in (self._offloads.pop(slot, None), self._tail_offloads.pop(layer_idx, None)) if j]
+        if waits:  # the buffer's or the tail's last offload read them: write after it (device-side)
+            self.tiers.make_stream_wait(stream, jobs=waits)
         base = nfull * tpb
+        done = end // tpb
         if end <= base + tpb:  # the new tokens stay in the last block (decode): through the tail
-            tail[0].narrow(2, s - base, q).copy_(key_states)
-            tail[1].narrow(2, s - base, q).copy_(value_states)
-            ring.narrow(3, base, end - base).copy_(tail.narrow(3, 0, end - base))
+            ap = self._append
+            if ap is not None and key_states.stride(3) == 1 and value_states.stride(3) == 1:
+                i, ks, vs = self._isz, key_states.stride(), value_states.stride()
+                ap(stream, key_states.data_ptr(), (ks[0] * i, ks[1] * i, ks[2] * i), value_states.data_ptr(),
+                   (vs[0] * i, vs[1] * i, vs[2] * i), self._tail_off[layer_idx], self._ring_off[slot], base, s - base,
+                   end - base)
+            else:
+                tail[0].narrow(2, s - base, q).copy_(key_states)
+                tail[1].narrow(2, s - base, q).copy_(value_states)
+                ring.narrow(3, base, end - base).copy_(tail.narrow(3, 0, end - base))
+            if done > nfull:  # the tail is a full block now: offload it from there
+                self._tail_offloads[layer_idx] = self.tiers.offload_slots(
+                    self._keys(layer_idx, nfull, done), self._tail_ids[layer_idx], to="host", stream=stream)
         else:  # they fill blocks (prefill): straight into the ring, the rest into the tail
             if s > base:
                 ring.narrow(3, base, s - base).copy_(tail.narrow(3, 0, s - base))
             ring[0].narrow(2, s, q).copy_(key_states)
             ring[1].narrow(2, s, q).copy_(value_states)
-        done = end // tpb
-        if done > nfull:
             self._offloads[slot] = self.tiers.offload_slots(self._keys(layer_idx, nfull, done),
                                                             self._dev(slot, nfull, done), to="host", stream=stream)
-        start = max(s, done * tpb)
-        if end > start and end > base + tpb:
-            tail.narrow(3, start - done * tpb, end - start).copy_(ring.narrow(3, start, end - start))
+            start = max(s, done * tpb)
+            if end > start:
+                tail.narrow(3, start - done * tpb, end - start).copy_(ring.narrow(3, start, end - start))
         self._lengths[layer_idx] = end
         ahead = (layer_idx + R - 1) % self.num_layers
         n_ahead = self._lengths[ahead] // tpb
         if n_ahead:
-            self._pending[g + R - 1] = (ahead, n_ahead, self._onboard(ahead, n_ahead, (g + R - 1) % R, stream))
-        return ring[0].narrow(2, 0, end), ring[1].narrow(2, 0, end)
+            to = (g + R - 1) % R
+            last = self._offloads.pop(to, None)
+            if last is not None:  # an offload still reads that buffer: the onboard into it comes after
+                self.tiers.make_stream_wait(stream, jobs=[last])
+            self._pending[g + R - 1] = (ahead, n_ahead, self._onboard(ahead, n_ahead, to, stream))
+        out = self._out.get(slot)
+        if out is None or out[0] != end:  # every layer of a step returns the same views of its buffer
+            out = self._out[slot] = (end, ring[0].narrow(2, 0, end), ring[1].narrow(2, 0, end))
+        return out[1], out[2]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens stored for layer ``layer_idx``."""
@@ -366,6 +404,7 @@ class TieredCache(Cache):
             self.tiers.engine.synchronize()
             self._pending.clear()
             self._offloads.clear()
+            self._tail_offloads.clear()
             self._release_plans()
             self._key0 += self.num_layers * self.blocks_per_layer  # fresh keys; the old ones go
             for tier in ("host", "file"):
@@ -383,7 +422,7 @@ class TieredCache(Cache):
         """Bytes of VRAM this cache holds (the ring and the tails; 0 before the first update)."""
         if self.tiers is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self._kv, self._tail))
+        return self._kv.numel() * self._kv.element_size()
 
     def stats(self) -> dict:
         """The tier cache's :meth:`~tiercache.TierCache.stats` plus ``"vram_bytes"``,

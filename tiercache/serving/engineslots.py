@@ -194,7 +194,7 @@ class EngineSlots:
         return ks, dev
 
     def prepare_onboard(self, keys, device_slots, *, layerwise: bool = False, num_tokens: int | None = None,
-                        stream=None) -> PreparedOnboard:
+                        stream=None, exclusive: bool = False) -> PreparedOnboard:
         """:meth:`TierCache.prepare_onboard <tiercache.TierCache.prepare_onboard>` (its docstring has
         the arguments, semantics and errors)."""
         with self._guard():
@@ -217,7 +217,7 @@ class EngineSlots:
                 self.placement.unpin(ks)
                 raise
             self.counters["prepared_onboards"] += 1
-        return PreparedOnboard(self, ks, rows, len(groups), layerwise, stream)
+        return PreparedOnboard(self, ks, rows, len(groups), layerwise, stream, exclusive)
 
     def _onboard_from_file_direct(self, ks, dev, num_tokens, engine_stream) -> OnboardHandle:
         if self.blocks_per_host_block != 1 or num_tokens is not None:

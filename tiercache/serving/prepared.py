@@ -29,14 +29,30 @@ class PreparedOnboard:
     (:class:`~tiercache.errors.PinnedBlockError`). :meth:`release` (or leaving a ``with``
     block) unpins them.
 
+    An *exclusive* plan (``prepare_onboard(..., exclusive=True)``) is for device blocks that
+    are the caller's alone while it is held: its first launch is ordered by the slot ledger
+    like any onboard, and every later launch *replays* it on the first one's stream, ordered
+    only after the launch's ``stream`` (:meth:`TransferEngine.replay_prepared
+    <tiercache.transfer.engine.TransferEngine.replay_prepared>`): no ledger lookup, no job
+    bookkeeping; on the host an event record and wait, the plan's driver calls and one event
+    per group. The caller's side of the contract: every other access to the destination
+    device blocks (its kernels, offloads that read them, other plans that write them) is
+    ordered through the stream it launches after (for a transfer job: make that stream wait
+    for it, :meth:`TierCache.make_stream_wait <tiercache.TierCache.make_stream_wait>`, before
+    the next launch). The host blocks need nothing: they are pinned, so nothing rewrites
+    them. :meth:`release` waits on the host for the last replay if it is still running, so
+    that the ledger's view holds again afterwards.
+
     Attributes:
         keys: the keys, one per host block, in the order given.
         num_layers: completions of each launch's handle (1 unless layer-wise).
         nbytes: bytes each launch copies.
+        exclusive: whether later launches replay the first one outside the ledger.
         released: True after :meth:`release`.
     """
 
-    def __init__(self, slots, keys: list, rows, num_layers: int, layerwise: bool, stream) -> None:
+    def __init__(self, slots, keys: list, rows, num_layers: int, layerwise: bool, stream,
+                 exclusive: bool = False) -> None:
         self._slots = slots
         self.keys = keys
         self._rows = rows
@@ -44,6 +60,9 @@ class PreparedOnboard:
         self.layerwise = layerwise
         self.nbytes = rows.nbytes
         self._stream = stream
+        self.exclusive = exclusive
+        self._replay_stream = None  # set by a clean first launch of an exclusive plan
+        self._last = None  # the last replay's job
         self.released = False
 
     def launch(self, stream=None) -> OnboardHandle:
@@ -58,6 +77,7 @@ class PreparedOnboard:
 
         Raises:
             ClosedError: after :meth:`release` or the cache's ``close``.
+            TransferError: the driver refused a replay's launch.
         """
         s = self._slots
         given = self._stream if stream is None else stream
@@ -66,7 +86,15 @@ class PreparedOnboard:
                 raise ClosedError(f"this prepared onboard of {len(self.keys)} blocks was released")
             engine_stream = s.engine_stream(given)
             # the copy waits for the work queued so far on the engine's stream (None: CuPy's current)
-            job = s.engine.run_prepared(self._rows, after=as_cupy_stream(engine_stream) if s.engine.gpu else None)
+            after = as_cupy_stream(engine_stream) if s.engine.gpu else None
+            if self._replay_stream is not None:
+                job = self._last = s.engine.replay_prepared(self._rows, after, self._replay_stream)
+            else:
+                job = s.engine.run_prepared(self._rows, after=after)
+                # replays follow a clean first launch on its stream (so after its waits for the
+                # host blocks' writers); a first launch that inherited failures never replays
+                if self.exclusive and job.on_gpu and not job.failed and s.engine.replayable(self._rows):
+                    self._replay_stream = job.stream
             s.counters["onboarded_blocks"] += len(self.keys)
             s.counters["onboard_hits_host"] += len(self.keys)
             s.counters["prepared_onboard_launches"] += 1
@@ -82,6 +110,9 @@ class PreparedOnboard:
         if self.released:
             return
         self.released = True
+        if self._last is not None:  # the ledger never saw the replays: the last one ends first
+            self._last.wait_host()
+            self._last = None
         try:
             with self._slots._guard():
                 # recency is counted here, once: pinned keys cannot be spilled anyway

@@ -286,6 +286,59 @@ class TransferEngine:
             return self._memory_job(p.direction, p.src, p.src_slots, p.dst, p.dst_slots, p.groups, p.plans, p.nbytes,
                                     after=after)
 
+    def replayable(self, prepared: PreparedRows) -> bool:
+        """True when :meth:`replay_prepared` can run ``prepared``: on the GPU, with a launch
+        plan for every group."""
+        return bool(self.gpu and prepared.plans is not None and all(p is not None for p in prepared.plans))
+
+    def replay_prepared(self, prepared: PreparedRows, after, stream) -> Job:
+        """Enqueue one run of ``prepared`` **outside the slot ledger**: on CuPy ``stream``,
+        after the work queued so far on ``after`` (one event record and one wait), then the
+        plan's driver calls, then one event per group. Nothing is looked up or recorded, and
+        the job is not tracked as pending (:meth:`synchronize` still waits for it: it waits
+        for every engine stream).
+
+        For copies whose ordering the caller guarantees: every other access to the
+        destination slots, and every write of the source slots, is ordered before or after it
+        through ``after`` (see :meth:`PreparedOnboard.launch
+        <tiercache.serving.prepared.PreparedOnboard.launch>`'s ``exclusive`` plans, whose
+        first run goes through :meth:`run_prepared` and whose replays follow it on its
+        stream).
+
+        Returns:
+            A GPU :class:`~tiercache.transfer.jobs.Job` whose ``start_event`` is None (its
+            result's ``seconds`` is host time).
+
+        Raises:
+            TierUnavailableError: ``prepared`` is not replayable (:meth:`replayable`).
+            TransferError: the driver refused a launch (nothing after it was enqueued).
+        """
+        if not self.replayable(prepared):
+            raise TierUnavailableError("replay_prepared needs a GPU and a launch plan for every group")
+        import cupy
+
+        p = prepared
+        job = Job(next(self._ids), p.direction, p.src, p.dst, p.src_slots.size, p.nbytes, "gpu")
+        job.dst_slots = p.dst_slots
+        job.stream = stream
+        with self._lock, cupy.cuda.Device(self.device_id):
+            ev = p.after_event
+            if ev is None:
+                ev = p.after_event = cupy.cuda.Event(disable_timing=True)
+            ev.record(as_cupy_stream(after))
+            stream.wait_event(ev)
+            n = len(p.plans)
+            job.num_groups = n
+            paths = []
+            for plan in p.plans:
+                paths.append(plan.run(stream))
+                e = cupy.cuda.Event(disable_timing=True)
+                e.record(stream)
+                job.group_events.append(e)
+            job.end_event = job.group_events[-1]
+            job.path = paths[0] if n == 1 else "+".join(sorted({x for s in paths for x in s.split("+")} - {"none"}))
+        return job
+
     def _on_gpu(self, groups: list[list[RowCopy]]) -> bool:
         return self.gpu and any(not isinstance(a, np.ndarray) for g in groups for rc in g for a in (rc.src, rc.dst))
 
@@ -524,11 +577,18 @@ class TransferEngine:
             return sorted(self._pending.values(), key=lambda j: j.id)
 
     def synchronize(self) -> None:
-        """Wait for every pending job."""
+        """Wait for every pending job, and for everything queued on the engine's streams
+        (replays, :meth:`replay_prepared`, are not tracked as jobs)."""
         for j in self.pending():
             j.wait_host()
         with self._lock:
             self._reap()
+            if self.gpu:
+                import cupy
+
+                with cupy.cuda.Device(self.device_id):
+                    for st in self._streams.all():
+                        st.synchronize()
 
     def shutdown(self) -> None:
         """Drain: wait for every pending job. The engine stays usable."""
@@ -566,3 +626,4 @@ class PreparedRows:
         self.groups = groups
         self.plans = plans
         self.nbytes = nbytes
+        self.after_event = None  # replay_prepared's wait on the caller's stream (reused: a wait binds at call time)

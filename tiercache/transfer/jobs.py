@@ -201,7 +201,7 @@ class Job:
             exc = f.exception()
             if exc is not None and k not in failed:
                 failed[k] = exc
-        if self.on_gpu:
+        if self.on_gpu and self.start_event is not None:
             import cupy
 
             seconds = cupy.cuda.get_elapsed_time(self.start_event, self.end_event) / 1e3
