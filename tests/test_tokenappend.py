@@ -26,7 +26,7 @@ def _setup(torch, rng, B, H, D, tpb, nb, R, L, dtype):
 @pytest.mark.parametrize("D,dtype", [(64, "bfloat16"), (3, "float16")])  # 16-byte rows, then 6-byte rows
 def test_append_matches_three_copies(rng, D, dtype):
     torch = pytest.importorskip("torch")
-    from tiercache.copypaths.tokenappend import TokenAppend
+    from tiercache.copypaths import TokenAppend
     from tiercache.memory import as_cupy_stream
 
     dt = getattr(torch, dtype)
@@ -63,7 +63,7 @@ def test_append_matches_three_copies(rng, D, dtype):
 
 
 def test_bad_geometry_is_refused():
-    from tiercache.copypaths.tokenappend import TokenAppend
+    from tiercache.copypaths import TokenAppend
 
     with pytest.raises(ConfigError, match="heads = 0"):
         TokenAppend(0, 0, 0, 1, 2, 2, 2)

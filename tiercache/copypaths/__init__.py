@@ -8,7 +8,9 @@
 - :mod:`.stagedcopy`: copy engines for PCIe, the gather/scatter kernel for the VRAM hop;
 - :mod:`.uploadring`: a pinned ring for launch tables;
 - :mod:`.driverlaunch`: kernel launches, memsets and copies through the driver with their
-  arguments packed once (what prepared launches replay).
+  arguments packed once (what prepared launches replay);
+- :mod:`.tokenappend`: new K/V tokens into a tail block and a ring buffer in one launch (a
+  layer-streaming KV cache's decode step).
 
 Depends on :mod:`tiercache.memory` and the foundation; knows nothing of keys, tiers or files.
 """
@@ -18,9 +20,10 @@ from .copykernels import CopyLauncher, PreparedLaunch
 from .copyplan import contiguous_runs, memcpy_runs
 from .segments import Segments, segments_for
 from .stagedcopy import StagedCopier, run_starts
+from .tokenappend import TokenAppend
 from .uploadring import UploadRing
 
 __all__ = [
-    "BatchCopy", "CopyLauncher", "PreparedLaunch", "Segments", "StagedCopier", "UploadRing", "contiguous_runs",
+    "BatchCopy", "CopyLauncher", "PreparedLaunch", "Segments", "StagedCopier", "TokenAppend", "UploadRing", "contiguous_runs",
     "memcpy_runs", "run_starts", "segments_for",
 ]

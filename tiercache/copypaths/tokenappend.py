@@ -39,7 +39,7 @@ class TokenAppend:
     Raises:
         ConfigError: a size out of range.
 
-    Build it only where :func:`usable` is True (the driver loads); elsewhere copy with the
+    Build it only where :meth:`usable` is True (the driver loads); elsewhere copy with the
     tensor library.
     """
 
@@ -62,6 +62,11 @@ class TokenAppend:
         for vec in ((16, 1) if aligned else (1,)):
             self._calls[vec] = KernelCall(get_kernel("kv_append.cu", f"tc_kv_append_v{vec}", device_id), (1,),
                                           (THREADS,), args)
+
+    @staticmethod
+    def usable() -> bool:
+        """True when the driver loads (the launch goes through ``libcuda``)."""
+        return available()
 
     def __call__(self, stream, k_ptr: int, k_strides, v_ptr: int, v_strides, tail_off: int, ring_off: int,
                  base: int, split: int, n: int) -> None:
@@ -95,8 +100,3 @@ class TokenAppend:
         chunks = 2 * self.rows * n * (self.row_bytes // vec)
         call.set_grid(min(MAX_GRID, max(1, -(-chunks // THREADS))))
         call(stream)
-
-
-def usable() -> bool:
-    """True when the driver loads (the launch goes through ``libcuda``)."""
-    return available()

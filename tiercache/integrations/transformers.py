@@ -239,9 +239,9 @@ class TieredCache(Cache):
         self._out: dict[int, tuple] = {}  # ring buffer -> (tokens, K view, V view) last returned
         self._append = None  # decode steps' token writes in one kernel launch (GPU)
         if on_gpu:
-            from tiercache.copypaths.tokenappend import TokenAppend, usable
+            from tiercache.copypaths import TokenAppend
 
-            if usable():
+            if TokenAppend.usable():
                 isz = key_states.element_size()
                 row = D * isz
                 self._isz = isz
