@@ -115,3 +115,35 @@ def test_single_large_blocks_stay_off_the_per_block_memcpy():
     # blocks below batch_min_bytes: a lone block long enough is its own run, as before
     assert memcpy_runs(runs, 64 << 10, 64 << 10, 128 << 10).tolist() == [True, True, True, True]
     assert memcpy_runs(runs, 64 << 10, 128 << 10, 128 << 10).tolist() == [False, True, False, True]
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=0, max_size=60, unique_by=lambda t: t[1]),
+       st.sampled_from([1, 4, 16]))
+def test_strided_runs_cover_every_row_once_with_constant_pitches(pairs, row):
+    """Every (source, destination) pair lies in exactly one run; in a run the destinations
+    are consecutive rows and the sources step by the run's pitch (>= row)."""
+    from tiercache.copypaths.copyplan import strided_runs
+
+    src = np.array([a * row for a, _ in pairs], dtype=np.int64)
+    dst = np.array([b * row for _, b in pairs], dtype=np.int64)
+    runs, sp, dp = strided_runs(src, dst, row)
+    assert runs.length.sum() == len(pairs) and (sp >= row).all() and (dp >= row).all()
+    assert ((sp == row) | (dp == row)).all()  # one side of every run is consecutive rows
+    got = []
+    for s0, d0, m, ps, pd in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), sp.tolist(), dp.tolist()):
+        got += [(s0 + i * ps, d0 + i * pd) for i in range(m)]
+    assert sorted(got) == sorted(zip(src.tolist(), dst.tolist()))
+
+
+def test_strided_runs_of_a_ring_layout():
+    """Host blocks of 8 rows each, position p of block j going to row p * 32 + j: one run per
+    position, source pitch 8 rows; a last block in a host slot of its own (a block the decode
+    completed) is one more run, of its 8 rows, destination pitch 32 rows."""
+    from tiercache.copypaths.copyplan import strided_runs
+
+    row = 1 << 17
+    src = [(j * 8 + p) * row for j in range(20) for p in range(8)] + [(50 * 8 + p) * row for p in range(8)]
+    dst = [(p * 32 + j) * row for j in range(21) for p in range(8)]
+    runs, sp, dp = strided_runs(src, dst, row)
+    assert runs.length.tolist() == [20] * 8 + [8]
+    assert sp.tolist() == [8 * row] * 8 + [row] and dp.tolist() == [row] * 8 + [32 * row]

@@ -254,3 +254,37 @@ def test_rows_for_the_batched_copy_launch_as_one_kernel(tmp_path, rng):
                 h.synchronize()
                 assert h.job.path == "bulk"
                 _expect(pools, stored, dev, perm[8:16].reshape(4, 2), old)
+
+
+@pytest.mark.gpu
+def test_strided_runs_of_large_rows_go_to_2d_copies(tmp_path, rng):
+    """A layer-streaming cache's layout: host blocks of k device blocks of 128 KiB, position p
+    of block j going to row j of position p's run of consecutive device rows. A prepared
+    launch moves each strided run with one 2-D copy (path ``memcpy2d``); the bytes are exact
+    on every launch; scattered destinations keep the bulk kernel."""
+    torch = pytest.importorskip("torch")
+    from tiercache.serving import DevicePools
+
+    nb, tpb, d, k, n = 48, 1024, 64, 2, 6
+    ring = {name: torch.from_numpy(rng.integers(0, 1 << 15, size=(nb, tpb, d), dtype=np.int16)).cuda().view(
+        torch.bfloat16) for name in ("k", "v")}
+    pools = DevicePools(ring, token_axis=0, layers=[["k", "v"]])
+    keys = random_keys(rng, n)
+    dev = rng.permutation(nb)[: n * k].reshape(n, k).astype(np.int64)
+    with _cache(pools, tmp_path, k, host_slots=n) as c:
+        c.offload_slots(keys, dev, wait=True)
+        stored = snapshot(pools)
+        base = int(rng.integers(0, nb - 2 * 8))
+        dst = base + np.arange(k)[None, :] * 8 + np.arange(n)[:, None]  # position p's run: rows base + 8p ..
+        with c.prepare_onboard(keys, dst, layerwise=True, exclusive=bool(rng.integers(2))) as p:
+            for _ in range(3):
+                scramble(pools, rng)
+                old = snapshot(pools)
+                h = p.launch()
+                h.synchronize()
+                torch.cuda.synchronize()
+                _expect(pools, stored, dev, dst, old)
+            assert p._rows.plans[0].path == "memcpy2d"
+        scattered = rng.permutation(nb)[: n * k].reshape(n, k).astype(np.int64)
+        with c.prepare_onboard(keys, scattered) as p:
+            assert p._rows.plans[0].path == "bulk"

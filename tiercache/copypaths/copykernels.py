@@ -40,8 +40,8 @@ import math
 import numpy as np
 
 from tiercache.copypaths import driverlaunch
-from tiercache.copypaths.copyplan import contiguous_runs, memcpy_runs
-from tiercache.copypaths.driverlaunch import KernelCall, MemcpyCall, MemsetCall
+from tiercache.copypaths.copyplan import contiguous_runs, memcpy_runs, strided_runs
+from tiercache.copypaths.driverlaunch import KernelCall, Memcpy2DCall, MemcpyCall, MemsetCall
 from tiercache.copypaths.segments import Segments, vector_bytes
 from tiercache.memory import MEMCPY_DEFAULT, data_ptr
 
@@ -97,6 +97,9 @@ class CopyLauncher:
     BULK_SHAPES = {"small": ("tc_bulk_copy_small", 2, 2048), "large": ("tc_bulk_copy", 4, 16384)}
     #: per-SM counters the bulk kernel may index (by %smid)
     SM_SLOTS = 256
+    #: a prepared launch of rows >= ``batch_min_bytes`` goes to 2-D copies when its strided
+    #: runs average at least this many rows (else the bulk kernel)
+    MEMCPY2D_MIN_ROWS = 4
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
                  unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 128 << 10,
@@ -245,6 +248,19 @@ class CopyLauncher:
         import cupy
 
         n = src_off.size
+        if self._recording is not None and seg.segs == 1 and seg.seg_bytes == row >= self.batch_min_bytes \
+                and driverlaunch.available():
+            # a prepared launch of large rows that line up in strided runs (a host block's rows
+            # going to consecutive device rows, as a layer-streaming cache's ring is laid out):
+            # one 2-D copy per run on the copy engines, which keep ~95% of a contiguous copy
+            # beside compute where the bulk kernel shares the SMs with it (docs/performance.md)
+            runs, sp2, dp2 = strided_runs(sp + src_off, dp + dst_off, row)
+            if runs.length.size * self.MEMCPY2D_MIN_ROWS <= n:
+                for a, b, m, ps, pd in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), sp2.tolist(),
+                                           dp2.tolist()):
+                    self._recording.append(Memcpy2DCall(b, pd, a, ps, row, m))
+                used.add("memcpy2d")
+                return
         # a prepared launch takes a kernel where one can copy the rows: its host cost per run is
         # one launch, where the driver's batched copy costs ~1-2 us per row on every run
         batch_ok = self._recording is None or self._bulk is None
@@ -400,8 +416,10 @@ class CopyLauncher:
         the device once), and :meth:`PreparedLaunch.run` only issues the calls. The rows,
         arrays and their contents' addresses must stay as they are while it is used. A batch
         for the staged path is not recorded: its runs plan afresh each time. Rows that would go to
-        the driver's batched copy (``batch_min_bytes`` and more) go to the bulk kernel instead,
-        where the GPU has it: the batched copy's host cost grows with the rows on every run
+        the driver's batched copy (``batch_min_bytes`` and more) go to 2-D copies instead (one
+        ``cuMemcpy2DAsync`` per strided run, :func:`~tiercache.copypaths.copyplan.strided_runs`)
+        when the runs average ``MEMCPY2D_MIN_ROWS`` rows, else to the bulk kernel where the GPU
+        has it: the batched copy's host cost grows with the rows on every run
         (about 130 us for 128 rows on an H100 host), a kernel launch's does not."""
         self._recording = []
         try:

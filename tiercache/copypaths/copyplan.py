@@ -54,3 +54,54 @@ def memcpy_runs(runs: Runs, row: int, memcpy_min_bytes: int, batch_min_bytes: in
     if row >= batch_min_bytes:
         big &= runs.length >= 2
     return big
+
+
+def strided_runs(src_addr, dst_addr, row: int) -> tuple[Runs, np.ndarray, np.ndarray]:
+    """Split paired row addresses into runs that one 2-D copy moves each: rows ``row`` bytes
+    apart on one side whose partners step by one constant pitch (at least ``row`` bytes) on
+    the other. First runs of consecutive destination rows (a host block's rows going to
+    consecutive device rows), then, among the rows left alone, runs of consecutive source
+    rows (one host block's rows going to rows a constant pitch apart).
+
+    Args:
+        src_addr, dst_addr: equal-length 1-D integer sequences of row addresses (bytes).
+        row: bytes per row (> 0).
+
+    Returns:
+        ``(runs, src_pitch, dst_pitch)``: :class:`Runs` of addresses (``src`` and ``dst``
+        hold each run's first row, ``length`` its rows) and each run's pitches in bytes.
+    """
+    src = np.asarray(src_addr, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_addr, dtype=np.int64).reshape(-1)
+    if src.shape != dst.shape:
+        raise ValueError(f"{src.size} source rows but {dst.size} destination rows")
+    out = []  # (src, dst, length, src pitch, dst pitch)
+    alone = []
+    for d0, s0, m, pitch in _pitched(dst.tolist(), src.tolist(), row):
+        if m > 1:
+            out.append((s0, d0, m, pitch, row))
+        else:
+            alone.append((s0, d0))
+    for s0, d0, m, pitch in _pitched([a for a, _ in alone], [b for _, b in alone], row):
+        out.append((s0, d0, m, row, pitch))
+    cols = [np.asarray(c, dtype=np.int64) for c in zip(*out)] if out else [np.empty(0, dtype=np.int64)] * 5
+    return Runs(cols[0], cols[1], cols[2]), cols[3], cols[4]
+
+
+def _pitched(a: list, b: list, row: int):
+    """Maximal runs, in ``a`` order, where ``a`` steps by ``row`` and ``b`` by one constant
+    pitch >= ``row``: yields ``(a0, b0, length, pitch of b)``."""
+    order = sorted(range(len(a)), key=a.__getitem__)
+    a = [a[i] for i in order]
+    b = [b[i] for i in order]
+    i, n = 0, len(a)
+    while i < n:
+        j = i + 1
+        pitch = b[j] - b[i] if j < n else row
+        if j < n and a[j] - a[i] == row and pitch >= row:
+            while j < n and a[j] - a[j - 1] == row and b[j] - b[j - 1] == pitch:
+                j += 1
+        else:
+            pitch = row
+        yield a[i], b[i], j - i, pitch
+        i = j

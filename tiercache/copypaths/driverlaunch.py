@@ -37,8 +37,24 @@ class _Driver:
         lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp]
         lib.cuMemsetD8Async.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, sz, vp]
         lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, sz, vp]
-        for fn in (lib.cuLaunchKernel, lib.cuMemsetD8Async, lib.cuMemcpyAsync):
+        lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(_Memcpy2D), vp]
+        for fn in (lib.cuLaunchKernel, lib.cuMemsetD8Async, lib.cuMemcpyAsync, lib.cuMemcpy2DAsync_v2):
             fn.restype = ctypes.c_int
+
+
+class _Memcpy2D(ctypes.Structure):
+    """The driver's ``CUDA_MEMCPY2D``."""
+
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+                ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+CU_MEMORYTYPE_UNIFIED = 4
 
 
 _DRIVER: _Driver | None = None
@@ -146,3 +162,26 @@ class MemcpyCall:
         rc = fn(d, s, n, st)
         if rc:
             _check(rc, "cuMemcpyAsync", lambda: fn(d, s, n, st))
+
+
+class Memcpy2DCall:
+    """``cuMemcpy2DAsync`` of ``height`` rows of ``width`` bytes: row ``i`` from ``src + i *
+    src_pitch`` to ``dst + i * dst_pitch`` (unified addresses: device or pinned host; pitches
+    >= ``width``). The copy engines take it whole: one call moves a strided run of blocks."""
+
+    def __init__(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int) -> None:
+        if min(dst_pitch, src_pitch) < width or width < 1 or height < 1:
+            raise ValueError(f"2-D copy of {height} x {width} bytes with pitches {src_pitch} and {dst_pitch}")
+        self._lib = driver().lib
+        self.dst, self.src, self.width, self.height = int(dst), int(src), int(width), int(height)
+        self.nbytes = self.width * self.height
+        self._p = _Memcpy2D(srcMemoryType=CU_MEMORYTYPE_UNIFIED, srcDevice=int(src), srcPitch=int(src_pitch),
+                            dstMemoryType=CU_MEMORYTYPE_UNIFIED, dstDevice=int(dst), dstPitch=int(dst_pitch),
+                            WidthInBytes=int(width), Height=int(height))
+        self._ref = ctypes.byref(self._p)
+
+    def __call__(self, stream) -> None:
+        fn, p, st = self._lib.cuMemcpy2DAsync_v2, self._ref, stream.ptr
+        rc = fn(p, st)
+        if rc:
+            _check(rc, "cuMemcpy2DAsync", lambda: fn(p, st))
