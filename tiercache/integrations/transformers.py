@@ -279,21 +279,26 @@ class TieredCache(Cache):
             self._cs = (raw, as_cupy_stream(int(raw)))
         return self._cs[1]
 
+    def _plan(self, layer: int, nfull: int, slot: int):
+        """The prepared onboard of ``layer``'s first ``nfull`` blocks into ring buffer
+        ``slot`` (planned again when a block was added since the last one)."""
+        n, plan = self._plans.get((layer, slot), (0, None))
+        if n != nfull:  # a block more since the last plan (every tokens_per_block tokens)
+            if plan is not None:
+                plan.release()
+            # exclusive: the ring is this cache's alone and every access to it is ordered
+            # on the compute stream (offloads that read it are waited for before the next
+            # launch into it), so launches after the first skip the slot ledger
+            plan = self.tiers.prepare_onboard(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull),
+                                              layerwise=True, exclusive=True)
+            self._plans[layer, slot] = (nfull, plan)
+        return plan
+
     def _onboard(self, layer: int, nfull: int, slot: int, stream):
         """Queue the onboard of ``layer``'s first ``nfull`` blocks into ring buffer ``slot``;
         it starts after the compute queued so far on ``stream``."""
         if self._prepare:
-            n, plan = self._plans.get((layer, slot), (0, None))
-            if n != nfull:  # a block more since the last plan (every tokens_per_block tokens)
-                if plan is not None:
-                    plan.release()
-                # exclusive: the ring is this cache's alone and every access to it is ordered
-                # on the compute stream (offloads that read it are waited for before the next
-                # launch into it), so launches after the first skip the slot ledger
-                plan = self.tiers.prepare_onboard(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull),
-                                                  layerwise=True, exclusive=True)
-                self._plans[layer, slot] = (nfull, plan)
-            return plan.launch(stream)
+            return self._plan(layer, nfull, slot).launch(stream)
         return self.tiers.onboard_slots(self._keys(layer, 0, nfull), self._dev(slot, 0, nfull), layerwise=True,
                                         stream=stream)
 
@@ -372,6 +377,8 @@ class TieredCache(Cache):
             ring[1].narrow(2, s, q).copy_(value_states)
             self._offloads[slot] = self.tiers.offload_slots(self._keys(layer_idx, nfull, done),
                                                             self._dev(slot, nfull, done), to="host", stream=stream)
+            if self._prepare:  # plan the next step's onboard now: a prefill keeps the GPU busy, the host has time
+                self._plan(layer_idx, done, (g + self.num_layers) % R)
             start = max(s, done * tpb)
             if end > start:
                 tail.narrow(3, start - done * tpb, end - start).copy_(ring.narrow(3, start, end - start))
