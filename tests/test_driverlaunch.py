@@ -64,3 +64,47 @@ def test_driver_calls_move_the_bytes_cupy_would():
     got = cupy.asnumpy(buf)
     assert not got[100:400].any()
     assert np.array_equal(got[500:700], pinned[10:210])
+
+
+def test_2d_copies_refuse_pitches_below_the_width():
+    from tiercache.copypaths.driverlaunch import Memcpy2DCall
+
+    with pytest.raises(ValueError, match="pitches"):
+        Memcpy2DCall(0, 64, 0, 32, 48, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batched", [True, False])
+def test_2d_copy_batches_move_strided_runs(batched):
+    """Random 2-D copies (pinned host -> device, device -> device) in one batch land exactly
+    the rows they name, in one cuMemcpy3DBatchAsync or one call each."""
+    import cupy
+
+    from tiercache.copypaths.driverlaunch import Memcpy2DBatch
+
+    rng = np.random.default_rng()
+    n = 1 << 20
+    mem = cupy.cuda.alloc_pinned_memory(n)
+    host = np.frombuffer(mem, dtype=np.uint8, count=n)
+    host[:] = rng.integers(0, 256, n, dtype=np.uint8)
+    dev_src = cupy.asarray(rng.integers(0, 256, n, dtype=np.uint8))
+    dst = cupy.zeros(4 * n, dtype=np.uint8)
+    copies, want = [], np.zeros(4 * n, dtype=np.uint8)
+    for i in range(6):
+        width = int(rng.integers(1, 5000))
+        height = int(rng.integers(1, 20))
+        sp, dp = width + int(rng.integers(0, 300)), width + int(rng.integers(0, 3000))
+        s0 = int(rng.integers(0, n - sp * height))
+        d0 = i * (n // 2) + int(rng.integers(0, n // 2 - dp * height))
+        src_np, src_ptr = (host, host.ctypes.data) if i % 2 else (cupy.asnumpy(dev_src), dev_src.data.ptr)
+        for r in range(height):
+            want[d0 + r * dp: d0 + r * dp + width] = src_np[s0 + r * sp: s0 + r * sp + width]
+        copies.append((dst.data.ptr + d0, dp, src_ptr + s0, sp, width, height))
+    batch = Memcpy2DBatch(copies)
+    if not batched:
+        batch._fn = None
+    stream = cupy.cuda.Stream(non_blocking=True)
+    batch(stream)
+    stream.synchronize()
+    assert np.array_equal(cupy.asnumpy(dst), want)
+    assert batch.nbytes == sum(c[4] * c[5] for c in copies)

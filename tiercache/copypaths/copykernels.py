@@ -41,7 +41,7 @@ import numpy as np
 
 from tiercache.copypaths import driverlaunch
 from tiercache.copypaths.copyplan import contiguous_runs, memcpy_runs, strided_runs
-from tiercache.copypaths.driverlaunch import KernelCall, Memcpy2DCall, MemcpyCall, MemsetCall
+from tiercache.copypaths.driverlaunch import KernelCall, Memcpy2DBatch, MemcpyCall, MemsetCall
 from tiercache.copypaths.segments import Segments, vector_bytes
 from tiercache.memory import MEMCPY_DEFAULT, data_ptr
 
@@ -256,9 +256,9 @@ class CopyLauncher:
             # beside compute where the bulk kernel shares the SMs with it (docs/performance.md)
             runs, sp2, dp2 = strided_runs(sp + src_off, dp + dst_off, row)
             if runs.length.size * self.MEMCPY2D_MIN_ROWS <= n:
-                for a, b, m, ps, pd in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), sp2.tolist(),
-                                           dp2.tolist()):
-                    self._recording.append(Memcpy2DCall(b, pd, a, ps, row, m))
+                self._recording.append(Memcpy2DBatch([
+                    (b, pd, a, ps, row, m) for a, b, m, ps, pd in zip(runs.src.tolist(), runs.dst.tolist(),
+                                                                      runs.length.tolist(), sp2.tolist(), dp2.tolist())]))
                 used.add("memcpy2d")
                 return
         # a prepared launch takes a kernel where one can copy the rows: its host cost per run is
@@ -417,7 +417,8 @@ class CopyLauncher:
         arrays and their contents' addresses must stay as they are while it is used. A batch
         for the staged path is not recorded: its runs plan afresh each time. Rows that would go to
         the driver's batched copy (``batch_min_bytes`` and more) go to 2-D copies instead (one
-        ``cuMemcpy2DAsync`` per strided run, :func:`~tiercache.copypaths.copyplan.strided_runs`)
+        per strided run, :func:`~tiercache.copypaths.copyplan.strided_runs`, all in one
+        ``cuMemcpy3DBatchAsync`` where the driver has it)
         when the runs average ``MEMCPY2D_MIN_ROWS`` rows, else to the bulk kernel where the GPU
         has it: the batched copy's host cost grows with the rows on every run
         (about 130 us for 128 rows on an H100 host), a kernel launch's does not."""

@@ -40,6 +40,12 @@ class _Driver:
         lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(_Memcpy2D), vp]
         for fn in (lib.cuLaunchKernel, lib.cuMemsetD8Async, lib.cuMemcpyAsync, lib.cuMemcpy2DAsync_v2):
             fn.restype = ctypes.c_int
+        # CUDA 13's signature (no failIdx); older drivers only have the 12.8 one: 2-D copies
+        # then go one call each
+        self.batch3d = getattr(lib, "cuMemcpy3DBatchAsync_v2", None)
+        if self.batch3d is not None:
+            self.batch3d.argtypes = [sz, ctypes.c_void_p, ctypes.c_ulonglong, vp]
+            self.batch3d.restype = ctypes.c_int
 
 
 class _Memcpy2D(ctypes.Structure):
@@ -55,6 +61,26 @@ class _Memcpy2D(ctypes.Structure):
 
 
 CU_MEMORYTYPE_UNIFIED = 4
+
+
+class _Operand(ctypes.Structure):
+    """``CUmemcpy3DOperand`` of type pointer: address, row length and layer height in bytes
+    (elements of a pointer operand are bytes), a location hint (unused here); the union's
+    other member (an array and a 3-D offset) has the same 32 bytes."""
+
+    _fields_ = [("type", ctypes.c_int), ("ptr", ctypes.c_uint64), ("rowLength", ctypes.c_size_t),
+                ("layerHeight", ctypes.c_size_t), ("locType", ctypes.c_int), ("locId", ctypes.c_int)]
+
+
+class _BatchOp(ctypes.Structure):
+    """``CUDA_MEMCPY3D_BATCH_OP``."""
+
+    _fields_ = [("src", _Operand), ("dst", _Operand), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t),
+                ("depth", ctypes.c_size_t), ("srcAccessOrder", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+CU_MEMCPY_OPERAND_TYPE_POINTER = 1
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 
 
 _DRIVER: _Driver | None = None
@@ -185,3 +211,37 @@ class Memcpy2DCall:
         rc = fn(p, st)
         if rc:
             _check(rc, "cuMemcpy2DAsync", lambda: fn(p, st))
+
+
+class Memcpy2DBatch:
+    """Several 2-D copies (:class:`Memcpy2DCall`'s arguments) in one ``cuMemcpy3DBatchAsync``
+    call where the driver has it (CUDA 13), else one ``cuMemcpy2DAsync`` each: the host cost
+    of a prepared launch then stays one driver call however many strided runs it has.
+
+    Args:
+        copies: ``(dst, dst_pitch, src, src_pitch, width, height)`` tuples (bytes; unified
+            addresses).
+    """
+
+    def __init__(self, copies: list) -> None:
+        self.copies = [Memcpy2DCall(*c) for c in copies]
+        self.nbytes = sum(c.nbytes for c in self.copies)
+        self._fn = driver().batch3d if copies else None
+        if self._fn is not None:
+            ops = (_BatchOp * len(copies))()
+            for op, (dst, dp, src, sp, width, height) in zip(ops, copies):
+                op.src = _Operand(CU_MEMCPY_OPERAND_TYPE_POINTER, int(src), int(sp), int(height), 0, 0)
+                op.dst = _Operand(CU_MEMCPY_OPERAND_TYPE_POINTER, int(dst), int(dp), int(height), 0, 0)
+                op.width, op.height, op.depth = int(width), int(height), 1
+                op.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            self._ops, self._n, self._p = ops, len(copies), ctypes.addressof(ops)
+
+    def __call__(self, stream) -> None:
+        if self._fn is None:
+            for c in self.copies:
+                c(stream)
+            return
+        fn, n, p, st = self._fn, self._n, self._p, stream.ptr
+        rc = fn(n, p, 0, st)
+        if rc:
+            _check(rc, "cuMemcpy3DBatchAsync", lambda: fn(n, p, 0, st))
