@@ -22,6 +22,7 @@ The model is built from a config (Llama-3.2-1B's geometry by default: 16 layers,
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 from pathlib import Path
@@ -283,6 +284,7 @@ def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token:
         cache = TieredCache(cfg, max_cache_len=ctx, tokens_per_block=tokens_per_block, host_bytes=host, root=sub,
                             ring_layers=ring_layers)
         kw["past_key_values"] = cache
+    gc.collect()  # what earlier runs left to the cycle collector must not be freed during this one's peaks
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
