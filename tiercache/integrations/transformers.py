@@ -17,14 +17,19 @@ max_cache_len, head_dim]`` (K and V) and each layer's last, partial block (its *
 every layer of every forward pass:
 
 1. the layer's full blocks were onboarded into a ring buffer ``ring_layers - 1`` layers
-   earlier, by one :meth:`~tiercache.TierCache.onboard_slots` that waits on the device for
-   the compute queued before it (the attention that last read that buffer); the current
-   stream now waits on its event (no host-side wait);
-2. the tail and the new tokens are copied in behind them (device to device), and the
-   attention gets views of the buffer (no concatenation, no allocation);
+   earlier, after the compute queued before it on the device (the attention that last read
+   that buffer); the current stream now waits on its event (no host-side wait). With the
+   whole KV cache in the host tier that onboard is an exclusive prepared onboard
+   (:meth:`~tiercache.TierCache.prepare_onboard`), planned once per (layer, buffer) and
+   block count (during the prefill for the first decode step) and replayed outside the slot
+   ledger: every access to the ring is ordered on the compute stream;
+2. the tail and the new tokens are copied in behind them (device to device; a decode step's
+   in one kernel launch, :class:`~tiercache.copypaths.TokenAppend`), and the attention gets
+   views of the buffer (no concatenation, no allocation);
 3. blocks the new tokens complete are offloaded to the host tier
-   (:meth:`~tiercache.TierCache.offload_slots`, ordered after the copies on the stream); the
-   engine's slot ledger orders the buffer's reuse after those reads;
+   (:meth:`~tiercache.TierCache.offload_slots`, ordered after the copies on the stream): a
+   decode step's from the tail (device blocks of their own), a prefill's from the ring, whose
+   next onboard the compute stream then orders after that offload;
 4. the onboard of the layer ``ring_layers - 1`` ahead (wrapping into the next forward pass)
    is queued.
 
