@@ -156,7 +156,7 @@ def bench(
                                                              "VRAM; repeat to run tiercache's modes once per value; "
                                                              "default 2).", min=2, max=64)] = None,
     hf_mode: Annotated[Optional[list[str]], typer.Option("--hf-mode", help="hf job: modes to run (repeat; default all: "
-                                                         "plain, offloaded, tiercache-host, tiercache-files).")] = None,
+                                                         "plain, plain-h2d, offloaded, tiercache-host, tiercache-files).")] = None,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
     repeat: Annotated[int, typer.Option(help="Alternated passes of the file, metrics (default 5), hf (default 3) and fio-style jobs (medians of the ratios to the baseline of each pass; hf: of each mode's tokens/s).", min=1, max=20)] = 1,
     rw: Annotated[Optional[str], typer.Option("--rw", help="fio job: read|write|randread|randwrite|rw|randrw "

@@ -217,6 +217,7 @@ def test_hf_report_shows_every_measure():
            "cold_decode_tok_s": 12.5, "forward_host_ms_per_step": 10.25, "step_ms": 17.5,
            "decode_tok_s_passes": [40.25, 41.5, 43.0]}
     files = {**run, "mode": "tiercache-files", "ring_layers": 2, "cache_host_ms_per_step": 3.25, "file_read_gbps": 0.89,
+             "vs_plain": 0.8125, "vs_ceiling": 0.875,
              "kv_over_host": 2.5, "disk": {"read_gbps": 1.45}}
     text = format_hf_report({"gpu": "H100", "h2d_gbps": 52.5, "kv_bytes_per_token": 32768, "batch": 1, "ok": True,
                              "runs": [{**run, "mode": "offloaded"}, files]})
@@ -227,6 +228,7 @@ def test_hf_report_shows_every_measure():
             "ms/step") in lines[2]
     assert "cache host" not in lines[2] and "R=" not in lines[2]
     assert lines[3].startswith("tiercache-files R=2 ") and lines[3].endswith("cache host 3.2 ms/step")
+    assert "; vs plain 0.81; vs ceiling 0.88; GPU wait" in lines[3] and "vs plain" not in lines[2]
     assert "KV 2.5x the host tier; read 0.89 GB/s from files vs fio 1.45 GB/s (0.61)" in lines[4]
     assert lines[-1].startswith("tiercache's tokens: identical")
 

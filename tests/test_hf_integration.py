@@ -47,15 +47,19 @@ def _check_modes(kind, device, dtype, tmp_path, batch, prompt, new_tokens, tpb):
     ids = torch.randint(1, GEOMETRY["vocab_size"], (batch, prompt), device=device)
     want = _generate(model, ids, DynamicCache(config=model.config), new_tokens)
     total = prompt + new_tokens
-    with TieredCache(model.config, max_cache_len=total, tokens_per_block=tpb) as host:
-        got = _generate(model, ids, host, new_tokens)
-        assert torch.equal(got, want), (seed, "host")
-        st = host.stats()
-        assert st["tokens"] == [total - 1] * GEOMETRY["num_hidden_layers"]  # the last token is never fed back
-        assert "file" not in st["tiers"] and st["counters"]["offloaded_blocks"] > 0
+    layers = GEOMETRY["num_hidden_layers"]
+    # given the config, onboards go at the next update; given the model, from its o_proj hooks
+    for source, ring in ((model.config, 2), (model, 2), (model, 3)):
+        with TieredCache(source, max_cache_len=total, tokens_per_block=tpb, ring_layers=ring) as host:
+            got = _generate(model, ids, host, new_tokens)
+            assert torch.equal(got, want), (seed, "host", type(source).__name__, ring)
+            st = host.stats()
+            assert st["tokens"] == [total - 1] * layers  # the last token is never fed back
+            assert "file" not in st["tiers"] and st["counters"]["offloaded_blocks"] > 0
+            assert st["attention_hooks"] == (layers if source is model else 0)
     kv = kv_bytes_per_token(model.config, torch.finfo(dtype).bits // 8) * batch * total
     host_bytes = kv * 2 // 5                           # the KV is 2.5x the host tier: most blocks in files
-    with TieredCache(model.config, max_cache_len=total, tokens_per_block=tpb, host_bytes=host_bytes,
+    with TieredCache(model, max_cache_len=total, tokens_per_block=tpb, host_bytes=host_bytes,
                      root=tmp_path / kind) as files:
         got = _generate(model, ids, files, new_tokens)
         assert torch.equal(got, want), (seed, "files")
@@ -73,6 +77,45 @@ def test_greedy_tokens_match_dynamic_cache_cpu(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_tokens_match_dynamic_cache_gpu(tmp_path, kind):
     _check_modes(kind, "cuda", torch.bfloat16, tmp_path, batch=3, prompt=300, new_tokens=40, tpb=32)
+
+
+def test_model_hooks_queue_each_onboard_behind_its_attention_and_go_at_close():
+    """Given the model, every onboard after the first step's is queued from the o_proj hook
+    of the layer whose buffer it fills (none waits for the next update), and close() removes
+    the hooks; a second cache on the same model hooks it afresh."""
+    torch.manual_seed(2)
+    model = _model("llama", "cpu", torch.float32)
+    ids = torch.randint(1, 300, (1, 37))
+    want = _generate(model, ids, DynamicCache(config=model.config), 12)
+    projs = [m.o_proj for m in model.modules() if hasattr(m, "o_proj")]
+    for ring in (2, 4):
+        cache = TieredCache(model, max_cache_len=64, tokens_per_block=8, ring_layers=ring)
+        assert all(len(p._forward_pre_hooks) == 1 for p in projs)
+        sources, inner = [], cache._launch_after
+
+        def launch(stream, inner=inner):
+            sources.append(cache._after[1] if cache._hooked else None)
+            inner(stream)
+
+        def done(index, outer=cache._attention_done):
+            cache._hooked = True
+            try:
+                outer(index)
+            finally:
+                cache._hooked = False
+
+        cache._hooked = False
+        cache._launch_after, cache._attention_done = launch, done
+        assert torch.equal(_generate(model, ids, cache, 12), want)
+        layers = GEOMETRY["num_hidden_layers"]
+        assert len(sources) == 12 * layers and None not in sources  # one per update, each from its layer's hook
+        assert sources[:layers] == list(range(layers))
+        cache.close()
+        assert all(not p._forward_pre_hooks for p in projs)
+    with TieredCache(model, max_cache_len=64, tokens_per_block=8) as again:
+        assert again.attention_hooks == layers
+        del again
+    assert all(not p._forward_pre_hooks for p in projs)
 
 
 def test_unsupported_models_and_operations_are_clear_errors(tmp_path):
@@ -158,12 +201,44 @@ def test_bench_hf_sweeps_ring_sizes_on_a_tiny_model(tmp_path):
 
     tiny = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
-    rep = run_hf_bench(contexts=(300,), new_tokens=6, modes=("tiercache-host",), tokens_per_block=64,
+    rep = run_hf_bench(contexts=(300,), new_tokens=6, modes=("plain-h2d", "tiercache-host"), tokens_per_block=64,
                        ring_layers=(2, 3), geometry=tiny, root=tmp_path)
     assert rep["ok"] and rep["ring_layers"] == [2, 3]
     runs = {(r["mode"], r.get("ring_layers")): r for r in rep["runs"]}
-    assert set(runs) == {("plain", None), ("tiercache-host", 2), ("tiercache-host", 3)}
+    assert set(runs) == {("plain", None), ("plain-h2d", None), ("tiercache-host", 2), ("tiercache-host", 3)}
     for r in runs.values():
         assert 0 < r["forward_host_ms_per_step"] <= r["step_ms"]
         assert r["identical"] or r["max_logit_diff"] <= LOGIT_TOLERANCE
     assert runs["tiercache-host", 2]["vram_ring_bytes"] < runs["tiercache-host", 3]["vram_ring_bytes"]
+    # the ceiling copies bytes beside the plain cache and never touches it; ratios are paired per pass
+    assert runs["plain-h2d", None]["identical"] and "vs_ceiling" not in runs["plain-h2d", None]
+    assert 0 < runs["plain-h2d", None]["vs_plain"]
+    for ring in (2, 3):
+        assert 0 < runs["tiercache-host", ring]["vs_plain"] and 0 < runs["tiercache-host", ring]["vs_ceiling"]
+
+
+@pytest.mark.gpu
+def test_streaming_ceiling_copies_every_layer_bytes_and_unhooks():
+    """The bench's plain-h2d ceiling: the plain cache's tokens, each layer's KV bytes at the
+    current length landing in the scratch ring, and no hook left after close()."""
+    import numpy as np
+
+    from tiercache.bench.benchhf import StreamingCeiling
+
+    torch.manual_seed(3)
+    model = _model("llama", "cuda", torch.bfloat16)
+    ids = torch.randint(1, 300, (1, 40), device="cuda")
+    want = _generate(model, ids, DynamicCache(config=model.config), 6)
+    cache = DynamicCache(config=model.config)
+    per = kv_bytes_per_token(model.config, 2) // GEOMETRY["num_hidden_layers"]
+    ceiling = StreamingCeiling(torch, model, cache, per, 64)
+    ceiling._host[:] = np.random.default_rng(5).integers(0, 256, ceiling._host.size, dtype=np.uint8)
+    assert all(len(layer._forward_pre_hooks) == 1 and len(layer.self_attn.o_proj._forward_pre_hooks) == 1
+               for layer in model.model.layers)
+    assert torch.equal(_generate(model, ids, cache, 6), want)
+    ceiling.close()
+    n = per * cache.get_seq_length(0)  # the last forward's copies: the whole length
+    for buf in ceiling._scratch:  # the last two layers' copies went into either buffer
+        assert torch.equal(buf[:n].cpu(), torch.from_numpy(ceiling._host[:n].copy()))
+    assert all(not layer._forward_pre_hooks and not layer.self_attn.o_proj._forward_pre_hooks
+               for layer in model.model.layers)

@@ -3,6 +3,11 @@ plain ``DynamicCache``, (b) transformers' own offloading (``cache_implementation
 each layer's KV on the CPU, the next layer prefetched on a side stream), (c) tiercache's
 :class:`~tiercache.integrations.transformers.TieredCache` with its host tier, and (d) the
 same with a host tier smaller than the KV and the rest in block files, in one run on one GPU.
+A ceiling runs beside them: ``plain-h2d``, the plain cache plus the host -> device copies any
+cache that streams the KV from host memory must make, and nothing else
+(:class:`StreamingCeiling`); tiercache's modes report their tokens/s as paired ratios to the
+plain cache's and to that ceiling's (``vs_plain``, ``vs_ceiling``: medians over the passes of
+each pass's ratio).
 
 Per mode and context length: time to first token (the prefill), decode tokens/s (steps after
 the first), peak VRAM above the weights (``torch.cuda.max_memory_allocated``; over the whole
@@ -30,7 +35,7 @@ from pathlib import Path
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                     max_position_embeddings=131072, tie_word_embeddings=True)
-MODES = ("plain", "offloaded", "tiercache-host", "tiercache-files")
+MODES = ("plain", "plain-h2d", "offloaded", "tiercache-host", "tiercache-files")
 #: bf16 logits of two runs that see the same KV bytes may differ by kernel choice (split-K,
 #: attention over a strided or a contiguous cache); a mode passes when its tokens equal the plain
 #: cache's, or its logits stay within this up to the first step whose token differs
@@ -51,6 +56,71 @@ def h2d_gbps(torch, nbytes: int = 512 << 20, reps: int = 10) -> float:
         times.append(a.elapsed_time(b) / 1e3)
     times = sorted(times[2:])
     return nbytes / times[len(times) // 2] / 1e9
+
+
+class StreamingCeiling:
+    """The ``plain-h2d`` mode: the plain cache, plus the copies a layer-streaming host-tier
+    cache cannot avoid, and nothing else. Each layer's KV bytes at the current length (``K +
+    V``, ``bytes_per_token_layer`` each token) are copied host -> device (one
+    ``cudaMemcpyAsync`` from pinned memory, the host tier's kind) into a ring of two scratch
+    buffers, queued on a side stream right after the attention two layers back (a forward
+    pre-hook on its ``o_proj``) and waited for on the compute stream before the layer (a
+    pre-hook on the decoder layer). Nothing reads the scratch: what the mode measures is what
+    the bytes cost the step on this machine (PCIe time, and the host's own slowdown while DMA
+    reads its memory), the ceiling of any cache that streams the KV from host memory every
+    step. Remove the hooks with :meth:`close`."""
+
+    def __init__(self, torch, model, cache, bytes_per_token_layer: int, max_tokens: int) -> None:
+        import cupy
+
+        from tiercache.memory.hostmem import alloc_host
+
+        layers = list(model.model.layers)
+        self._n = len(layers)
+        self._cache, self._per = cache, bytes_per_token_layer
+        size = bytes_per_token_layer * max_tokens
+        self._host, self._owner = alloc_host(size, pinned=True, huge_pages="auto")
+        self._scratch = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        self._side = cupy.cuda.Stream(non_blocking=True)
+        self._after = [cupy.cuda.Event(disable_timing=True) for _ in range(self._n)]
+        self._done = [cupy.cuda.Event(disable_timing=True) for _ in range(self._n)]
+        self._queued = [False] * self._n
+        self._torch = torch
+        self._hooks = [layer.register_forward_pre_hook(self._before(i)) for i, layer in enumerate(layers)]
+        self._hooks += [layer.self_attn.o_proj.register_forward_pre_hook(self._after_attention(i))
+                        for i, layer in enumerate(layers)]
+
+    def _compute(self):
+        import cupy
+
+        return cupy.cuda.ExternalStream(self._torch.cuda.current_stream().cuda_stream)
+
+    def _before(self, i: int):
+        def hook(*_):
+            if self._queued[i]:  # the layer's bytes were queued two attentions back: wait for them
+                self._compute().wait_event(self._done[i])
+                self._queued[i] = False
+        return hook
+
+    def _after_attention(self, i: int):
+        def hook(*_):
+            import cupy
+
+            j = (i + 2) % self._n  # the layer whose bytes go into the buffer layer i's attention freed
+            n = self._per * max(self._cache.get_seq_length(0), 1)
+            self._after[i].record(self._compute())
+            self._side.wait_event(self._after[i])
+            cupy.cuda.runtime.memcpyAsync(self._scratch[j % 2].data_ptr(), self._host.ctypes.data, n, 1,
+                                          self._side.ptr)
+            self._done[j].record(self._side)
+            self._queued[j] = True
+        return hook
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._side.synchronize()
 
 
 def _pinned_bytes(torch) -> int:
@@ -78,7 +148,10 @@ def _timed_generate(torch, model, ids, new_tokens: int, cache=None, **kw) -> dic
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
             issued = time.perf_counter()
-            torch.cuda.synchronize()  # before the logits' copy to the host, which would wait itself
+            # the compute stream, as generate's own syncs wait for it (a device-wide sync would
+            # also wait for a cache's prefetch of the next step's first layers), and before
+            # the logits' copy to the host, which would wait itself
+            torch.cuda.current_stream().synchronize()
             waits.append(time.perf_counter() - issued)
             logits.append(scores.float().cpu())
             stamps.append(time.perf_counter())
@@ -168,7 +241,8 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
 
     Returns:
         ``{"h2d_gbps", "kv_bytes_per_token", "runs": [{mode, context, ttft_s, decode_tok_s,
-        pcie_bound_tok_s, share_of_bound, peak_vram_bytes, pinned_bytes, identical, ...}],
+        pcie_bound_tok_s, share_of_bound, vs_plain, vs_ceiling, peak_vram_bytes, pinned_bytes,
+        identical, ...}],
         "ok"}``; ``ok``: every tiercache (and plain) run's tokens equal the first plain run's,
         or its logits stay within :data:`LOGIT_TOLERANCE` up to the first differing token (the
         offloaded peer's rows report its own divergence without judging it).
@@ -234,6 +308,12 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
             mean_len = ctx - rec["new_tokens"] / 2
             rec["pcie_bound_tok_s"] = bw * 1e9 / (per_token * mean_len)
             rec["share_of_bound"] = rec["decode_tok_s"] / rec["pcie_bound_tok_s"]
+            # paired ratios: each pass runs every mode back to back, so a host whose speed drifts
+            # between passes weighs on both sides of a ratio alike
+            for name, base in (("vs_plain", ("plain", None)), ("vs_ceiling", ("plain-h2d", None))):
+                if base in passes and e != base:
+                    rec[name] = _median([a["decode_tok_s"] / b["decode_tok_s"]
+                                         for a, b in zip(passes[e], passes[base]) if b["decode_tok_s"]])
             runs.append(rec)
             log(f"{_label(rec):16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
                 f"(passes {', '.join(f'{x:.1f}' for x in rec['decode_tok_s_passes'])}; cold run "
@@ -249,6 +329,11 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
             # the peer's own divergence is reported, not judged: ok is about tiercache's modes
             "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs
                       if r["mode"] != "offloaded")}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
 
 
 def _median_pass(recs: list[dict]) -> dict:
@@ -273,15 +358,18 @@ def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token:
              tokens_per_block: int, ring_layers: int | None, DynamicCache, TieredCache) -> tuple[dict, dict]:
     """One generate of ``mode``: its record (times, VRAM, pinned bytes, the cache's counters)
     and the raw run (tokens, logits)."""
-    kw, cache = {}, None
+    kw, cache, ceiling = {}, None, None
     if mode == "plain":
         kw["past_key_values"] = DynamicCache(config=cfg)
+    elif mode == "plain-h2d":
+        kw["past_key_values"] = DynamicCache(config=cfg)
+        ceiling = StreamingCeiling(torch, model, kw["past_key_values"], per_token // cfg.num_hidden_layers, ctx)
     elif mode == "offloaded":
         kw["cache_implementation"] = "offloaded"
     else:
         host = None if mode == "tiercache-host" else int(per_token * ctx * host_fraction)
         sub = None if mode == "tiercache-host" else Path(root) / "hf-bench"
-        cache = TieredCache(cfg, max_cache_len=ctx, tokens_per_block=tokens_per_block, host_bytes=host, root=sub,
+        cache = TieredCache(model, max_cache_len=ctx, tokens_per_block=tokens_per_block, host_bytes=host, root=sub,
                             ring_layers=ring_layers)
         kw["past_key_values"] = cache
     gc.collect()  # what earlier runs left to the cycle collector must not be freed during this one's peaks
@@ -313,6 +401,8 @@ def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token:
     finally:
         if cache is not None:
             cache.close()
+        if ceiling is not None:
+            ceiling.close()
     return rec, r
 
 
@@ -343,6 +433,7 @@ def format_hf_report(rep: dict) -> str:
                      + (f"; passes {'/'.join(f'{x:.1f}' for x in r['decode_tok_s_passes'])}"
                         if "decode_tok_s_passes" in r else "")
                      + (f"; cold run {r['cold_decode_tok_s']:.1f} tok/s" if "cold_decode_tok_s" in r else "")
+                     + "".join(f"; {k.replace('_', ' ')} {r[k]:.2f}" for k in ("vs_plain", "vs_ceiling") if k in r)
                      + f"; GPU wait {r['gpu_wait_ms_per_step']:.1f} ms/step"
                      + (f", forward {r['forward_host_ms_per_step']:.1f} of {r['step_ms']:.1f} ms/step"
                         if "step_ms" in r else "")

@@ -3,8 +3,8 @@ pinned host memory, then files, with a few layers' worth of VRAM.
 
     from tiercache.integrations.transformers import TieredCache
 
-    cache = TieredCache(model.config, max_cache_len=32768)                  # host tier
-    cache = TieredCache(model.config, max_cache_len=32768, host_bytes=1 << 30,
+    cache = TieredCache(model, max_cache_len=32768)                         # host tier
+    cache = TieredCache(model, max_cache_len=32768, host_bytes=1 << 30,
                         root="/mnt/nvme/kv")                                 # host, then files
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
     cache.close()
@@ -30,8 +30,10 @@ every layer of every forward pass:
    (:meth:`~tiercache.TierCache.offload_slots`, ordered after the copies on the stream): a
    decode step's from the tail (device blocks of their own), a prefill's from the ring, whose
    next onboard the compute stream then orders after that offload;
-4. the onboard of the layer ``ring_layers - 1`` ahead (wrapping into the next forward pass)
-   is queued.
+4. once the attention that reads the buffer is queued, the onboard into it of the layer
+   ``ring_layers`` ahead (wrapping into the next forward pass) is queued behind it: from a
+   forward pre-hook on the attention's ``o_proj`` when the cache was given the model, else
+   at the next layer's ``update``.
 
 Cold blocks spill from the host tier to block files under ``root`` (least recently used
 first) and come back through it. The KV bytes never change on the way, so the attention sees
@@ -124,8 +126,14 @@ class TieredCache(Cache):
     docstring).
 
     Args:
-        config: the model's config (``model.config``; its text config is used): layer count,
-            KV heads, ``head_dim``; every layer must be full attention.
+        config: the model, or its config (``model.config``; its text config is used): layer
+            count, KV heads, ``head_dim``; every layer must be full attention. Given the
+            model, the cache hooks each attention's ``o_proj`` (a forward pre-hook, removed
+            by :meth:`close`) and queues the onboard into the ring buffer an attention read
+            right behind that attention, instead of at the next layer's ``update``: the copy
+            then has almost ``ring_layers`` layers' time to land, not ``ring_layers - 1``.
+            ``attention_hooks`` counts the hooks (0 with a config, or a model whose
+            attention has no ``o_proj``: the onboards then go at the next ``update``).
         max_cache_len: most tokens per sequence (prompt and generated), > 0.
         tokens_per_block: tokens per block (one file per block and pool), 1..65536.
         host_bytes: bytes of pinned host memory for the host tier (default: the whole KV
@@ -136,7 +144,8 @@ class TieredCache(Cache):
         root: directory of the file tier (None: host tier only). Its blocks are this cache's
             scratch space: they are deleted when the cache starts and when it closes.
         ring_layers: layer buffers in VRAM (2..num_layers): the onboard of a layer is queued
-            ``ring_layers - 1`` layers before its attention.
+            after the attention ``ring_layers`` layers before it (with the model's hooks) or
+            ``ring_layers - 1`` layers before its own attention (without).
         **options: other :class:`~tiercache.config.CacheConfig` fields (``fsync`` defaults
             to ``"none"`` here: a KV cache need not survive the process; ``io_threads``,
             ``io_engine``, ``direct_io``...).
@@ -153,6 +162,9 @@ class TieredCache(Cache):
 
     def __init__(self, config, max_cache_len: int, *, tokens_per_block: int = 1024, host_bytes: int | None = None,
                  root=None, ring_layers: int = 2, **options) -> None:
+        model = None
+        if isinstance(config, torch.nn.Module):
+            model, config = config, config.config
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
         layer_types = getattr(text, "layer_types", None)
@@ -179,7 +191,11 @@ class TieredCache(Cache):
         self._lengths = [0] * self.num_layers
         self._finalizer = None
         self.update_seconds = 0.0  # host time spent in update() (all layers, all steps)
+        self._after = None  # (update, layer) whose buffer's next onboard is still to queue
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
+        hooks = _attention_hooks(model, self) if model is not None else []
+        self.attention_hooks = len(hooks)
+        self._unhook = weakref.finalize(self, _remove_hooks, hooks)
 
     @property
     def max_cache_len(self) -> int:
@@ -256,6 +272,7 @@ class TieredCache(Cache):
                 self._ring_off = [r * k * cap * row for r in range(R)]
         self._cs = (None, None)  # (PyTorch stream handle, its CuPy wrapper): the compute stream
         self._pending: dict[int, tuple] = {}
+        self._after = None
         self._updates = 0
         self._key0 = 0
         # the host tier holds every block: each (layer, ring buffer) onboard is planned once
@@ -388,18 +405,38 @@ class TieredCache(Cache):
             if end > start:
                 tail.narrow(3, start - done * tpb, end - start).copy_(ring.narrow(3, start, end - start))
         self._lengths[layer_idx] = end
-        ahead = (layer_idx + R - 1) % self.num_layers
-        n_ahead = self._lengths[ahead] // tpb
-        if n_ahead:
-            to = (g + R - 1) % R
-            last = self._offloads.pop(to, None)
-            if last is not None:  # an offload still reads that buffer: the onboard into it comes after
-                self.tiers.make_stream_wait(stream, jobs=[last])
-            self._pending[g + R - 1] = (ahead, n_ahead, self._onboard(ahead, n_ahead, to, stream))
+        if self._after is not None:  # no hook launched the last layer's onboard after its attention: now
+            self._launch_after(stream)
+        self._after = (g, layer_idx)
         out = self._out.get(slot)
         if out is None or out[0] != end:  # every layer of a step returns the same views of its buffer
             out = self._out[slot] = (end, ring[0].narrow(2, 0, end), ring[1].narrow(2, 0, end))
         return out[1], out[2]
+
+    def _launch_after(self, stream) -> None:
+        """Queue the onboard into the ring buffer the last updated layer's attention reads
+        (update ``g``: buffer ``g % ring_layers``) of the layer that takes it next (update
+        ``g + ring_layers``, wrapping into the next forward pass), after the compute queued
+        so far on ``stream``: right after that attention (from the ``o_proj`` hook) or, when
+        no hook ran, at the end of the next update."""
+        g, layer_idx = self._after
+        self._after = None
+        R = self.ring_layers
+        ahead = (layer_idx + R) % self.num_layers
+        n_ahead = self._lengths[ahead] // self.tokens_per_block
+        if n_ahead:
+            to = g % R
+            last = self._offloads.pop(to, None)
+            if last is not None:  # an offload still reads that buffer: the onboard into it comes after
+                self.tiers.make_stream_wait(stream, jobs=[last])
+            self._pending[g + R] = (ahead, n_ahead, self._onboard(ahead, n_ahead, to, stream))
+
+    def _attention_done(self, layer_idx: int) -> None:
+        """The ``o_proj`` pre-hook of layer ``layer_idx``: its attention is queued; the onboard
+        of the layer ``ring_layers`` ahead goes into its buffer now."""
+        after = self._after
+        if after is not None and after[1] == layer_idx:
+            self._launch_after(self._stream())
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens stored for layer ``layer_idx``."""
@@ -415,6 +452,7 @@ class TieredCache(Cache):
         if self.tiers is not None:
             self.tiers.engine.synchronize()
             self._pending.clear()
+            self._after = None
             self._offloads.clear()
             self._tail_offloads.clear()
             self._release_plans()
@@ -440,16 +478,19 @@ class TieredCache(Cache):
         """The tier cache's :meth:`~tiercache.TierCache.stats` plus ``"vram_bytes"``,
         ``"block_bytes"``, ``"tokens"`` (per layer), ``"update_seconds"`` (host time spent in
         :meth:`update`, every layer and step: the cost this cache adds to a forward pass on
-        the host) and ``"prepared"`` (whether onboards are planned once and launched per step:
-        when the host tier holds the whole KV cache); ``{}`` before the first update."""
+        the host), ``"prepared"`` (whether onboards are planned once and launched per step:
+        when the host tier holds the whole KV cache) and ``"attention_hooks"``; ``{}`` before
+        the first update."""
         if self.tiers is None:
             return {}
         return {**self.tiers.stats(), "vram_bytes": self.vram_bytes, "block_bytes": self.block_bytes,
-                "tokens": list(self._lengths), "update_seconds": self.update_seconds, "prepared": self._prepare}
+                "tokens": list(self._lengths), "update_seconds": self.update_seconds, "prepared": self._prepare,
+                "attention_hooks": self.attention_hooks}
 
     def close(self) -> None:
         """Wait for transfers in flight, delete the file tier's blocks and close the tier cache
         (idempotent; also done when the cache is garbage-collected)."""
+        self._unhook()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -458,6 +499,30 @@ class TieredCache(Cache):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _attention_hooks(model, cache: TieredCache) -> list:
+    """Forward pre-hooks on the ``o_proj`` of every attention module of ``model`` with a
+    ``layer_idx`` (Llama, Qwen2, Mistral and most decoder models): when one runs, that
+    layer's attention is queued, so the onboard into the ring buffer it read can be queued
+    behind it (:meth:`TieredCache._attention_done`). The hooks hold the cache weakly."""
+    ref = weakref.ref(cache)
+    handles = []
+    for module in model.modules():
+        index, proj = getattr(module, "layer_idx", None), getattr(module, "o_proj", None)
+        if isinstance(index, int) and 0 <= index < cache.num_layers and isinstance(proj, torch.nn.Module):
+            def hook(_module, _args, index=index):
+                owner = ref()
+                if owner is not None and owner._after is not None:
+                    owner._attention_done(index)
+            handles.append(proj.register_forward_pre_hook(hook))
+    return handles
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _release(plans: dict) -> None:
