@@ -257,15 +257,17 @@ def test_rows_for_the_batched_copy_launch_as_one_kernel(tmp_path, rng):
 
 
 @pytest.mark.gpu
-def test_strided_runs_of_large_rows_go_to_2d_copies(tmp_path, rng):
-    """A layer-streaming cache's layout: host blocks of k device blocks of 128 KiB, position p
-    of block j going to row j of position p's run of consecutive device rows. A prepared
-    launch moves each strided run with one 2-D copy (path ``memcpy2d``); the bytes are exact
-    on every launch; scattered destinations keep the bulk kernel."""
+@pytest.mark.parametrize("tpb, path", [(1024, "memcpy2d"), (256, "memcpy2d"), (64, "bulk")])
+def test_strided_runs_of_large_rows_go_to_2d_copies(tmp_path, rng, tpb, path):
+    """A layer-streaming cache's layout: host blocks of k device blocks (rows of 128, 32 or
+    8 KiB), position p of block j going to row j of position p's run of consecutive device
+    rows. A prepared launch moves each strided run with one 2-D copy (path ``memcpy2d``) when
+    its rows are at least 16 KiB and its runs 128 KiB, else with the bulk kernel; the bytes
+    are exact on every launch; scattered destinations keep the bulk kernel."""
     torch = pytest.importorskip("torch")
     from tiercache.serving import DevicePools
 
-    nb, tpb, d, k, n = 48, 1024, 64, 2, 6
+    nb, d, k, n = 48, 64, 2, 6
     ring = {name: torch.from_numpy(rng.integers(0, 1 << 15, size=(nb, tpb, d), dtype=np.int16)).cuda().view(
         torch.bfloat16) for name in ("k", "v")}
     pools = DevicePools(ring, token_axis=0, layers=[["k", "v"]])
@@ -284,7 +286,7 @@ def test_strided_runs_of_large_rows_go_to_2d_copies(tmp_path, rng):
                 h.synchronize()
                 torch.cuda.synchronize()
                 _expect(pools, stored, dev, dst, old)
-            assert p._rows.plans[0].path == "memcpy2d"
+            assert p._rows.plans[0].path == path
         scattered = rng.permutation(nb)[: n * k].reshape(n, k).astype(np.int64)
         with c.prepare_onboard(keys, scattered) as p:
             assert p._rows.plans[0].path == "bulk"

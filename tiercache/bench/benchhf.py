@@ -91,9 +91,9 @@ class StreamingCeiling:
                         for i, layer in enumerate(layers)]
 
     def _compute(self):
-        import cupy
+        from tiercache.memory import as_cupy_stream
 
-        return cupy.cuda.ExternalStream(self._torch.cuda.current_stream().cuda_stream)
+        return as_cupy_stream(int(self._torch.cuda.current_stream().cuda_stream))  # wrapped once per handle
 
     def _before(self, i: int):
         def hook(*_):

@@ -97,9 +97,11 @@ class CopyLauncher:
     BULK_SHAPES = {"small": ("tc_bulk_copy_small", 2, 2048), "large": ("tc_bulk_copy", 4, 16384)}
     #: per-SM counters the bulk kernel may index (by %smid)
     SM_SLOTS = 256
-    #: a prepared launch of rows >= ``batch_min_bytes`` goes to 2-D copies when its strided
-    #: runs average at least this many rows (else the bulk kernel)
+    #: a prepared launch of rows of at least ``MEMCPY2D_MIN_ROW_BYTES`` goes to 2-D copies when
+    #: its strided runs average at least ``MEMCPY2D_MIN_ROWS`` rows and ``batch_min_bytes``
+    #: bytes (else the bulk kernel)
     MEMCPY2D_MIN_ROWS = 4
+    MEMCPY2D_MIN_ROW_BYTES = 16 << 10
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
                  unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 128 << 10,
@@ -248,14 +250,15 @@ class CopyLauncher:
         import cupy
 
         n = src_off.size
-        if self._recording is not None and seg.segs == 1 and seg.seg_bytes == row >= self.batch_min_bytes \
+        if self._recording is not None and seg.segs == 1 and seg.seg_bytes == row >= self.MEMCPY2D_MIN_ROW_BYTES \
                 and driverlaunch.available():
-            # a prepared launch of large rows that line up in strided runs (a host block's rows
+            # a prepared launch of rows that line up in long strided runs (a host block's rows
             # going to consecutive device rows, as a layer-streaming cache's ring is laid out):
             # one 2-D copy per run on the copy engines, which keep ~95% of a contiguous copy
             # beside compute where the bulk kernel shares the SMs with it (docs/performance.md)
             runs, sp2, dp2 = strided_runs(sp + src_off, dp + dst_off, row)
-            if runs.length.size * self.MEMCPY2D_MIN_ROWS <= n:
+            k = runs.length.size
+            if k * self.MEMCPY2D_MIN_ROWS <= n and n * row >= k * self.batch_min_bytes:
                 self._recording.append(Memcpy2DBatch([
                     (b, pd, a, ps, row, m) for a, b, m, ps, pd in zip(runs.src.tolist(), runs.dst.tolist(),
                                                                       runs.length.tolist(), sp2.tolist(), dp2.tolist())]))
@@ -415,12 +418,12 @@ class CopyLauncher:
         addresses, driver batch arguments and kernel tables are built now (tables uploaded to
         the device once), and :meth:`PreparedLaunch.run` only issues the calls. The rows,
         arrays and their contents' addresses must stay as they are while it is used. A batch
-        for the staged path is not recorded: its runs plan afresh each time. Rows that would go to
-        the driver's batched copy (``batch_min_bytes`` and more) go to 2-D copies instead (one
-        per strided run, :func:`~tiercache.copypaths.copyplan.strided_runs`, all in one
-        ``cuMemcpy3DBatchAsync`` where the driver has it)
-        when the runs average ``MEMCPY2D_MIN_ROWS`` rows, else to the bulk kernel where the GPU
-        has it: the batched copy's host cost grows with the rows on every run
+        for the staged path is not recorded: its runs plan afresh each time. Whole rows of
+        ``MEMCPY2D_MIN_ROW_BYTES`` and more go to 2-D copies (one per strided run,
+        :func:`~tiercache.copypaths.copyplan.strided_runs`, all in one
+        ``cuMemcpy3DBatchAsync`` where the driver has it) when the runs average
+        ``MEMCPY2D_MIN_ROWS`` rows and ``batch_min_bytes`` bytes; other rows that would go to
+        the driver's batched copy go to the bulk kernel where the GPU has it: the batched copy's host cost grows with the rows on every run
         (about 130 us for 128 rows on an H100 host), a kernel launch's does not."""
         self._recording = []
         try:
