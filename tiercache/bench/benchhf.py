@@ -73,7 +73,7 @@ class StreamingCeiling:
     def __init__(self, torch, model, cache, bytes_per_token_layer: int, max_tokens: int) -> None:
         import cupy
 
-        from tiercache.memory.hostmem import alloc_host
+        from tiercache.memory import alloc_host
 
         layers = list(model.model.layers)
         self._n = len(layers)
