@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -312,8 +313,9 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
             # between passes weighs on both sides of a ratio alike
             for name, base in (("vs_plain", ("plain", None)), ("vs_ceiling", ("plain-h2d", None))):
                 if base in passes and e != base:
-                    rec[name] = _median([a["decode_tok_s"] / b["decode_tok_s"]
-                                         for a, b in zip(passes[e], passes[base]) if b["decode_tok_s"]])
+                    ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(passes[e], passes[base])
+                              if b["decode_tok_s"]]
+                    rec[name] = statistics.median(ratios) if ratios else 0.0
             runs.append(rec)
             log(f"{_label(rec):16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
                 f"(passes {', '.join(f'{x:.1f}' for x in rec['decode_tok_s_passes'])}; cold run "
@@ -329,11 +331,6 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
             # the peer's own divergence is reported, not judged: ok is about tiercache's modes
             "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs
                       if r["mode"] != "offloaded")}
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
 
 
 def _median_pass(recs: list[dict]) -> dict:

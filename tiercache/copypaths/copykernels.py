@@ -423,8 +423,9 @@ class CopyLauncher:
         :func:`~tiercache.copypaths.copyplan.strided_runs`, all in one
         ``cuMemcpy3DBatchAsync`` where the driver has it) when the runs average
         ``MEMCPY2D_MIN_ROWS`` rows and ``batch_min_bytes`` bytes; other rows that would go to
-        the driver's batched copy go to the bulk kernel where the GPU has it: the batched copy's host cost grows with the rows on every run
-        (about 130 us for 128 rows on an H100 host), a kernel launch's does not."""
+        the driver's batched copy go to the bulk kernel where the GPU has it: the batched
+        copy's host cost grows with the rows on every run (about 130 us for 128 rows on an
+        H100 host), a kernel launch's does not."""
         self._recording = []
         try:
             path = self.launch_many(copies, None)

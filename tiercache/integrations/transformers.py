@@ -272,7 +272,6 @@ class TieredCache(Cache):
                 self._ring_off = [r * k * cap * row for r in range(R)]
         self._cs = (None, None)  # (PyTorch stream handle, its CuPy wrapper): the compute stream
         self._pending: dict[int, tuple] = {}
-        self._after = None
         self._updates = 0
         self._key0 = 0
         # the host tier holds every block: each (layer, ring buffer) onboard is planned once
