@@ -155,6 +155,10 @@ def bench(
     ring_layers: Annotated[Optional[list[int]], typer.Option(help="hf job: TieredCache ring_layers (layer buffers in "
                                                              "VRAM; repeat to run tiercache's modes once per value; "
                                                              "default 2).", min=2, max=64)] = None,
+    tails: Annotated[Optional[list[str]], typer.Option(help="hf job: TieredCache tails (where each layer's partial "
+                                                       "last block lives: host = pinned host memory, device = "
+                                                       "VRAM; repeat to run tiercache's modes once per value; "
+                                                       "default host).")] = None,
     hf_mode: Annotated[Optional[list[str]], typer.Option("--hf-mode", help="hf job: modes to run (repeat; default all: "
                                                          "plain, plain-h2d, offloaded, tiercache-host, tiercache-files).")] = None,
     quick: Annotated[bool, typer.Option(help="Smaller sizes (copy, layerwise and metrics jobs).")] = False,
@@ -191,7 +195,7 @@ def bench(
     fio_opts = {k: v for k, v in fio_opts.items() if v is not None}
     if job is Job.hf:
         _hf_job(output_format, root, context, new_tokens, tokens_per_block, quick, ring_layers, hf_mode,
-                repeat if repeat > 1 else 3)
+                repeat if repeat > 1 else 3, tails)
         return
     if job is Job.shared:
         _shared_job(config, output_format, root, procs, blocks, bs, min(batch, 256), repeat, seed, quick)
@@ -304,19 +308,23 @@ def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | N
 
 def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] | None, new_tokens: int,
             tokens_per_block: int, quick: bool, ring_layers: list[int] | None = None,
-            modes: list[str] | None = None, repeat: int = 3) -> None:
+            modes: list[str] | None = None, repeat: int = 3, tails: list[str] | None = None) -> None:
     from tiercache.bench.benchhf import MODES, format_hf_report, run_hf_bench
 
     bad = sorted(set(modes or ()) - set(MODES))
     if bad:
         _fail(f"--hf-mode {bad[0]!r}: expected one of {', '.join(MODES)}")
+    bad = sorted(set(tails or ()) - {"host", "device"})
+    if bad:
+        _fail(f"--tails {bad[0]!r}: expected host or device")
 
     try:
         base = root or load_config(_default_config()).root
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
         ctx = tuple(contexts or ((4096, 8192) if quick else (16384, 32768)))
         rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, root=Path(base), tokens_per_block=tokens_per_block,
-                           ring_layers=tuple(ring_layers or (2,)), modes=tuple(modes or MODES), repeat=repeat,
+                           ring_layers=tuple(ring_layers or (2,)), tails=tuple(tails or ("host",)),
+                           modes=tuple(modes or MODES), repeat=repeat,
                            log=log)
     except TierCacheError as exc:
         _fail(str(exc))

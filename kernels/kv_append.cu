@@ -1,10 +1,13 @@
 // tiercache token append: a decode step's new K/V tokens into a layer's tail block and into
 // the ring buffer the attention reads, together with the tail's earlier tokens, in one launch.
 //
-// K and V live in two pools of one allocation (V at kv + pool_stride bytes). Within a pool,
-// (sequence b, head h) = row r = b * heads + h of:
-//   - the ring buffer: ring_off + r * ring_row_stride, tokens contiguous (token t at t * row_bytes)
-//   - the layer's tail: tail_off + r * tail_row_stride, tokens 0..tokens_per_block-1
+// The ring's K and V live in two pools of one allocation (V at kv + pool_stride bytes), the
+// tails' likewise (V at tails + tail_pool_stride): in VRAM, or in pinned host memory that the
+// kernel reads and writes through its unified address. Within a pool, (sequence b, head h) =
+// row r = b * heads + h of:
+//   - the ring buffer: kv + ring_off + r * ring_row_stride, tokens contiguous (token t at
+//     t * row_bytes)
+//   - the layer's tail: tails + tail_off + r * tail_row_stride, tokens 0..tokens_per_block-1
 // For ring tokens base + i, i in [0, n):
 //   i <  split: ring <- tail token i                      (what earlier steps appended)
 //   i >= split: ring <- new token i - split, tail token i <- the same bytes
@@ -17,7 +20,7 @@
 template <typename T>
 __device__ __forceinline__ void append_chunks(
     unsigned long long kv, long long pool_stride, long long tail_off, long long ring_off,
-    long long ring_row_stride, long long tail_row_stride,
+    long long ring_row_stride, long long tail_row_stride, unsigned long long tails, long long tail_pool_stride,
     unsigned long long new_k, unsigned long long new_v,
     long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,
     int heads, int rows, int row_bytes, int base, int split, int n) {
@@ -32,7 +35,7 @@ __device__ __forceinline__ void append_chunks(
         int r = (int)(rest % rows);
         int p = (int)(rest / rows);
         char* pool = (char*)kv + p * pool_stride;
-        char* tail = pool + tail_off + r * tail_row_stride + (long long)i * row_bytes;
+        char* tail = (char*)tails + p * tail_pool_stride + tail_off + r * tail_row_stride + (long long)i * row_bytes;
         T* ring = (T*)(pool + ring_off + r * ring_row_stride + (long long)(base + i) * row_bytes) + c;
         if (i < split) {
             *ring = ((const T*)tail)[c];
@@ -52,12 +55,13 @@ __device__ __forceinline__ void append_chunks(
     extern "C" __global__ void NAME(                                                                \
         unsigned long long kv, long long pool_stride, long long tail_off, long long ring_off,       \
         long long ring_row_stride, long long tail_row_stride,                                       \
+        unsigned long long tails, long long tail_pool_stride,                                       \
         unsigned long long new_k, unsigned long long new_v,                                         \
         long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st, \
         int heads, int rows, int row_bytes, int base, int split, int n) {                           \
         append_chunks<T>(kv, pool_stride, tail_off, ring_off, ring_row_stride, tail_row_stride,     \
-                         new_k, new_v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, heads, rows, row_bytes,  \
-                         base, split, n);                                                           \
+                         tails, tail_pool_stride, new_k, new_v, k_sb, k_sh, k_st, v_sb, v_sh, v_st, \
+                         heads, rows, row_bytes, base, split, n);                                   \
     }
 
 TC_APPEND(tc_kv_append_v16, uint4)

@@ -220,7 +220,8 @@ def test_hf_report_shows_every_measure():
              "vs_plain": 0.8125, "vs_ceiling": 0.875,
              "kv_over_host": 2.5, "disk": {"read_gbps": 1.45}}
     text = format_hf_report({"gpu": "H100", "h2d_gbps": 52.5, "kv_bytes_per_token": 32768, "batch": 1, "ok": True,
-                             "runs": [{**run, "mode": "offloaded"}, files]})
+                             "runs": [{**run, "mode": "offloaded"}, {**files, "tails": "host"},
+                                      {**run, "mode": "tiercache-host", "ring_layers": 3, "tails": "device"}]})
     lines = text.splitlines()
     assert lines[2].split()[:10] == ["offloaded", "16384", "0.25", "41.5", "99.0", "0.42", "1156", "133", "512",
                                      "False"]
@@ -230,6 +231,7 @@ def test_hf_report_shows_every_measure():
     assert lines[3].startswith("tiercache-files R=2 ") and lines[3].endswith("cache host 3.2 ms/step")
     assert "; vs plain 0.81; vs ceiling 0.88; GPU wait" in lines[3] and "vs plain" not in lines[2]
     assert "KV 2.5x the host tier; read 0.89 GB/s from files vs fio 1.45 GB/s (0.61)" in lines[4]
+    assert lines[5].startswith("tiercache-host R=3 tails=device ")  # tails named where not in host memory
     assert lines[-1].startswith("tiercache's tokens: identical")
 
 

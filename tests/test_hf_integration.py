@@ -49,14 +49,18 @@ def _check_modes(kind, device, dtype, tmp_path, batch, prompt, new_tokens, tpb):
     total = prompt + new_tokens
     layers = GEOMETRY["num_hidden_layers"]
     # given the config, onboards go at the next update; given the model, from its o_proj hooks
-    for source, ring in ((model.config, 2), (model, 2), (model, 3)):
-        with TieredCache(source, max_cache_len=total, tokens_per_block=tpb, ring_layers=ring) as host:
+    # tails in pinned host memory (the default; on a GPU the append kernel reaches them across
+    # the bus) or in VRAM
+    for source, ring, tails in ((model.config, 2, "host"), (model, 2, "host"), (model, 3, "host"),
+                                (model, 2, "device")):
+        with TieredCache(source, max_cache_len=total, tokens_per_block=tpb, ring_layers=ring, tails=tails) as host:
             got = _generate(model, ids, host, new_tokens)
-            assert torch.equal(got, want), (seed, "host", type(source).__name__, ring)
+            assert torch.equal(got, want), (seed, "host", type(source).__name__, ring, tails)
             st = host.stats()
             assert st["tokens"] == [total - 1] * layers  # the last token is never fed back
             assert "file" not in st["tiers"] and st["counters"]["offloaded_blocks"] > 0
             assert st["attention_hooks"] == (layers if source is model else 0)
+            assert st["tail_memory"] == ("host" if device == "cuda" and tails == "host" else "device")
     kv = kv_bytes_per_token(model.config, torch.finfo(dtype).bits // 8) * batch * total
     host_bytes = kv * 2 // 5                           # the KV is 2.5x the host tier: most blocks in files
     with TieredCache(model, max_cache_len=total, tokens_per_block=tpb, host_bytes=host_bytes,
@@ -142,6 +146,49 @@ def test_unsupported_models_and_operations_are_clear_errors(tmp_path):
             c.crop(-1)
 
 
+@pytest.mark.parametrize("tails", ["host", "device"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_updates_of_any_size_return_every_token_so_far(device, tails):
+    """update() driven as a forward pass drives it, with steps of random sizes: prefill
+    chunks that start and end inside blocks, single-token steps that complete blocks,
+    multi-token steps after them, new tokens strided as projections hand them over and, at
+    times, with a strided head_dim (the tensor-copy path). Each layer's returned keys and
+    values equal the concatenation of everything it was given, bit for bit; the VRAM held is
+    the ring, plus the tails when they live there."""
+    seed = random.randrange(1 << 30)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    layers, B, H, D, tpb, cap = 3, 2, 2, 16, 8, 96
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = transformers.LlamaConfig(**{**GEOMETRY, "num_hidden_layers": layers, "num_key_value_heads": H,
+                                      "head_dim": D})
+    want = [[] for _ in range(layers)]
+    total, steps = 0, []
+    while True:
+        q = rng.randint(1, 20) if not steps or rng.random() < 0.25 else 1
+        if total + q > cap:
+            break
+        steps.append(q)
+        total += q
+    with TieredCache(cfg, max_cache_len=cap, tokens_per_block=tpb, tails=tails) as c:
+        for q in steps:
+            for layer in range(layers):
+                kv = []
+                for _ in range(2):  # [B, q, H, D] transposed, or a strided head_dim now and then
+                    x = torch.randn(B, q, H, 2 * D, generator=gen).to(dtype)
+                    x = x[..., ::2] if rng.random() < 0.1 else x[..., :D]
+                    kv.append(x.to(device).transpose(1, 2))
+                want[layer].append(kv)
+                k, v = c.update(kv[0], kv[1], layer)
+                assert torch.equal(k, torch.cat([w[0] for w in want[layer]], 2)), (seed, steps, layer)
+                assert torch.equal(v, torch.cat([w[1] for w in want[layer]], 2)), (seed, steps, layer)
+        st = c.stats()
+        assert st["tail_memory"] == ("host" if device == "cuda" and tails == "host" else "device")
+        assert st["counters"]["offloaded_blocks"] == layers * (total // tpb)  # host blocks: every head
+        ring = 2 * 2 * B * H * cap * D * torch.finfo(dtype).bits // 8
+        assert st["tail_bytes"] == 2 * layers * B * H * tpb * D * torch.finfo(dtype).bits // 8
+        assert c.vram_bytes == ring + (st["tail_bytes"] if st["tail_memory"] == "device" else 0)
+
+
 @pytest.mark.parametrize("host_share", [0.4, 1.0])
 def test_reset_starts_a_new_sequence(tmp_path, host_share):
     """Files beyond a small host tier, or a host tier that holds the KV (prepared onboards,
@@ -202,19 +249,23 @@ def test_bench_hf_sweeps_ring_sizes_on_a_tiny_model(tmp_path):
     tiny = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
     rep = run_hf_bench(contexts=(300,), new_tokens=6, modes=("plain-h2d", "tiercache-host"), tokens_per_block=64,
-                       ring_layers=(2, 3), geometry=tiny, root=tmp_path)
-    assert rep["ok"] and rep["ring_layers"] == [2, 3]
-    runs = {(r["mode"], r.get("ring_layers")): r for r in rep["runs"]}
-    assert set(runs) == {("plain", None), ("plain-h2d", None), ("tiercache-host", 2), ("tiercache-host", 3)}
+                       ring_layers=(2, 3), tails=("host", "device"), geometry=tiny, root=tmp_path)
+    assert rep["ok"] and rep["ring_layers"] == [2, 3] and rep["tails"] == ["host", "device"]
+    runs = {(r["mode"], r.get("ring_layers"), r.get("tails")): r for r in rep["runs"]}
+    tc = [("tiercache-host", ring, tails) for ring in (2, 3) for tails in ("host", "device")]
+    assert set(runs) == {("plain", None, None), ("plain-h2d", None, None), *tc}
     for r in runs.values():
         assert 0 < r["forward_host_ms_per_step"] <= r["step_ms"]
         assert r["identical"] or r["max_logit_diff"] <= LOGIT_TOLERANCE
-    assert runs["tiercache-host", 2]["vram_ring_bytes"] < runs["tiercache-host", 3]["vram_ring_bytes"]
+    host2, dev2, host3 = runs[tc[0]], runs[tc[1]], runs[tc[2]]
+    assert host2["vram_ring_bytes"] < host3["vram_ring_bytes"]
+    # tails in host memory: 4 layers x K and V x 2 heads x 64 tokens x 32 x bf16 less VRAM
+    assert dev2["vram_ring_bytes"] - host2["vram_ring_bytes"] == 4 * 2 * 2 * 64 * 32 * 2
     # the ceiling copies bytes beside the plain cache and never touches it; ratios are paired per pass
-    assert runs["plain-h2d", None]["identical"] and "vs_ceiling" not in runs["plain-h2d", None]
-    assert 0 < runs["plain-h2d", None]["vs_plain"]
-    for ring in (2, 3):
-        assert 0 < runs["tiercache-host", ring]["vs_plain"] and 0 < runs["tiercache-host", ring]["vs_ceiling"]
+    assert runs["plain-h2d", None, None]["identical"] and "vs_ceiling" not in runs["plain-h2d", None, None]
+    assert 0 < runs["plain-h2d", None, None]["vs_plain"]
+    for key in tc:
+        assert 0 < runs[key]["vs_plain"] and 0 < runs[key]["vs_ceiling"]
 
 
 @pytest.mark.gpu

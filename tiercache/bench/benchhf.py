@@ -216,7 +216,8 @@ def compare_to_reference(torch, ref: dict, run: dict, prompt: int) -> dict:
 
 def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, modes=MODES, root: Path | None = None,
                  files_context: int | None = None, files_new_tokens: int = 8, host_fraction: float = 0.4,
-                 tokens_per_block: int = 1024, ring_layers: int | tuple[int, ...] = 2, geometry: dict | None = None,
+                 tokens_per_block: int = 1024, ring_layers: int | tuple[int, ...] = 2, tails=("host",),
+                 geometry: dict | None = None,
                  seed: int = 0, repeat: int = 3, log=lambda s: None) -> dict:
     """Run every mode at every context length (prompt = context - new tokens): once cold, then
     ``repeat`` passes over the modes in rotated orders; each mode reports its median pass.
@@ -234,6 +235,8 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
         tokens_per_block, ring_layers: :class:`TieredCache` settings; several ``ring_layers``
             run every tiercache mode once per value (the VRAM the ring takes against the layers
             prefetched ahead).
+        tails: :class:`TieredCache` ``tails`` values (``"host"``, ``"device"``); every
+            tiercache mode runs once per value and ring size.
         geometry: ``LlamaConfig`` fields (default :data:`LLAMA_3_2_1B`).
         repeat: measured passes (>= 1; the cold pass comes on top). A run's record is its
             median pass's (by decode tokens/s), with every pass's tokens/s in
@@ -273,15 +276,17 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
     runs, reference = [], {}
     files_context = files_context or min(contexts)
     rings = (ring_layers,) if isinstance(ring_layers, int) else tuple(ring_layers)
+    tails = (tails,) if isinstance(tails, str) else tuple(tails)
+    variants = [(r, t) for r in rings for t in tails]  # TieredCache's (ring_layers, tails)
     plan = [(m, c, r) for c in contexts for m in dict.fromkeys(("plain", *modes)) if m != "tiercache-files"
-            for r in (rings if m.startswith("tiercache") else (None,))]
+            for r in (variants if m.startswith("tiercache") else (None,))]
     if "tiercache-files" in modes:
         if files_context not in contexts:
             plan.append(("plain", files_context, None))
-        plan.extend(("tiercache-files", files_context, r) for r in rings)
+        plan.extend(("tiercache-files", files_context, r) for r in variants)
     groups: dict[int, list] = {}
-    for mode, ctx, ring in plan:
-        groups.setdefault(ctx, []).append((mode, ring))
+    for mode, ctx, variant in plan:
+        groups.setdefault(ctx, []).append((mode, variant))
     for ctx, entries in groups.items():
         g = torch.Generator().manual_seed(seed + ctx)
         ids = torch.randint(1, cfg.vocab_size, (batch, ctx - new_tokens), generator=g).cuda()
@@ -291,17 +296,17 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
         # orders, so that a host whose speed drifts during the run weighs on every mode alike
         for p in range(-1, repeat):
             order = entries if p < 0 else entries[p % len(entries):] + entries[:p % len(entries)]
-            for mode, ring in order:
+            for mode, variant in order:
                 n_new = files_new_tokens if mode == "tiercache-files" else new_tokens
                 rec, r = _one_run(torch, model, cfg, mode, ctx, ids, n_new, per_token, root, host_fraction,
-                                  tokens_per_block, ring, DynamicCache, TieredCache)
+                                  tokens_per_block, variant, DynamicCache, TieredCache)
                 if mode == "plain" and ctx not in reference:
                     reference[ctx] = r
                 rec.update(compare_to_reference(torch, reference[ctx], r, ids.shape[1]))
                 if p < 0:
-                    cold[mode, ring] = rec
+                    cold[mode, variant] = rec
                 else:
-                    passes[mode, ring].append(rec)
+                    passes[mode, variant].append(rec)
         for e in entries:
             rec = _median_pass(passes[e])
             rec["cold_decode_tok_s"] = cold[e]["decode_tok_s"]
@@ -327,7 +332,7 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
     if root is not None:
         shutil.rmtree(Path(root) / "hf-fio", ignore_errors=True)
     return {"h2d_gbps": bw, "kv_bytes_per_token": per_token, "batch": batch, "tokens_per_block": tokens_per_block,
-            "ring_layers": list(rings), "gpu": torch.cuda.get_device_name(), "runs": runs,
+            "ring_layers": list(rings), "tails": list(tails), "gpu": torch.cuda.get_device_name(), "runs": runs,
             # the peer's own divergence is reported, not judged: ok is about tiercache's modes
             "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs
                       if r["mode"] != "offloaded")}
@@ -347,14 +352,17 @@ def _median_pass(recs: list[dict]) -> dict:
 
 
 def _label(rec: dict) -> str:
-    """A run's mode, with its ring size for tiercache's modes."""
-    return rec["mode"] + (f" R={rec['ring_layers']}" if rec.get("ring_layers") else "")
+    """A run's mode, with its ring size (and tails, where not in host memory) for tiercache's
+    modes."""
+    tails = f" tails={rec['tails']}" if rec.get("tails", "host") != "host" else ""
+    return rec["mode"] + (f" R={rec['ring_layers']}" if rec.get("ring_layers") else "") + tails
 
 
 def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token: int, root, host_fraction: float,
-             tokens_per_block: int, ring_layers: int | None, DynamicCache, TieredCache) -> tuple[dict, dict]:
+             tokens_per_block: int, variant: tuple | None, DynamicCache, TieredCache) -> tuple[dict, dict]:
     """One generate of ``mode``: its record (times, VRAM, pinned bytes, the cache's counters)
-    and the raw run (tokens, logits)."""
+    and the raw run (tokens, logits). ``variant``: tiercache's ``(ring_layers, tails)``."""
+    ring_layers, tails = variant or (None, None)
     kw, cache, ceiling = {}, None, None
     if mode == "plain":
         kw["past_key_values"] = DynamicCache(config=cfg)
@@ -367,7 +375,7 @@ def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token:
         host = None if mode == "tiercache-host" else int(per_token * ctx * host_fraction)
         sub = None if mode == "tiercache-host" else Path(root) / "hf-bench"
         cache = TieredCache(model, max_cache_len=ctx, tokens_per_block=tokens_per_block, host_bytes=host, root=sub,
-                            ring_layers=ring_layers)
+                            ring_layers=ring_layers, tails=tails)
         kw["past_key_values"] = cache
     gc.collect()  # what earlier runs left to the cycle collector must not be freed during this one's peaks
     base = torch.cuda.memory_allocated()
@@ -383,9 +391,11 @@ def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token:
                "gpu_wait_ms_per_step": r["gpu_wait_ms_per_step"]}
         if cache is not None:
             rec["ring_layers"] = ring_layers
+            rec["tails"] = st["tail_memory"]
             rec["cache_host_ms_per_step"] = r.get("cache_host_ms_per_step", 0.0)
             st = cache.stats()
-            rec["pinned_bytes"] += st["tiers"]["host"]["bytes_capacity"]
+            rec["pinned_bytes"] += st["tiers"]["host"]["bytes_capacity"] + (
+                st["tail_bytes"] if st["tail_memory"] == "host" else 0)
             rec["vram_ring_bytes"] = st["vram_bytes"]
             rec["prepared"] = st["prepared"]
             rec["counters"] = {k: v for k, v in st["counters"].items() if k.startswith(("bytes_", "onboard_"))}
@@ -419,11 +429,11 @@ def format_hf_report(rep: dict) -> str:
     """A text table of :func:`run_hf_bench`'s report."""
     lines = [f"{rep['gpu']}: contiguous host->device {rep['h2d_gbps']:.1f} GB/s; KV {rep['kv_bytes_per_token']} "
              f"bytes/token; batch {rep['batch']}",
-             f"{'mode':20s} {'context':>7s} {'TTFT s':>7s} {'tok/s':>7s} {'PCIe bound':>10s} {'share':>6s} "
+             f"{'mode':32s} {'context':>7s} {'TTFT s':>7s} {'tok/s':>7s} {'PCIe bound':>10s} {'share':>6s} "
              f"{'VRAM MiB':>9s} {'decode':>7s} {'pinned MiB':>10s} identical (first differing step, max logit diff "
              "up to it)"]
     for r in rep["runs"]:
-        lines.append(f"{_label(r):20s} {r['context']:7d} {r['ttft_s']:7.2f} {r['decode_tok_s']:7.1f} "
+        lines.append(f"{_label(r):32s} {r['context']:7d} {r['ttft_s']:7.2f} {r['decode_tok_s']:7.1f} "
                      f"{r['pcie_bound_tok_s']:10.1f} {r['share_of_bound']:6.2f} {r['peak_vram_bytes'] / 2**20:9.0f} "
                      f"{r['decode_peak_vram_bytes'] / 2**20:7.0f} {r['pinned_bytes'] / 2**20:10.0f} {r['identical']} "
                      f"({r['first_divergence']}, {r['max_logit_diff']:.3g})"

@@ -13,8 +13,10 @@ How it works. Tokens are grouped in blocks of ``tokens_per_block``; one tiercach
 one layer's K and V for one token block, every sequence of the batch and every KV head (a host
 block of ``batch * num_kv_heads`` device blocks of ``[tokens_per_block, head_dim]``, pools
 ``k`` and ``v``). VRAM holds a ring of ``ring_layers`` layer buffers ``[batch, heads,
-max_cache_len, head_dim]`` (K and V) and each layer's last, partial block (its *tail*). For
-every layer of every forward pass:
+max_cache_len, head_dim]`` (K and V). Each layer's last, partial block (its *tail*) lives in
+pinned host memory that the append kernel reads and writes across the bus (``tails="host"``,
+the default on a GPU: no VRAM per layer) or in VRAM (``tails="device"``: one block per
+layer, and no bus traffic for it). For every layer of every forward pass:
 
 1. the layer's full blocks were onboarded into a ring buffer ``ring_layers - 1`` layers
    earlier, after the compute queued before it on the device (the attention that last read
@@ -23,13 +25,12 @@ every layer of every forward pass:
    (:meth:`~tiercache.TierCache.prepare_onboard`), planned once per (layer, buffer) and
    block count (during the prefill for the first decode step) and replayed outside the slot
    ledger: every access to the ring is ordered on the compute stream;
-2. the tail and the new tokens are copied in behind them (device to device; a decode step's
-   in one kernel launch, :class:`~tiercache.copypaths.TokenAppend`), and the attention gets
-   views of the buffer (no concatenation, no allocation);
-3. blocks the new tokens complete are offloaded to the host tier
-   (:meth:`~tiercache.TierCache.offload_slots`, ordered after the copies on the stream): a
-   decode step's from the tail (device blocks of their own), a prefill's from the ring, whose
-   next onboard the compute stream then orders after that offload;
+2. the tail and the new tokens are copied in behind them (a decode step's in one kernel
+   launch, :class:`~tiercache.copypaths.TokenAppend`, which also writes the new tokens to
+   the tail), and the attention gets views of the buffer (no concatenation, no allocation);
+3. blocks the new tokens complete are offloaded from the ring buffer to the host tier
+   (:meth:`~tiercache.TierCache.offload_slots`, ordered after the copies on the stream); the
+   compute stream orders the buffer's next onboard after that offload;
 4. once the attention that reads the buffer is queued, the onboard into it of the layer
    ``ring_layers`` ahead (wrapping into the next forward pass) is queued behind it: from a
    forward pre-hook on the attention's ``o_proj`` when the cache was given the model, else
@@ -146,6 +147,12 @@ class TieredCache(Cache):
         ring_layers: layer buffers in VRAM (2..num_layers): the onboard of a layer is queued
             after the attention ``ring_layers`` layers before it (with the model's hooks) or
             ``ring_layers - 1`` layers before its own attention (without).
+        tails: where each layer's last, partial block lives: ``"host"`` (pinned host memory;
+            every step the append kernel reads the tail's tokens across the bus, on average
+            ``tokens_per_block / 2`` tokens per layer, and writes the new ones) or
+            ``"device"`` (VRAM: ``num_layers`` blocks more of it). ``"host"`` applies on a
+            GPU where the append kernel loads; elsewhere the tails live with the ring
+            (``stats()["tail_memory"]`` says which).
         **options: other :class:`~tiercache.config.CacheConfig` fields (``fsync`` defaults
             to ``"none"`` here: a KV cache need not survive the process; ``io_threads``,
             ``io_engine``, ``direct_io``...).
@@ -161,7 +168,7 @@ class TieredCache(Cache):
     """
 
     def __init__(self, config, max_cache_len: int, *, tokens_per_block: int = 1024, host_bytes: int | None = None,
-                 root=None, ring_layers: int = 2, **options) -> None:
+                 root=None, ring_layers: int = 2, tails: str = "host", **options) -> None:
         model = None
         if isinstance(config, torch.nn.Module):
             model, config = config, config.config
@@ -177,6 +184,8 @@ class TieredCache(Cache):
                                     ("ring_layers", ring_layers, 2, max(2, self.num_layers))):
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ConfigError(f"{name} = {value!r} must be an integer in [{lo}, {hi}]")
+        if tails not in ("host", "device"):
+            raise ConfigError(f"tails = {tails!r} must be 'host' (pinned host memory) or 'device' (VRAM)")
         if host_bytes is not None and (isinstance(host_bytes, bool) or not isinstance(host_bytes, int)
                                        or host_bytes <= 0):
             raise ConfigError(f"host_bytes = {host_bytes!r} must be a positive integer (bytes)")
@@ -184,6 +193,7 @@ class TieredCache(Cache):
         self.tokens_per_block = tokens_per_block
         self.blocks_per_layer = -(-max_cache_len // tokens_per_block)
         self.ring_layers = ring_layers
+        self.tails = tails
         self.host_bytes = host_bytes
         self.root = root
         self.options = {"fsync": "none", **options}
@@ -223,16 +233,12 @@ class TieredCache(Cache):
         kw = dict(dtype=self.dtype, device=self.device)
         # one tensor holds K and V (pools "k" and "v" are its halves), so that one copy moves
         # both: ring buffer r of either is [B, H, cap, D]; device block (r, b, h, j) is tokens
-        # j*tpb.. of (b, h): row ((r * B + b) * H + h) * nb + j of the flat [R * B * H * nb, tpb, D].
-        # Each layer's last block (its tail) follows as device blocks of their own, L * B * H
-        # rows, so that a block the decode completes is offloaded from the tail: the ring is
-        # then read and written only on the compute stream and by the onboards launched after it
+        # j*tpb.. of (b, h): row ((r * B + b) * H + h) * nb + j of the flat [R * B * H * nb, tpb, D]
         rows = R * k * nb
         L = self.num_layers
-        self._kv = torch.empty(2, rows + L * k, tpb, D, **kw)
+        self._kv = torch.empty(2, rows, tpb, D, **kw)
         self._ring = {"k": self._kv[0], "v": self._kv[1]}
         self._ids = np.arange(rows, dtype=np.int64).reshape(R, k, nb)
-        self._tail_ids = np.arange(rows, rows + L * k, dtype=np.int64).reshape(L, 1, k)
         block_bytes = 2 * k * tpb * D * key_states.element_size()
         need = self.num_layers * nb
         host_slots = need if self.host_bytes is None else self.host_bytes // block_bytes
@@ -244,6 +250,25 @@ class TieredCache(Cache):
         if host_slots < 1:
             raise ConfigError(f"host_bytes = {self.host_bytes} holds no block of {block_bytes} bytes")
         on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            from tiercache.copypaths import TokenAppend
+
+            use_kernel = TokenAppend.usable()
+        else:
+            use_kernel = False
+        # each layer's tail: [2, L, B, H, tpb, D] (K and V), in pinned host memory that the
+        # append kernel reaches through its unified address, or beside the ring
+        self.tail_memory = "host" if self.tails == "host" and use_kernel else "device"
+        tail_shape = (2, L, B, H, tpb, D)
+        self._tail_owner = None
+        if self.tail_memory == "host":
+            from tiercache.memory import alloc_host
+
+            arr, self._tail_owner = alloc_host(int(np.prod(tail_shape)) * key_states.element_size(), pinned=True)
+            tails = torch.from_numpy(arr).view(self.dtype).view(tail_shape)
+        else:
+            tails = torch.empty(tail_shape, **kw)
+        self._tail_all = tails
         pools = DevicePools(self._ring, token_axis=0, layers=[["k", "v"]], host_ok=not on_gpu,
                             device_id=self.device.index if on_gpu else None)
         file_slots = need if self.root is not None else 0
@@ -253,23 +278,22 @@ class TieredCache(Cache):
         if file_slots:  # the root is scratch space: a previous run's blocks go
             self.tiers.evict(self.tiers.keys("file"))
         self._plans: dict[tuple[int, int], tuple[int, object]] = {}
-        self._finalizer = weakref.finalize(self, _close, self.tiers, self._plans)
+        self._finalizer = weakref.finalize(self, _close, self.tiers, self._plans,
+                                           (self.device, self._tail_owner) if self._tail_owner else None)
         self.block_bytes = block_bytes
         self._views = list(self._kv[:, :rows].view(2, R, B, H, cap, D).unbind(1))  # ring buffer r: [2, B, H, cap, D]
-        self._tails = list(self._kv[:, rows:].view(2, L, B, H, tpb, D).unbind(1))  # layer i's tail: [2, B, H, tpb, D]
+        self._tails = list(tails.unbind(1))  # layer i's tail: [2, B, H, tpb, D]
         self._out: dict[int, tuple] = {}  # ring buffer -> (tokens, K view, V view) last returned
-        self._append = None  # decode steps' token writes in one kernel launch (GPU)
-        if on_gpu:
-            from tiercache.copypaths import TokenAppend
-
-            if TokenAppend.usable():
-                isz = key_states.element_size()
-                row = D * isz
-                self._isz = isz
-                self._append = TokenAppend(self._kv.data_ptr(), self._kv.stride(0) * isz, H, k, row, cap * row,
-                                           tpb * row, self.device.index or 0)
-                self._tail_off = [(rows + i * k) * tpb * row for i in range(L)]
-                self._ring_off = [r * k * cap * row for r in range(R)]
+        self._append = None  # token writes in one kernel launch (GPU)
+        if use_kernel:
+            isz = key_states.element_size()
+            row = D * isz
+            self._isz = isz
+            self._append = TokenAppend(self._kv.data_ptr(), self._kv.stride(0) * isz, H, k, row, cap * row,
+                                       tpb * row, self.device.index or 0, tails=tails.data_ptr(),
+                                       tail_pool_stride=tails.stride(0) * isz)
+            self._tail_off = [i * k * tpb * row for i in range(L)]
+            self._ring_off = [r * k * cap * row for r in range(R)]
         self._cs = (None, None)  # (PyTorch stream handle, its CuPy wrapper): the compute stream
         self._pending: dict[int, tuple] = {}
         self._updates = 0
@@ -277,8 +301,7 @@ class TieredCache(Cache):
         # the host tier holds every block: each (layer, ring buffer) onboard is planned once
         # per block count (TierCache.prepare_onboard) and only launched per step
         self._prepare = host_slots >= need
-        self._offloads: dict[int, object] = {}  # ring buffer -> its last offload job (multi-token steps)
-        self._tail_offloads: dict[int, object] = {}  # layer -> the offload of its last completed tail
+        self._offloads: dict[int, object] = {}  # ring buffer -> its last offload job
 
     def _keys(self, layer: int, j0: int, j1: int) -> list[int]:
         base = self._key0 + layer * self.blocks_per_layer
@@ -371,38 +394,28 @@ class TieredCache(Cache):
             else:  # not the order the prefetch expected: onboard now (still only a device-side wait)
                 handle = self._onboard(layer_idx, nfull, slot, stream)
             handle.wait(stream)
-        ring, tail = self._views[slot], self._tails[layer_idx]  # [2, B, H, tokens, D]: K and V
-        waits = [j for j in (self._offloads.pop(slot, None), self._tail_offloads.pop(layer_idx, None)) if j]
-        if waits:  # the buffer's or the tail's last offload read them: write after it (device-side)
-            self.tiers.make_stream_wait(stream, jobs=waits)
+        ring = self._views[slot]  # [2, B, H, tokens, D]: K and V
+        last = self._offloads.pop(slot, None)
+        if last is not None:  # the buffer's last offload read it: write after it (device-side)
+            self.tiers.make_stream_wait(stream, jobs=[last])
         base = nfull * tpb
         done = end // tpb
         if end <= base + tpb:  # the new tokens stay in the last block (decode): through the tail
-            ap = self._append
-            if ap is not None and key_states.stride(3) == 1 and value_states.stride(3) == 1:
-                i, ks, vs = self._isz, key_states.stride(), value_states.stride()
-                ap(stream, key_states.data_ptr(), (ks[0] * i, ks[1] * i, ks[2] * i), value_states.data_ptr(),
-                   (vs[0] * i, vs[1] * i, vs[2] * i), self._tail_off[layer_idx], self._ring_off[slot], base, s - base,
-                   end - base)
-            else:
-                tail[0].narrow(2, s - base, q).copy_(key_states)
-                tail[1].narrow(2, s - base, q).copy_(value_states)
-                ring.narrow(3, base, end - base).copy_(tail.narrow(3, 0, end - base))
-            if done > nfull:  # the tail is a full block now: offload it from there
-                self._tail_offloads[layer_idx] = self.tiers.offload_slots(
-                    self._keys(layer_idx, nfull, done), self._tail_ids[layer_idx], to="host", stream=stream)
+            self._append_tokens(stream, layer_idx, slot, base, s - base, key_states, value_states)
         else:  # they fill blocks (prefill): straight into the ring, the rest into the tail
             if s > base:
-                ring.narrow(3, base, s - base).copy_(tail.narrow(3, 0, s - base))
+                self._append_tokens(stream, layer_idx, slot, base, s - base)
             ring[0].narrow(2, s, q).copy_(key_states)
             ring[1].narrow(2, s, q).copy_(value_states)
+            start = done * tpb  # > s: the tail starts afresh at the first block these tokens leave partial
+            if end > start:
+                self._append_tokens(stream, layer_idx, slot, start, 0, key_states.narrow(2, start - s, end - start),
+                                    value_states.narrow(2, start - s, end - start))
+        if done > nfull:  # blocks completed: offload them from the ring (the tail starts afresh)
             self._offloads[slot] = self.tiers.offload_slots(self._keys(layer_idx, nfull, done),
                                                             self._dev(slot, nfull, done), to="host", stream=stream)
-            if self._prepare:  # plan the next step's onboard now: a prefill keeps the GPU busy, the host has time
-                self._plan(layer_idx, done, (g + self.num_layers) % R)
-            start = max(s, done * tpb)
-            if end > start:
-                tail.narrow(3, start - done * tpb, end - start).copy_(ring.narrow(3, start, end - start))
+            if self._prepare and end > base + tpb:  # plan the next step's onboard now: a prefill keeps the GPU
+                self._plan(layer_idx, done, (g + self.num_layers) % R)  # busy, the host has time
         self._lengths[layer_idx] = end
         if self._after is not None:  # no hook launched the last layer's onboard after its attention: now
             self._launch_after(stream)
@@ -411,6 +424,31 @@ class TieredCache(Cache):
         if out is None or out[0] != end:  # every layer of a step returns the same views of its buffer
             out = self._out[slot] = (end, ring[0].narrow(2, 0, end), ring[1].narrow(2, 0, end))
         return out[1], out[2]
+
+    def _append_tokens(self, stream, layer: int, slot: int, base: int, split: int, keys=None, values=None) -> None:
+        """Ring buffer ``slot``'s tokens ``base .. base + split`` get ``layer``'s tail tokens
+        ``0 .. split``; then ``keys``/``values`` ``[batch, heads, q, head_dim]`` (if given) go
+        to ring tokens ``base + split ..`` and to tail tokens ``split ..``: one kernel launch on
+        a GPU, tensor copies elsewhere."""
+        n = split + (keys.shape[2] if keys is not None else 0)
+        ap = self._append
+        if ap is not None and (keys is None or keys.stride(3) == 1 and values.stride(3) == 1):
+            i = self._isz
+            kp = vp = 0
+            kst = vst = (0, 0, 0)
+            if keys is not None:
+                ks, vs = keys.stride(), values.stride()
+                kp, kst = keys.data_ptr(), (ks[0] * i, ks[1] * i, ks[2] * i)
+                vp, vst = values.data_ptr(), (vs[0] * i, vs[1] * i, vs[2] * i)
+            ap(stream, kp, kst, vp, vst, self._tail_off[layer], self._ring_off[slot], base, split, n)
+            return
+        ring, tail = self._views[slot], self._tails[layer]
+        if self._tail_owner is not None:  # host tails, read and written here by the CPU: after the
+            torch.cuda.current_stream(self.device).synchronize()  # kernels queued on them (rare path)
+        if keys is not None:
+            tail[0].narrow(2, split, n - split).copy_(keys)
+            tail[1].narrow(2, split, n - split).copy_(values)
+        ring.narrow(3, base, n).copy_(tail.narrow(3, 0, n))
 
     def _launch_after(self, stream) -> None:
         """Queue the onboard into the ring buffer the last updated layer's attention reads
@@ -453,7 +491,6 @@ class TieredCache(Cache):
             self._pending.clear()
             self._after = None
             self._offloads.clear()
-            self._tail_offloads.clear()
             self._release_plans()
             self._key0 += self.num_layers * self.blocks_per_layer  # fresh keys; the old ones go
             for tier in ("host", "file"):
@@ -468,23 +505,27 @@ class TieredCache(Cache):
     # -- introspection and lifetime ------------------------------------------------------------
     @property
     def vram_bytes(self) -> int:
-        """Bytes of VRAM this cache holds (the ring and the tails; 0 before the first update)."""
+        """Bytes of VRAM this cache holds (the ring, and the tails with ``tail_memory ==
+        "device"``; 0 before the first update)."""
         if self.tiers is None:
             return 0
-        return self._kv.numel() * self._kv.element_size()
+        tails = self._tail_all.numel() * self._tail_all.element_size() if self._tail_owner is None else 0
+        return self._kv.numel() * self._kv.element_size() + tails
 
     def stats(self) -> dict:
         """The tier cache's :meth:`~tiercache.TierCache.stats` plus ``"vram_bytes"``,
         ``"block_bytes"``, ``"tokens"`` (per layer), ``"update_seconds"`` (host time spent in
         :meth:`update`, every layer and step: the cost this cache adds to a forward pass on
         the host), ``"prepared"`` (whether onboards are planned once and launched per step:
-        when the host tier holds the whole KV cache) and ``"attention_hooks"``; ``{}`` before
-        the first update."""
+        when the host tier holds the whole KV cache), ``"attention_hooks"``, ``"tail_memory"``
+        (``"host"``: the tails in pinned host memory; ``"device"``: with the ring) and
+        ``"tail_bytes"``; ``{}`` before the first update."""
         if self.tiers is None:
             return {}
         return {**self.tiers.stats(), "vram_bytes": self.vram_bytes, "block_bytes": self.block_bytes,
                 "tokens": list(self._lengths), "update_seconds": self.update_seconds, "prepared": self._prepare,
-                "attention_hooks": self.attention_hooks}
+                "attention_hooks": self.attention_hooks, "tail_memory": self.tail_memory,
+                "tail_bytes": self._tail_all.numel() * self._tail_all.element_size()}
 
     def close(self) -> None:
         """Wait for transfers in flight, delete the file tier's blocks and close the tier cache
@@ -530,7 +571,7 @@ def _release(plans: dict) -> None:
     plans.clear()
 
 
-def _close(tiers, plans: dict) -> None:
+def _close(tiers, plans: dict, host_tails=None) -> None:
     try:
         _release(plans)  # their pins would refuse the eviction below
         tiers.engine.synchronize()
@@ -538,6 +579,8 @@ def _close(tiers, plans: dict) -> None:
             tiers.evict(tiers.keys("file"))
     finally:
         tiers.close()
+        if host_tails is not None:  # (device, owner): kernels queued on the compute stream may still
+            torch.cuda.synchronize(host_tails[0])  # write the tails; the owner goes after this
 
 
 def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
