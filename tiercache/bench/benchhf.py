@@ -391,9 +391,9 @@ def _one_run(torch, model, cfg, mode: str, ctx: int, ids, n_new: int, per_token:
                "gpu_wait_ms_per_step": r["gpu_wait_ms_per_step"]}
         if cache is not None:
             rec["ring_layers"] = ring_layers
-            rec["tails"] = st["tail_memory"]
             rec["cache_host_ms_per_step"] = r.get("cache_host_ms_per_step", 0.0)
             st = cache.stats()
+            rec["tails"] = st["tail_memory"]
             rec["pinned_bytes"] += st["tiers"]["host"]["bytes_capacity"] + (
                 st["tail_bytes"] if st["tail_memory"] == "host" else 0)
             rec["vram_ring_bytes"] = st["vram_bytes"]
