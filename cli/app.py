@@ -100,6 +100,11 @@ class Baseline(str, Enum):
     none = "none"
 
 
+class Tails(str, Enum):
+    host = "host"
+    device = "device"
+
+
 class IOMode(str, Enum):
     auto = "auto"
     gds = "gds"
@@ -155,7 +160,7 @@ def bench(
     ring_layers: Annotated[Optional[list[int]], typer.Option(help="hf job: TieredCache ring_layers (layer buffers in "
                                                              "VRAM; repeat to run tiercache's modes once per value; "
                                                              "default 2).", min=2, max=64)] = None,
-    tails: Annotated[Optional[list[str]], typer.Option(help="hf job: TieredCache tails (where each layer's partial "
+    tails: Annotated[Optional[list[Tails]], typer.Option(help="hf job: TieredCache tails (where each layer's partial "
                                                        "last block lives: host = pinned host memory, device = "
                                                        "VRAM; repeat to run tiercache's modes once per value; "
                                                        "default host).")] = None,
@@ -308,22 +313,19 @@ def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | N
 
 def _hf_job(output_format: OutputFormat, root: Path | None, contexts: list[int] | None, new_tokens: int,
             tokens_per_block: int, quick: bool, ring_layers: list[int] | None = None,
-            modes: list[str] | None = None, repeat: int = 3, tails: list[str] | None = None) -> None:
+            modes: list[str] | None = None, repeat: int = 3, tails: list[Tails] | None = None) -> None:
     from tiercache.bench.benchhf import MODES, format_hf_report, run_hf_bench
 
     bad = sorted(set(modes or ()) - set(MODES))
     if bad:
         _fail(f"--hf-mode {bad[0]!r}: expected one of {', '.join(MODES)}")
-    bad = sorted(set(tails or ()) - {"host", "device"})
-    if bad:
-        _fail(f"--tails {bad[0]!r}: expected host or device")
 
     try:
         base = root or load_config(_default_config()).root
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
         ctx = tuple(contexts or ((4096, 8192) if quick else (16384, 32768)))
         rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, root=Path(base), tokens_per_block=tokens_per_block,
-                           ring_layers=tuple(ring_layers or (2,)), tails=tuple(tails or ("host",)),
+                           ring_layers=tuple(ring_layers or (2,)), tails=tuple(t.value for t in tails or (Tails.host,)),
                            modes=tuple(modes or MODES), repeat=repeat,
                            log=log)
     except TierCacheError as exc:

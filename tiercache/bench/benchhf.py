@@ -246,9 +246,10 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
     Returns:
         ``{"h2d_gbps", "kv_bytes_per_token", "ring_layers", "tails", "runs": [{mode, context,
         ttft_s, decode_tok_s, pcie_bound_tok_s, share_of_bound, vs_plain, vs_ceiling,
-        peak_vram_bytes, pinned_bytes, identical, ring_layers, tails, ...}], "ok"}``; ``ok``: every tiercache (and plain) run's tokens equal the first plain run's,
-        or its logits stay within :data:`LOGIT_TOLERANCE` up to the first differing token (the
-        offloaded peer's rows report its own divergence without judging it).
+        peak_vram_bytes, pinned_bytes, identical, ring_layers, tails, ...}], "ok"}``; ``ok``:
+        every tiercache (and plain) run's tokens equal the first plain run's, or its logits stay
+        within :data:`LOGIT_TOLERANCE` up to the first differing token (the offloaded peer's
+        rows report its own divergence without judging it).
 
     Raises:
         MissingDependencyError: no torch/transformers. TierUnavailableError: no GPU.

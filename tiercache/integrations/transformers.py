@@ -249,13 +249,10 @@ class TieredCache(Cache):
                               "host_bytes, or root= for a file tier")
         if host_slots < 1:
             raise ConfigError(f"host_bytes = {self.host_bytes} holds no block of {block_bytes} bytes")
-        on_gpu = self.device.type == "cuda"
-        if on_gpu:
-            from tiercache.copypaths import TokenAppend
+        from tiercache.copypaths import TokenAppend
 
-            use_kernel = TokenAppend.usable()
-        else:
-            use_kernel = False
+        on_gpu = self.device.type == "cuda"
+        use_kernel = on_gpu and TokenAppend.usable()
         # each layer's tail: [2, L, B, H, tpb, D] (K and V), in pinned host memory that the
         # append kernel reaches through its unified address, or beside the ring
         self.tail_memory = "host" if self.tails == "host" and use_kernel else "device"
@@ -268,7 +265,7 @@ class TieredCache(Cache):
             tails = torch.from_numpy(arr).view(self.dtype).view(tail_shape)
         else:
             tails = torch.empty(tail_shape, **kw)
-        self._tail_all = tails
+        self._tail_bytes = tails.numel() * tails.element_size()
         pools = DevicePools(self._ring, token_axis=0, layers=[["k", "v"]], host_ok=not on_gpu,
                             device_id=self.device.index if on_gpu else None)
         file_slots = need if self.root is not None else 0
@@ -400,7 +397,8 @@ class TieredCache(Cache):
             self.tiers.make_stream_wait(stream, jobs=[last])
         base = nfull * tpb
         done = end // tpb
-        if end <= base + tpb:  # the new tokens stay in the last block (decode): through the tail
+        decode = end <= base + tpb
+        if decode:  # the new tokens stay in the last block: through the tail
             self._append_tokens(stream, layer_idx, slot, base, s - base, key_states, value_states)
         else:  # they fill blocks (prefill): straight into the ring, the rest into the tail
             if s > base:
@@ -414,7 +412,7 @@ class TieredCache(Cache):
         if done > nfull:  # blocks completed: offload them from the ring (the tail starts afresh)
             self._offloads[slot] = self.tiers.offload_slots(self._keys(layer_idx, nfull, done),
                                                             self._dev(slot, nfull, done), to="host", stream=stream)
-            if self._prepare and end > base + tpb:  # plan the next step's onboard now: a prefill keeps the GPU
+            if self._prepare and not decode:  # plan the next step's onboard now: a prefill keeps the GPU
                 self._plan(layer_idx, done, (g + self.num_layers) % R)  # busy, the host has time
         self._lengths[layer_idx] = end
         if self._after is not None:  # no hook launched the last layer's onboard after its attention: now
@@ -443,8 +441,10 @@ class TieredCache(Cache):
             ap(stream, kp, kst, vp, vst, self._tail_off[layer], self._ring_off[slot], base, split, n)
             return
         ring, tail = self._views[slot], self._tails[layer]
-        if self._tail_owner is not None:  # host tails, read and written here by the CPU: after the
-            torch.cuda.current_stream(self.device).synchronize()  # kernels queued on them (rare path)
+        if self._tail_owner is not None:
+            # host tails that the CPU copies from and to here (a strided head_dim only): after
+            # the kernels queued on them
+            torch.cuda.current_stream(self.device).synchronize()
         if keys is not None:
             tail[0].narrow(2, split, n - split).copy_(keys)
             tail[1].narrow(2, split, n - split).copy_(values)
@@ -509,8 +509,7 @@ class TieredCache(Cache):
         "device"``; 0 before the first update)."""
         if self.tiers is None:
             return 0
-        tails = self._tail_all.numel() * self._tail_all.element_size() if self._tail_owner is None else 0
-        return self._kv.numel() * self._kv.element_size() + tails
+        return self._kv.numel() * self._kv.element_size() + (self._tail_bytes if self._tail_owner is None else 0)
 
     def stats(self) -> dict:
         """The tier cache's :meth:`~tiercache.TierCache.stats` plus ``"vram_bytes"``,
@@ -525,7 +524,7 @@ class TieredCache(Cache):
         return {**self.tiers.stats(), "vram_bytes": self.vram_bytes, "block_bytes": self.block_bytes,
                 "tokens": list(self._lengths), "update_seconds": self.update_seconds, "prepared": self._prepare,
                 "attention_hooks": self.attention_hooks, "tail_memory": self.tail_memory,
-                "tail_bytes": self._tail_all.numel() * self._tail_all.element_size()}
+                "tail_bytes": self._tail_bytes}
 
     def close(self) -> None:
         """Wait for transfers in flight, delete the file tier's blocks and close the tier cache
