@@ -7,8 +7,20 @@
  *           preadv(header page, data) until full or end of file, close
  *   write   openat(temporary name, O_CREAT | O_EXCL | O_NOFOLLOW [| O_DIRECT], 0600),
  *           pwritev(header page, data), ftruncate to the padded length, [fdatasync], close,
- *           [renameat over the final name]; on any error the temporary file is unlinked
- *   rename  renameat(temporary, final); on error the temporary file is unlinked
+ *           [publish: rename over the final name]; on any error the temporary file is unlinked
+ *   rename  publish (renameat(temporary, final)); on error the temporary file is unlinked
+ *
+ * Open descriptors (the file tier's cache of them, tiercache/files/openfiles.py): where the
+ * batch has an fd array, an operation whose fd[i] >= 0 uses that descriptor instead of opening
+ * its name (no open, fstat or close: a read is one preadv; a write goes into an existing, fully
+ * sized file, a recycled one, with no ftruncate); the caller keeps owning it. With TC_KEEP a
+ * file the operation opens itself stays open when it succeeds (read: O_RDWR where permitted,
+ * else O_RDONLY; write: O_RDWR) and its descriptor is returned in fd[i]; on failure it is
+ * closed and fd[i] is -1. With TC_EXCHANGE, publishing swaps the temporary and the final name
+ * (renameat2 RENAME_EXCHANGE) so the final name's previous file survives under the temporary
+ * name, for reuse, and got[i] is its inode number (0 where the final name did not exist or the
+ * filesystem cannot exchange, or the name is not a regular file: then a plain rename
+ * replaced it).
  *
  * Two backends run reads and writes (renames always run on the threads):
  *
@@ -38,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -45,7 +58,7 @@
 #define TC_NOTREG (-1)
 
 enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2 };
-enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4 };
+enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16 };
 
 /* One batch, struct of arrays (entry i of every array belongs to operation i). */
 typedef struct {
@@ -60,7 +73,8 @@ typedef struct {
     const int64_t *data_len; /* bytes of data */
     const int64_t *file_len; /* write: the file's padded length */
     int32_t *err;            /* out: 0, errno, or TC_NOTREG */
-    int64_t *got;            /* out (read): bytes read, header included */
+    int64_t *got;            /* out: read: bytes read, header included; publish: see TC_EXCHANGE */
+    int32_t *fd;             /* in/out: open descriptors (see above); may be NULL */
 } tc_batch;
 
 typedef struct tc_job {
@@ -110,6 +124,18 @@ void tc_set_fault(int kind, const char *match, int err, int times)
     pthread_mutex_unlock(&fault_mu);
 }
 
+static int injected(int kind, const char *name);
+
+/* a fault for operation i: by its name, or by its final name (a reused free file's name is
+ * another block's) */
+static int op_injected(const tc_batch *b, int i)
+{
+    int e = injected(b->kind, b->names + b->name_off[i]);
+    if (!e && b->final_off && b->kind != TC_READ)
+        e = injected(b->kind, b->names + b->final_off[i]);
+    return e;
+}
+
 static int injected(int kind, const char *name)
 {
     int e = 0;
@@ -144,6 +170,70 @@ static int not_regular(int e)
     return e == ELOOP || e == EISDIR || e == ENXIO;
 }
 
+#ifndef RENAME_EXCHANGE
+#define RENAME_EXCHANGE (1 << 1)
+#endif
+
+/* the descriptor operation i was given (-1: it opens its name) */
+static int given_fd(const tc_batch *b, int i)
+{
+    return b->fd ? b->fd[i] : -1;
+}
+
+static int keeps(const tc_batch *b, int i)
+{
+    return b->fd && (b->flags[i] & TC_KEEP);
+}
+
+/* rename the temporary file of operation i over its final name (TC_EXCHANGE: swap them,
+ * got[i] = the inode now under the temporary name); returns the error */
+static int publish(const tc_batch *b, int i)
+{
+    const char *tmp = b->names + b->name_off[i], *final = b->names + b->final_off[i];
+    b->got[i] = 0;
+#ifdef SYS_renameat2
+    struct stat st;
+    /* only a regular file is swapped out (a directory or symlink under the name is left to
+     * the plain rename, which refuses or replaces it as it always did) */
+    if ((b->flags[i] & TC_EXCHANGE) && fstatat(b->dir_fd, final, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(st.st_mode)) {
+        if (syscall(SYS_renameat2, b->dir_fd, tmp, b->dir_fd, final, RENAME_EXCHANGE) == 0) {
+            b->got[i] = (int64_t)st.st_ino;
+            return 0;
+        }
+        if (errno != ENOENT && errno != EINVAL && errno != ENOSYS)
+            return not_regular(errno) ? TC_NOTREG : errno;
+    }
+#endif
+    if (renameat(b->dir_fd, tmp, b->dir_fd, final) != 0)
+        return not_regular(errno) || errno == ENOTEMPTY ? TC_NOTREG : errno;
+    return 0;
+}
+
+/* after operation i opened its own descriptor fd: keep it (TC_KEEP, success) or close it;
+ * returns the error */
+static int settle_fd(const tc_batch *b, int i, int fd, int e)
+{
+    if (!e && keeps(b, i)) {
+        b->fd[i] = fd;
+        return 0;
+    }
+    if (close(fd) != 0 && !e)
+        e = errno;
+    if (b->fd)
+        b->fd[i] = -1;
+    return e;
+}
+
+/* a kept descriptor of a write whose file is being removed: close it */
+static void drop_kept(const tc_batch *b, int i, int given)
+{
+    if (!given && b->fd && b->fd[i] >= 0) {
+        close(b->fd[i]);
+        b->fd[i] = -1;
+    }
+}
+
 /* after a short vectored transfer of r bytes: the first of the 2 buffers of v not yet done
  * (from iov), trimmed by what was moved */
 static int advance(struct iovec *v, int iov, size_t r)
@@ -159,26 +249,41 @@ static int advance(struct iovec *v, int iov, size_t r)
     return iov;
 }
 
+/* open a file to read: O_RDWR when it is to be kept (so it can be recycled later), falling back
+ * to O_RDONLY where writing is not permitted */
+static int open_read(const tc_batch *b, int i, const char *name)
+{
+    int base = O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, direct = b->flags[i] & TC_DIRECT;
+    if (keeps(b, i)) {
+        int fd = open_file(b->dir_fd, name, O_RDWR | base, direct, 0);
+        if (fd >= 0 || (errno != EACCES && errno != EROFS && errno != EPERM))
+            return fd;
+    }
+    return open_file(b->dir_fd, name, O_RDONLY | base, direct, 0);
+}
+
 static void do_read(const tc_batch *b, int i)
 {
     const char *name = b->names + b->name_off[i];
     int64_t total = 0;
-    int fd = open_file(b->dir_fd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK,
-                       b->flags[i] & TC_DIRECT, 0);
+    int given = given_fd(b, i);
+    int fd = given >= 0 ? given : open_read(b, i, name);
     b->got[i] = 0;
     if (fd < 0) {
         b->err[i] = not_regular(errno) ? TC_NOTREG : errno;
         return;
     }
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-        b->err[i] = errno;
-        close(fd);
+    if (given < 0 && fstat(fd, &st) != 0) {
+        b->err[i] = settle_fd(b, i, fd, errno);
         return;
     }
-    if (!S_ISREG(st.st_mode)) {
-        b->err[i] = TC_NOTREG;
-        close(fd);
+    if (given < 0 && !S_ISREG(st.st_mode)) {
+        b->err[i] = settle_fd(b, i, fd, TC_NOTREG);
+        return;
+    }
+    if (given < 0 && fcntl(fd, F_SETFL, (b->flags[i] & TC_DIRECT) ? O_DIRECT : 0) != 0) {
+        b->err[i] = settle_fd(b, i, fd, errno); /* clear O_NONBLOCK (kept descriptors are reused) */
         return;
     }
     int e = injected(TC_READ, name);
@@ -198,9 +303,8 @@ static void do_read(const tc_batch *b, int i)
         total += r;
         iov = advance(v, iov, (size_t)r);
     }
-    close(fd);
     b->got[i] = total;
-    b->err[i] = e;
+    b->err[i] = given >= 0 ? e : settle_fd(b, i, fd, e);
 }
 
 static int write_all(int fd, const tc_batch *b, int i)
@@ -208,7 +312,7 @@ static int write_all(int fd, const tc_batch *b, int i)
     struct iovec v[2] = {{b->head[i], TC_HEADER_BYTES}, {b->data[i], (size_t)b->data_len[i]}};
     int iov = 0;
     int64_t off = 0, want = TC_HEADER_BYTES + b->data_len[i];
-    int e = injected(TC_WRITE, b->names + b->name_off[i]);
+    int e = op_injected(b, i);
     if (e)
         return e;
     while (off < want) {
@@ -230,33 +334,36 @@ static void do_write(const tc_batch *b, int i)
 {
     const char *tmp = b->names + b->name_off[i];
     int flags = b->flags[i];
-    int fd = open_file(b->dir_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
-                       flags & TC_DIRECT, 0600);
+    int given = given_fd(b, i);
+    int fd = given >= 0 ? given
+                        : open_file(b->dir_fd, tmp, (keeps(b, i) ? O_RDWR : O_WRONLY) | O_CREAT | O_EXCL | O_CLOEXEC
+                                                         | O_NOFOLLOW, flags & TC_DIRECT, 0600);
     if (fd < 0) {
         b->err[i] = not_regular(errno) ? TC_NOTREG : errno;
         return;
     }
     int e = write_all(fd, b, i);
-    if (!e && b->file_len[i] > TC_HEADER_BYTES + b->data_len[i] && ftruncate(fd, b->file_len[i]) != 0)
+    if (!e && given < 0 && b->file_len[i] > TC_HEADER_BYTES + b->data_len[i] && ftruncate(fd, b->file_len[i]) != 0)
         e = errno;
     if (!e && (flags & TC_FDATASYNC) && fdatasync(fd) != 0)
         e = errno;
-    if (close(fd) != 0 && !e)
-        e = errno;
-    if (!e && (flags & TC_PUBLISH) &&
-        renameat(b->dir_fd, tmp, b->dir_fd, b->names + b->final_off[i]) != 0)
-        e = not_regular(errno) || errno == ENOTEMPTY ? TC_NOTREG : errno;
-    if (e)
+    if (given < 0)
+        e = settle_fd(b, i, fd, e);
+    if (!e && (flags & TC_PUBLISH))
+        e = publish(b, i);
+    if (e) {
         unlinkat(b->dir_fd, tmp, 0);
+        drop_kept(b, i, given >= 0);
+    }
     b->err[i] = e;
 }
 
 static void do_rename(const tc_batch *b, int i)
 {
     const char *tmp = b->names + b->name_off[i];
-    int e = injected(TC_RENAME, tmp);
-    if (!e && renameat(b->dir_fd, tmp, b->dir_fd, b->names + b->final_off[i]) != 0)
-        e = not_regular(errno) || errno == ENOTEMPTY ? TC_NOTREG : errno;
+    int e = op_injected(b, i);
+    if (!e)
+        e = publish(b, i);
     if (e)
         unlinkat(b->dir_fd, tmp, 0);
     b->err[i] = e;
@@ -466,6 +573,8 @@ enum { ST_OPEN = 0, ST_IO = 1, ST_SYNC = 2 };
 typedef struct {
     int fd;
     int direct;
+    int given;         /* fd is the caller's (not opened, not closed here) */
+    int rdwr;          /* a read opens O_RDWR (TC_KEEP; cleared when refused) */
     int64_t off;       /* bytes moved so far (header included) */
     struct iovec iov[2];
 } tc_file;
@@ -477,8 +586,9 @@ static void prep_open(tc_ring *r, const tc_batch *b, tc_file *f, int i)
     sqe->opcode = IORING_OP_OPENAT;
     sqe->fd = b->dir_fd;
     sqe->addr = (uint64_t)(uintptr_t)(b->names + b->name_off[i]);
-    sqe->open_flags = (write ? O_WRONLY | O_CREAT | O_EXCL : O_RDONLY | O_NONBLOCK) | O_CLOEXEC | O_NOFOLLOW
-                      | (f->direct ? O_DIRECT : 0);
+    int keep = keeps(b, i);
+    sqe->open_flags = (write ? (keep ? O_RDWR : O_WRONLY) | O_CREAT | O_EXCL : (f->rdwr ? O_RDWR : O_RDONLY) | O_NONBLOCK)
+                      | O_CLOEXEC | O_NOFOLLOW | (f->direct ? O_DIRECT : 0);
     sqe->len = write ? 0600 : 0;
     sqe->user_data = ((uint64_t)i << 2) | ST_OPEN;
 }
@@ -509,18 +619,28 @@ static void prep_sync(tc_ring *r, tc_file *f, int i)
     sqe->user_data = ((uint64_t)i << 2) | ST_SYNC;
 }
 
-/* a write's end: close, publish or remove the temporary file; returns the error */
+/* a write's end: close (or keep), publish or remove the temporary file; returns the error */
 static int finish_write(const tc_batch *b, tc_file *f, int i, int e)
 {
     const char *tmp = b->names + b->name_off[i];
-    if (close(f->fd) != 0 && !e)
-        e = errno;
+    if (!f->given)
+        e = settle_fd(b, i, f->fd, e);
     f->fd = -1;
-    if (!e && (b->flags[i] & TC_PUBLISH) &&
-        renameat(b->dir_fd, tmp, b->dir_fd, b->names + b->final_off[i]) != 0)
-        e = not_regular(errno) || errno == ENOTEMPTY ? TC_NOTREG : errno;
-    if (e)
+    if (!e && (b->flags[i] & TC_PUBLISH))
+        e = publish(b, i);
+    if (e) {
         unlinkat(b->dir_fd, tmp, 0);
+        drop_kept(b, i, f->given);
+    }
+    return e;
+}
+
+/* a read's end: close (or keep) a descriptor it opened; returns the error */
+static int finish_read(const tc_batch *b, tc_file *f, int i, int e)
+{
+    if (!f->given)
+        e = settle_fd(b, i, f->fd, e);
+    f->fd = -1;
     return e;
 }
 
@@ -535,6 +655,11 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
                 if (write)
                     unlinkat(b->dir_fd, b->names + b->name_off[i], 0);
                 f->direct = 0;
+                prep_open(r, b, f, i);
+                return 0;
+            }
+            if (!write && f->rdwr && (res == -EACCES || res == -EROFS || res == -EPERM)) {
+                f->rdwr = 0; /* writing refused: read-only */
                 prep_open(r, b, f, i);
                 return 0;
             }
@@ -553,14 +678,9 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
                 e = errno; /* clear O_NONBLOCK: io_uring would fail reads with EAGAIN */
         }
         if (!e)
-            e = injected(b->kind, b->names + b->name_off[i]);
+            e = op_injected(b, i);
         if (e) {
-            if (write)
-                b->err[i] = finish_write(b, f, i, e);
-            else {
-                close(f->fd);
-                b->err[i] = e;
-            }
+            b->err[i] = write ? finish_write(b, f, i, e) : finish_read(b, f, i, e);
             return 1;
         }
         f->off = 0;
@@ -583,12 +703,11 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
             e = EIO;
         }
         if (!write) {
-            close(f->fd);
             b->got[i] = f->off;
-            b->err[i] = e;
+            b->err[i] = finish_read(b, f, i, e);
             return 1;
         }
-        if (!e && b->file_len[i] > want && ftruncate(f->fd, b->file_len[i]) != 0)
+        if (!e && !f->given && b->file_len[i] > want && ftruncate(f->fd, b->file_len[i]) != 0)
             e = errno;
         if (!e && (b->flags[i] & TC_FDATASYNC)) {
             prep_sync(r, f, i);
@@ -611,7 +730,7 @@ static int on_abort(const tc_batch *b, tc_file *f, int i, int stage, int res, in
         if (b->kind == TC_WRITE)
             finish_write(b, f, i, err);
         else
-            close(f->fd);
+            finish_read(b, f, i, err);
     }
     b->err[i] = err;
     return 1;
@@ -648,14 +767,32 @@ static int uring_run(const tc_batch *b, int n)
     int next = 0, active = 0, done = 0, err = 0;
     while (done < n) {
         while (active < TC_RING_DEPTH && next < n) {
-            files[next].fd = -1;
-            files[next].direct = (b->flags[next] & TC_DIRECT) != 0;
+            tc_file *f = &files[next];
+            f->direct = (b->flags[next] & TC_DIRECT) != 0;
+            f->rdwr = keeps(b, next);
+            f->fd = given_fd(b, next);
+            f->given = f->fd >= 0;
             if (b->kind == TC_READ)
                 b->got[next] = 0;
-            prep_open(r, b, &files[next], next);
+            if (f->given) { /* an open descriptor: straight to the transfer */
+                int e = op_injected(b, next);
+                if (e) {
+                    b->err[next] = b->kind == TC_WRITE ? finish_write(b, f, next, e) : finish_read(b, f, next, e);
+                    next++;
+                    done++;
+                    continue;
+                }
+                f->off = 0;
+                prep_io(r, b, f, next);
+            } else {
+                f->fd = -1;
+                prep_open(r, b, f, next);
+            }
             next++;
             active++;
         }
+        if (active == 0)
+            continue;
         int got = reap(r, b, files, 0);
         if (got < 0) {
             err = -got;

@@ -31,6 +31,10 @@ def _tier(root, pools, engine, **kw):
     return FileTier(root, pools, 4096, IOPath("posix", "test"), io_engine=engine, **kw)
 
 
+def _free_names(ft):
+    return ft.open_files.free_names() if ft.open_files is not None else []
+
+
 def _data(rng, pools, n):
     return {p.name: rng.integers(0, 256, (n, p.block_nbytes), dtype=np.uint8) for p in pools}
 
@@ -94,11 +98,13 @@ def test_every_engine_reads_what_another_wrote(tmp_path, rng, writer):
 
 
 def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine):
+    """With no held descriptors (``open_files=0``) every read looks at the name again, so a
+    file deleted or replaced behind the tier fails its block (held descriptors: below)."""
     pools = (PoolSpec("kv", (8192,), "uint8"),)
     keys = list(range(10))
     data = _data(rng, pools, 10)
     root = tmp_path / "root"
-    ft = _tier(root, pools, io_engine, fsync="none")
+    ft = _tier(root, pools, io_engine, fsync="none", open_files=0)
     assert not any(ft.write(_items(keys, data)).values())
     name = {k: root / block_filename(k, "kv") for k in keys}
     with open(name[1], "r+b") as f:  # a flipped data byte
@@ -162,7 +168,8 @@ def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
         batchio.clear_faults()
     assert {k for k, e in errs.items() if e} == {doomed}
     assert errs[doomed].errno == errno.ENOSPC
-    assert not [p for p in os.listdir(root) if p.startswith(".tmp.")]
+    # the only temporary files are the free files the tier keeps (replaced blocks' files)
+    assert sorted(p for p in os.listdir(root) if p.startswith(".tmp.")) == sorted(_free_names(ft))
     # no half-written block: neither pool's file of the failed key is left
     assert not [p for p in os.listdir(root) if p.startswith(block_filename(doomed, "")[:-4])]
     ok = [i for i, k in enumerate(keys) if k != doomed]
@@ -172,6 +179,7 @@ def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
     for name in new:  # the other blocks hold the new bytes (the read used to fill copies, unchecked)
         assert np.array_equal(out[name], new[name][ok])
     ft.close()
+    assert not [p for p in os.listdir(root) if p.startswith(".tmp.")]  # free files go with the tier
 
 
 @needs_native

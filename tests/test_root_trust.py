@@ -24,6 +24,7 @@ from tiercache import ArrayMismatchError, CacheConfig, ConfigError, PoolSpec, Ro
 from tiercache.config import config_from_dict
 from tiercache.cuda import cuda_status
 from tiercache.errors import TransferError
+from tiercache.files.batchio import native_status
 from tiercache.files import FileTier, block_filename
 
 runner = CliRunner()
@@ -324,7 +325,8 @@ def test_verify_finds_trailing_bytes_and_symlinked_blocks(flushed, outside):
 
 
 def test_a_block_replaced_by_a_symlink_at_run_time_is_not_followed(make_config, rng, outside):
-    cfg = make_config(host_slots=4)
+    """Without held descriptors the read finds the symlink and refuses it."""
+    cfg = make_config(host_slots=4, open_files=0)
     with TierCache(cfg) as c:
         exp = put_random(c, [8, 9], rng)
         c.offload([8, 9], to="file")
@@ -339,6 +341,33 @@ def test_a_block_replaced_by_a_symlink_at_run_time_is_not_followed(make_config, 
         assert_bytes(c, {9: exp[9]})
         assert (cfg.root / "quarantine" / name).is_symlink()  # the link moved, its target did not
         assert tree(outside) == before
+
+
+@pytest.mark.skipif(not native_status()[0], reason="held descriptors need the native I/O engine")
+def test_a_held_block_replaced_by_a_symlink_is_neither_followed_nor_swapped(make_config, rng, outside):
+    """With held descriptors (the default) the tier reads the file it published, not the
+    name: the symlink is never opened. The next write of the block does not swap the symlink
+    into a free file (only a regular file is exchanged): it replaces the link, and the target
+    outside is untouched throughout."""
+    cfg = make_config(host_slots=4)
+    with TierCache(cfg) as c:
+        exp = put_random(c, [8, 9], rng)
+        c.offload([8, 9], to="file")
+        name = block_filename(8, "kv")
+        shutil.copy(cfg.root / name, outside / "copy.bin")
+        (cfg.root / name).unlink()
+        (cfg.root / name).symlink_to(outside / "copy.bin")
+        before = tree(outside)
+        c.onboard([8, 9])
+        assert_bytes(c, exp)
+        new = put_random(c, [8], rng)
+        c.offload([8], to="file")
+        assert (cfg.root / name).is_file() and not (cfg.root / name).is_symlink()
+        assert not [n for n in os.listdir(cfg.root) if n.startswith(".tmp.")]  # the link is not kept as a free file
+        assert tree(outside) == before
+        c.onboard([8])
+        assert_bytes(c, {8: new[8], 9: exp[9]})
+    assert tree(outside) == before
 
 
 # -- 10. ownership ---------------------------------------------------------------------------------

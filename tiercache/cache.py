@@ -108,6 +108,7 @@ class TierCache:
                 kvikio_gds_threshold=config.kvikio_gds_threshold, check_root_owner=config.check_root_owner,
                 io_engine=config.io_engine, sharing=config.sharing, min_age_s=config.min_age_s,
                 tmp_max_age_s=config.tmp_max_age_s,
+                open_files=config.open_files,
             )
         if not self.tiers:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")

@@ -16,6 +16,7 @@ library's ``tomllib``)::
     verify_checksums = true
     io_threads = 8
     io_engine = "auto"             # auto | io_uring | threads | python
+    open_files = -1                # block files held open and recycled: -1 auto, 0 none, N at most
     check_root_owner = true        # refuse a root of another user or writable by others
     sharing = "exclusive"          # exclusive (one process) | shared (many processes, content keys)
     min_age_s = 30.0               # shared: files younger than this are not evicted by policy
@@ -68,7 +69,7 @@ MAX_IO_THREADS = 256
 _TIER_KEYS = {"device_slots", "host_slots", "file_slots", "host_huge_pages"}
 _FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "io_engine", "capacity_bytes", "direct_io",
               "kvikio_task_size", "kvikio_gds_threshold", "check_root_owner", "sharing", "min_age_s",
-              "negative_ttl_s", "tmp_max_age_s"}
+              "negative_ttl_s", "tmp_max_age_s", "open_files"}
 SHARING_MODES = ("exclusive", "shared")
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes", "batch_streams",
@@ -122,6 +123,12 @@ class CacheConfig:
             request's opens, reads/writes and flushes on its own ring), ``threads`` (a pool of
             ``io_threads`` C threads with blocking calls) or ``python`` (one Python task per
             block). See :mod:`tiercache.files.batchio` and docs/performance.md.
+        open_files: descriptors of block files the native I/O engine holds open, so a read is
+            one ``preadv`` and a write reuses a free, already allocated file
+            (:mod:`tiercache.files.openfiles`): -1 (the default) every block file of the tier
+            plus 256 free files per file size, within 3/4 of the process's open-file limit
+            (raised to its hard limit); 0 opens, creates and closes a file per operation; N at
+            most N. Exclusive roots only (a shared root holds none).
         capacity_bytes: bytes the file tier may use on disk (0: no byte limit; ``file_slots``
             still applies). Least recently used blocks are deleted beyond it.
         direct_io: open block files with O_DIRECT on the POSIX path (the default: cold reads
@@ -221,6 +228,7 @@ class CacheConfig:
     min_age_s: float = 30.0
     negative_ttl_s: float = 1.0
     tmp_max_age_s: float = 900.0
+    open_files: int = -1
     kvikio_task_size: int | None = None
     kvikio_gds_threshold: int | None = None
     device_id: int = 0
@@ -283,6 +291,7 @@ class CacheConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} = {getattr(self, key)!r} must be true or false")
         _check_int("capacity_bytes", self.capacity_bytes, 0, 1 << 62)
+        _check_int("open_files", self.open_files, -1, 1 << 20)
         for key in ("kvikio_task_size", "kvikio_gds_threshold"):
             if getattr(self, key) is not None:
                 _check_int(key, getattr(self, key), 0 if key == "kvikio_gds_threshold" else 4096, 1 << 40)
@@ -362,6 +371,7 @@ class CacheConfig:
             "min_age_s": self.min_age_s,
             "negative_ttl_s": self.negative_ttl_s,
             "tmp_max_age_s": self.tmp_max_age_s,
+            "open_files": self.open_files,
             "streams_per_direction": self.streams_per_direction,
             "copy_kernel_sms": self.copy_kernel_sms,
             "memcpy_min_bytes": self.memcpy_min_bytes,

@@ -36,7 +36,7 @@ import numpy as np
 from tiercache.errors import ConfigError
 
 READ, WRITE, RENAME = 0, 1, 2
-DIRECT, FDATASYNC, PUBLISH = 1, 2, 4
+DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE = 1, 2, 4, 8, 16
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file
 NOT_REGULAR = -1
 HEADER_BYTES = 4096
@@ -48,7 +48,7 @@ class _Batch(ctypes.Structure):
         ("kind", ctypes.c_int32), ("dir_fd", ctypes.c_int32), ("names", ctypes.c_void_p),
         ("name_off", ctypes.c_void_p), ("final_off", ctypes.c_void_p), ("flags", ctypes.c_void_p),
         ("head", ctypes.c_void_p), ("data", ctypes.c_void_p), ("data_len", ctypes.c_void_p),
-        ("file_len", ctypes.c_void_p), ("err", ctypes.c_void_p), ("got", ctypes.c_void_p),
+        ("file_len", ctypes.c_void_p), ("err", ctypes.c_void_p), ("got", ctypes.c_void_p), ("fd", ctypes.c_void_p),
     ]
 
 
@@ -140,8 +140,9 @@ def clear_faults() -> None:
 
 class Ops:
     """One batch being built: per operation a name (and final name), flags, a header page,
-    a data pointer and lengths. Header pages live in :attr:`heads` (``uint8 [n, 4096]``,
-    page-aligned)."""
+    a data pointer and lengths, and a descriptor (:attr:`fd`, -1: open the name; see
+    ``kernels/blockio.c`` on ``KEEP`` and ``EXCHANGE``). Header pages live in :attr:`heads`
+    (``uint8 [n, 4096]``, page-aligned)."""
 
     def __init__(self, n: int, heads: np.ndarray) -> None:
         self.n = n
@@ -154,6 +155,7 @@ class Ops:
         self.heads = heads
         self.err = np.zeros(n, np.int32)
         self.got = np.zeros(n, np.int64)
+        self.fd = np.full(n, -1, np.int32)
 
 
 def error_for(code: int, where: str) -> OSError:
@@ -204,7 +206,8 @@ class NativeIO:
 
     def run(self, kind: int, dir_fd: int, ops: Ops) -> int:
         """Run ``ops`` (kind :data:`READ`, :data:`WRITE` or :data:`RENAME`) in the root of
-        ``dir_fd``; fills ``ops.err`` and ``ops.got``. Returns the number that failed."""
+        ``dir_fd``; fills ``ops.err``, ``ops.got`` and (``KEEP``) ``ops.fd``. Returns the
+        number that failed."""
         if self._closed:
             raise RuntimeError("NativeIO is closed")
         n = ops.n
@@ -220,7 +223,7 @@ class NativeIO:
         b = _Batch(kind, dir_fd, ctypes.addressof(blob), offs.ctypes.data,
                    final_off.ctypes.data if final_off is not None else None, ops.flags.ctypes.data,
                    head_ptr.ctypes.data, ops.data.ctypes.data, ops.data_len.ctypes.data, ops.file_len.ctypes.data,
-                   ops.err.ctypes.data, ops.got.ctypes.data)
+                   ops.err.ctypes.data, ops.got.ctypes.data, ops.fd.ctypes.data)
         return self._lib.tc_run(self._pool, ctypes.byref(b), n)  # the GIL is released meanwhile
 
     def close(self) -> None:

@@ -14,10 +14,16 @@ task; otherwise a request of two or more files is a **group commit** (:class:`Gr
 every file is written as a temporary file without a flush, the last task to finish makes
 them durable with one ``syncfs`` and renames them into place (one native batch), and each
 block is acknowledged only after that.
+
+With the tier's :class:`~tiercache.files.openfiles.OpenFiles`, reads use the descriptors it
+holds and hand it those they open; writes go into its free files where it has one of the
+size (else a new temporary file, kept open), and publish with an exchange where the replaced
+file can be kept free.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +35,9 @@ from tiercache.errors import CorruptBlockError
 from tiercache.files import posix_io
 from tiercache.files.batchio import (
     DIRECT,
+    EXCHANGE,
     FDATASYNC,
+    KEEP,
     NOT_REGULAR,
     PUBLISH,
     READ,
@@ -49,6 +57,7 @@ from tiercache.files.blockfile import (
     file_size,
     header_checksum,
 )
+from tiercache.files.openfiles import Entry, OpenFiles
 from tiercache.files.rootdir import RootDir, RootPath
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key
@@ -142,12 +151,16 @@ class GroupCommit:
             rename leaves no temporary file).
         delete: ``delete([key])`` removes a block's files.
         settle: ``settle({index: error})`` once, with every failed block.
+        discard: ``discard(item)`` removes a staged file that will not be published (by
+            default: unlinks ``item[0]``). Staged items are ``(tmp, final, ...)``: what
+            follows the two paths is for ``rename_all`` and ``discard``.
     """
 
     def __init__(self, directory: RootDir, fsync: str, keys: list[Key], tasks: int, rename_all: Callable,
-                 delete: Callable, settle: Callable[[dict], None]) -> None:
+                 delete: Callable, settle: Callable[[dict], None], discard: Callable | None = None) -> None:
         self.dir, self.fsync, self.keys = directory, fsync, keys
-        self.staged: list[list[tuple[RootPath, RootPath]] | None] = [None] * len(keys)
+        self.staged: list[list[tuple] | None] = [None] * len(keys)
+        self._discard = discard or (lambda item: item[0].unlink())
         self.failed: dict[int, BaseException] = {}
         self._left = tasks
         self._lock = threading.Lock()
@@ -180,14 +193,14 @@ class GroupCommit:
             posix_io.sync_filesystem(self.dir.fd)
         except BaseException as exc:
             for i in ready:
-                for tmp, _ in self.staged[i]:
-                    tmp.unlink()
+                for item in self.staged[i]:
+                    self._discard(item)
                 self.failed[i] = exc
             return
-        pairs = [(i, tmp, final) for i in ready for tmp, final in self.staged[i]]
-        errs = self._rename_all([(tmp, final) for _, tmp, final in pairs])
+        items = [(i, item) for i in ready for item in self.staged[i]]
+        errs = self._rename_all([item for _, item in items])
         bad: dict[int, BaseException] = {}
-        for (i, _, _), exc in zip(pairs, errs):
+        for (i, _), exc in zip(items, errs):
             if exc is not None:
                 bad.setdefault(i, exc)
         if bad:
@@ -236,15 +249,18 @@ class BlockBatches:
         fsync, verify, direct_io, device_id: as :class:`~tiercache.files.FileTier`.
         block_meta: per key, extra header metadata for its next write.
         delete: ``delete([key])`` removes a block's files.
+        open_files: the tier's held descriptors and free files (None: every file is opened,
+            created and closed by its operation).
     """
 
     def __init__(self, directory: RootDir, pools: dict[str, PoolSpec], native: NativeIO, executor: Executor,
                  fsync: str, verify: bool, direct_io: bool, device_id: int, block_meta: dict,
-                 delete: Callable) -> None:
+                 delete: Callable, open_files: OpenFiles | None = None) -> None:
         self.dir, self.pools, self.native, self.executor = directory, pools, native, executor
         self.fsync, self.verify, self.direct_io, self.device_id = fsync, verify, direct_io, device_id
         self.block_meta = block_meta
         self._delete = delete
+        self.open_files = open_files if open_files is not None and open_files.enabled else None
         self._local = threading.local()
         self._root = str(directory.path)  # for messages
 
@@ -348,24 +364,48 @@ class BlockBatches:
             before_io(idx[0], deps, delay_s, None)
             files = self._layout(idx, items, skip, errors)
             ops = self._ops(files)
-            ops.names = [block_filename(key, pool.name).encode() for _, key, pool, _, _ in files]
-            self.native.run(READ, self.dir.fd, ops)
-            to_device = []
-            for j, (i, key, pool, buf, host) in enumerate(files):
-                if i in errors:
-                    continue
-                try:
-                    self._check_read(ops, j, key, pool, host)
-                except BaseException as exc:
-                    errors[i] = exc
-                    continue
-                if not _is_host(buf):
-                    to_device.append((i, buf, host))
+            names = [block_filename(key, pool.name) for _, key, pool, _, _ in files]
+            ops.names = [n.encode() for n in names]
+            held = self._hold(names, ops)
+            try:
+                self.native.run(READ, self.dir.fd, ops)
+                to_device = []
+                for j, (i, key, pool, buf, host) in enumerate(files):
+                    kept = int(ops.fd[j]) if held[j] is None else -1
+                    try:
+                        if i in errors:
+                            raise CorruptBlockError("a sibling file failed")
+                        self._check_read(ops, j, key, pool, host)
+                    except BaseException as exc:
+                        errors.setdefault(i, exc)
+                        if kept >= 0:
+                            os.close(kept)
+                        continue
+                    if kept >= 0:
+                        self.open_files.adopt(names[j], OpenFiles.describe(kept))
+                    if not _is_host(buf):
+                        to_device.append((i, buf, host))
+            finally:
+                if self.open_files is not None:
+                    self.open_files.release(held)
             self._device_copies([(buf, host) for i, buf, host in to_device if i not in errors])
         except BaseException as exc:
             for i in idx:
                 errors.setdefault(i, exc)
         outcome.settle(errors)
+
+    def _hold(self, names: list[str], ops: Ops) -> list[Entry | None]:
+        """Per read: the held descriptor it uses (its fd set in ``ops``), or None (the read
+        opens the file and keeps it: ``KEEP``)."""
+        if self.open_files is None:
+            return [None] * len(names)
+        held = self.open_files.acquire(names, [bool(f & DIRECT) for f in ops.flags.tolist()])
+        for j, e in enumerate(held):
+            if e is not None:
+                ops.fd[j] = e.fd
+            else:
+                ops.flags[j] |= KEEP
+        return held
 
     def _check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray) -> None:
         code = int(ops.err[j])
@@ -390,7 +430,7 @@ class BlockBatches:
         if self.fsync != "none" and n_files > 1:
             outcome = Outcome()
             group = GroupCommit(self.dir, self.fsync, [k for k, _ in items], len(chunks), self.rename_all,
-                                self._delete, outcome.settle)
+                                self._delete, outcome.settle, self.discard)
             out = [(key, BlockFuture(outcome, i)) for i, (key, _) in enumerate(items)]
         for idx in chunks:
             outcome = None
@@ -411,19 +451,41 @@ class BlockBatches:
             ops = self._ops(files)
             publish = group is None
             flags = (PUBLISH | (FDATASYNC if self.fsync != "none" else 0)) if publish else 0
+            of = self.open_files
+            reused: list[Entry | None] = [None] * len(files)
             for j, (i, key, pool, _, host) in enumerate(files):
                 final = block_filename(key, pool.name)
                 ops.heads[j] = np.frombuffer(encode_header(key, pool, checksum(host), self.block_meta.get(key)),
                                              np.uint8)
-                ops.names.append(posix_io.tmp_name(final).encode())
+                free = of.take_free(int(ops.file_len[j]), bool(ops.flags[j] & DIRECT)) if of is not None else None
+                if free is not None:  # a free file of this size: written through its descriptor
+                    ops.names.append(free[0].encode())
+                    ops.fd[j] = free[1].fd
+                    reused[j] = free[1]
+                else:
+                    ops.names.append(posix_io.tmp_name(final).encode())
+                    ops.flags[j] |= KEEP if of is not None else 0
                 ops.finals.append(final.encode())
-                ops.flags[j] |= flags
+                ops.flags[j] |= flags | (EXCHANGE if publish and of is not None and of.exchange(final) else 0)
             self.native.run(WRITE, self.dir.fd, ops)
             io_failed: set[int] = set()
+            entries: list[Entry | None] = [None] * len(files)
             for j, (i, *_rest) in enumerate(files):
-                if ops.err[j] and i not in errors:
-                    errors[i] = error_for(int(ops.err[j]), str(self.dir.child(ops.finals[j].decode())))
-                    io_failed.add(i)
+                if ops.err[j]:
+                    if reused[j] is not None:
+                        of.discard(reused[j])  # its temporary name is gone
+                    if i not in errors:
+                        errors[i] = error_for(int(ops.err[j]), str(self.dir.child(ops.finals[j].decode())))
+                        io_failed.add(i)
+                elif reused[j] is not None:
+                    entries[j] = reused[j]
+                elif ops.fd[j] >= 0:
+                    entries[j] = OpenFiles.describe(int(ops.fd[j]))
+                if publish and not ops.err[j] and of is not None:
+                    drop = of.published(ops.finals[j].decode(), ops.names[j].decode(), entries[j],
+                                        reused[j] is not None, int(ops.got[j]))
+                    if drop:
+                        self.dir.child(drop).unlink()
             if io_failed:  # a failed write leaves no file of its block (no stale or half-written one)
                 self._delete([items[i][0] for i in sorted(io_failed)])
             if publish:
@@ -436,16 +498,17 @@ class BlockBatches:
                         errors.update({i: exc for i in ok})
             else:
                 for j, (i, *_rest) in enumerate(files):
-                    pair = (self.dir.child(ops.names[j].decode()), self.dir.child(ops.finals[j].decode()))
+                    item = (self.dir.child(ops.names[j].decode()), self.dir.child(ops.finals[j].decode()),
+                            entries[j], reused[j] is not None)
                     if i in errors:
                         if not ops.err[j]:
-                            pair[0].unlink()  # a sibling pool's file failed: drop this one too
+                            self.discard(item)  # a sibling pool's file failed: drop this one too
                     else:
-                        staged.setdefault(i, []).append(pair)
+                        staged.setdefault(i, []).append(item)
         except BaseException as exc:
-            for pairs in staged.values():
-                for tmp, _ in pairs:
-                    tmp.unlink()
+            for st in staged.values():
+                for item in st:
+                    self.discard(item)
             staged.clear()
             for i in idx:
                 errors.setdefault(i, exc)
@@ -459,11 +522,44 @@ class BlockBatches:
                 group.staged[i] = staged.get(i, [])
         group.task_done()
 
-    def rename_all(self, pairs: list[tuple[RootPath, RootPath]]) -> list[BaseException | None]:
-        """Rename each ``(tmp, final)`` in one native batch (a failed rename removes its
-        temporary file); per pair None or the exception."""
-        ops = Ops(len(pairs), self.native.heads(0))
-        ops.names = [tmp.name.encode() for tmp, _ in pairs]
-        ops.finals = [final.name.encode() for _, final in pairs]
+    def discard(self, item: tuple) -> None:
+        """Remove a staged file that will not be published (``(tmp, final, entry, reused)``)
+        and drop its descriptor."""
+        tmp, _, entry, reused = item
+        tmp.unlink()
+        if entry is None:
+            return
+        if reused:
+            self.open_files.discard(entry)
+        else:
+            os.close(entry.fd)
+
+    def rename_all(self, items: list[tuple]) -> list[BaseException | None]:
+        """Publish each staged ``(tmp, final, entry, reused)`` in one native batch (a failed
+        rename removes its temporary file), exchanging with the replaced file where the
+        open-file cache keeps it; per item None or the exception."""
+        ops = Ops(len(items), self.native.heads(0))
+        ops.names = [it[0].name.encode() for it in items]
+        ops.finals = [it[1].name.encode() for it in items]
+        of = self.open_files
+        if of is not None:
+            for j, it in enumerate(items):
+                if of.exchange(it[1].name):
+                    ops.flags[j] = EXCHANGE
         self.native.run(RENAME, self.dir.fd, ops)
-        return [error_for(int(e), str(final)) if e else None for e, (_, final) in zip(ops.err, pairs)]
+        out: list[BaseException | None] = []
+        for j, (tmp, final, entry, reused) in enumerate(items):
+            if ops.err[j]:
+                out.append(error_for(int(ops.err[j]), str(final)))
+                if entry is not None:  # its temporary file is gone
+                    if reused:
+                        of.discard(entry)
+                    else:
+                        os.close(entry.fd)
+                continue
+            out.append(None)
+            if of is not None:
+                drop = of.published(final.name, tmp.name, entry, reused, int(ops.got[j]))
+                if drop:
+                    self.dir.child(drop).unlink()
+        return out

@@ -26,9 +26,10 @@ from tiercache.files.batchio import NativeIO, choose_engine
 from tiercache.files.blockbatch import BlockBatches, GroupCommit, before_io, python_rename_all, settle_futures
 from tiercache.files.blockfile import block_filename, file_size, parse_filename
 from tiercache.files.iopath import IOPath
+from tiercache.files.openfiles import FREE_FILES, OpenFiles
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootLock, RootPath, open_root
 from tiercache.files.rootsurvey import classify
-from tiercache.files.sharing import published, tmp_abandoned
+from tiercache.files.sharing import published, tmp_abandoned, tmp_name
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
 from tiercache.memory import copy_sync
@@ -83,6 +84,16 @@ class FileTier:
             policy (another process may have just published it for a reader).
         tmp_max_age_s: shared mode: a temporary file older than this (seconds) is abandoned
             whoever wrote it.
+        open_files: descriptors of block files the native engine keeps open
+            (:mod:`tiercache.files.openfiles`): -1 (auto) holds every block file and
+            :data:`~tiercache.files.openfiles.FREE_FILES` free files per size, within the
+            process's budget; 0 opens and closes every file per operation and recycles none.
+            Exclusive roots only: they also recycle replaced and evicted files
+            (:attr:`open_files`). While a tier is open its root is its own: a held descriptor
+            keeps serving the verified bytes its file was published with even if something
+            else deletes or replaces the name (the next open's scan sees what is on disk).
+            Shared roots hold none: a descriptor would keep the disk space of files other
+            processes delete, and hide their deletions.
 
     Raises:
         RootError: see :func:`~tiercache.files.rootdir.open_root` and
@@ -96,7 +107,7 @@ class FileTier:
                  direct_io: bool = False, kvikio_task_size: int | None = None,
                  kvikio_gds_threshold: int | None = None, check_root_owner: bool = True,
                  io_engine: str = "auto", sharing: str = "exclusive", min_age_s: float = 30.0,
-                 tmp_max_age_s: float = 900.0) -> None:
+                 tmp_max_age_s: float = 900.0, open_files: int = -1) -> None:
         self.engine, self.engine_reason = choose_engine(io_engine)
         self.shared = sharing == "shared"
         self.min_age_s = min_age_s
@@ -127,10 +138,16 @@ class FileTier:
         if io_path.kvikio:
             kvikio_io.configure(io_threads, kvikio_task_size, kvikio_gds_threshold)
         self._native = self._batches = None
+        #: the native engine's held descriptors and free files (None with the python engine)
+        self.open_files: OpenFiles | None = None
         if self.engine in ("io_uring", "threads"):
             self._native = NativeIO(io_threads, uring=self.engine == "io_uring")
+            if open_files and not self.shared:  # shared: see the open_files argument
+                sizes = len({file_size(p.block_nbytes) for p in pools})
+                want = num_slots * len(pools) + FREE_FILES * sizes if open_files < 0 else open_files
+                self.open_files = OpenFiles(self.dir.fd, want, recycle=not self.shared)
             self._batches = BlockBatches(self.dir, self.pools, self._native, self._executor, fsync, verify,
-                                         direct_io, device_id, self.block_meta, self._drop_failed)
+                                         direct_io, device_id, self.block_meta, self._drop_failed, self.open_files)
 
     # -- paths -------------------------------------------------------------------------
     def path(self, key: Key, pool: str) -> RootPath:
@@ -276,6 +293,13 @@ class FileTier:
         deletes what others just published or still read."""
         if self.shared:
             return []
+        if self.open_files is not None and self.open_files.recycle:
+            names = [block_filename(k, p) for k in keys for p in self.pools]
+            kept = self.open_files.recycle_names(names, [tmp_name(n) for n in names])
+            for name, ok in zip(names, kept):
+                if not ok:
+                    self._unlink(name)
+            return list(keys)
         self.delete(keys)
         return list(keys)
 
@@ -313,7 +337,14 @@ class FileTier:
             return f"{entry.name}: {size} bytes, expected {want} (trailing bytes)", {}
         return None, header.extra
 
+    def _forget(self, names) -> None:
+        """Block files being deleted, renamed away or replaced by the ``python`` or kvikio
+        path: their held descriptors are not used again."""
+        if self.open_files is not None:
+            self.open_files.forget(names)
+
     def _quarantine(self, path: RootPath, reason: str) -> bool:
+        self._forget([path.name])
         qdir = self.dir.subdir(QUARANTINE, create=True)
         try:
             path.rename(qdir.child(path.name))
@@ -342,6 +373,8 @@ class FileTier:
         temporary file (group commit)."""
         final = self.path(key, pool.name)
         extra = self.block_meta.get(key)
+        if publish:
+            self._forget([final.name])
         if isinstance(buf, memoryview) or hasattr(buf, "ctypes"):  # host memory
             return posix_io.write_block(final, key, pool, buf, self.fsync, self.direct_io, extra, publish)
         import cupy
@@ -441,7 +474,12 @@ class FileTier:
 
     def _submit_group(self, items, deps, delay_s, skip) -> list[tuple[Key, Future]]:
         futures = [Future() for _ in items]
-        group = GroupCommit(self.dir, self.fsync, [k for k, _ in items], len(items), python_rename_all,
+
+        def rename_all(pairs):
+            self._forget([final.name for _, final in pairs])
+            return python_rename_all(pairs)
+
+        group = GroupCommit(self.dir, self.fsync, [k for k, _ in items], len(items), rename_all,
                             self._drop_failed, settle_futures(futures))
 
         def task(i: int, key: Key, bufs: dict) -> None:
@@ -474,10 +512,14 @@ class FileTier:
         name is left in place, with a warning)."""
         for key in keys:
             for pool in self.pools:
-                try:
-                    self.path(key, pool).unlink()
-                except NotRegularFileError as exc:
-                    log.warning("tiercache: %s", exc)
+                self._unlink(block_filename(key, pool))
+
+    def _unlink(self, name: str) -> None:
+        self._forget([name])
+        try:
+            self.dir.child(name).unlink()
+        except NotRegularFileError as exc:
+            log.warning("tiercache: %s", exc)
 
     def describe_key(self, key: Key) -> str:
         """A short name of the files of ``key``, for messages."""
@@ -488,5 +530,7 @@ class FileTier:
         self._executor.shutdown(wait=True)
         if self._native is not None:
             self._native.close()
+        if self.open_files is not None:
+            self.open_files.close()
         self._lock.release()
         self.dir.close()
