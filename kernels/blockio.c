@@ -16,7 +16,8 @@
  * sized file, a recycled one, with no ftruncate); the caller keeps owning it. With TC_KEEP a
  * file the operation opens itself stays open when it succeeds (read: O_RDWR where permitted,
  * else O_RDONLY; write: O_RDWR) and its descriptor is returned in fd[i]; on failure it is
- * closed and fd[i] is -1. With TC_EXCHANGE, publishing swaps the temporary and the final name
+ * closed and fd[i] is -1 (TC_KEEP_DIRECT: a kept descriptor is switched to O_DIRECT, for the
+ * aligned operations that will use it, when its own operation could not use it). With TC_EXCHANGE, publishing swaps the temporary and the final name
  * (renameat2 RENAME_EXCHANGE) so the final name's previous file survives under the temporary
  * name, for reuse, and got[i] is its inode number (0 where the final name did not exist or the
  * filesystem cannot exchange, or the name is not a regular file: then a plain rename
@@ -58,7 +59,7 @@
 #define TC_NOTREG (-1)
 
 enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2 };
-enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16 };
+enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16, TC_KEEP_DIRECT = 32 };
 
 /* One batch, struct of arrays (entry i of every array belongs to operation i). */
 typedef struct {
@@ -215,6 +216,8 @@ static int publish(const tc_batch *b, int i)
 static int settle_fd(const tc_batch *b, int i, int fd, int e)
 {
     if (!e && keeps(b, i)) {
+        if ((b->flags[i] & TC_KEEP_DIRECT) && !(b->flags[i] & TC_DIRECT))
+            fcntl(fd, F_SETFL, O_DIRECT); /* kept for O_DIRECT use (where the filesystem has it) */
         b->fd[i] = fd;
         return 0;
     }

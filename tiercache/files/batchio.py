@@ -36,7 +36,7 @@ import numpy as np
 from tiercache.errors import ConfigError
 
 READ, WRITE, RENAME = 0, 1, 2
-DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE = 1, 2, 4, 8, 16
+DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT = 1, 2, 4, 8, 16, 32
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file
 NOT_REGULAR = -1
 HEADER_BYTES = 4096

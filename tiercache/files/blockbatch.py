@@ -38,6 +38,7 @@ from tiercache.files.batchio import (
     EXCHANGE,
     FDATASYNC,
     KEEP,
+    KEEP_DIRECT,
     NOT_REGULAR,
     PUBLISH,
     READ,
@@ -261,6 +262,9 @@ class BlockBatches:
         self.block_meta = block_meta
         self._delete = delete
         self.open_files = open_files if open_files is not None and open_files.enabled else None
+        #: flags of an operation that keeps its file open (O_DIRECT descriptors where the tier
+        #: uses O_DIRECT, whatever the buffer of the operation that opened it)
+        self._keep = KEEP | (KEEP_DIRECT if direct_io else 0)
         self._local = threading.local()
         self._root = str(directory.path)  # for messages
 
@@ -371,18 +375,24 @@ class BlockBatches:
                 self.native.run(READ, self.dir.fd, ops)
                 to_device = []
                 for j, (i, key, pool, buf, host) in enumerate(files):
-                    kept = int(ops.fd[j]) if held[j] is None else -1
+                    kept = int(ops.fd[j]) if held[j] is None and ops.flags[j] & KEEP else None
                     try:
                         if i in errors:
                             raise CorruptBlockError("a sibling file failed")
                         self._check_read(ops, j, key, pool, host)
+                        entry = OpenFiles.describe(kept) if kept is not None and kept >= 0 else None
                     except BaseException as exc:
                         errors.setdefault(i, exc)
-                        if kept >= 0:
+                        if kept is not None and kept >= 0:
                             os.close(kept)
+                        entry = None
+                    if kept is not None:
+                        if entry is not None:
+                            self.open_files.adopt(names[j], entry)
+                        else:
+                            self.open_files.unreserve()
+                    if i in errors:
                         continue
-                    if kept >= 0:
-                        self.open_files.adopt(names[j], OpenFiles.describe(kept))
                     if not _is_host(buf):
                         to_device.append((i, buf, host))
             finally:
@@ -403,8 +413,8 @@ class BlockBatches:
         for j, e in enumerate(held):
             if e is not None:
                 ops.fd[j] = e.fd
-            else:
-                ops.flags[j] |= KEEP
+            elif self.open_files.reserve():
+                ops.flags[j] |= self._keep
         return held
 
     def _check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray) -> None:
@@ -464,26 +474,29 @@ class BlockBatches:
                     reused[j] = free[1]
                 else:
                     ops.names.append(posix_io.tmp_name(final).encode())
-                    ops.flags[j] |= KEEP if of is not None else 0
+                    ops.flags[j] |= self._keep if of is not None and of.reserve() else 0
                 ops.finals.append(final.encode())
                 ops.flags[j] |= flags | (EXCHANGE if publish and of is not None and of.exchange(final) else 0)
             self.native.run(WRITE, self.dir.fd, ops)
             io_failed: set[int] = set()
             entries: list[Entry | None] = [None] * len(files)
             for j, (i, *_rest) in enumerate(files):
+                if reused[j] is not None:
+                    entries[j] = reused[j]
+                elif ops.flags[j] & KEEP:  # a reserved descriptor: kept (fd >= 0) or not
+                    entries[j] = OpenFiles.describe(int(ops.fd[j])) if ops.fd[j] >= 0 else None
+                    if entries[j] is None:
+                        of.unreserve()
+                    else:
+                        entries[j].refs = 1  # the writer's, until published or discarded
                 if ops.err[j]:
-                    if reused[j] is not None:
-                        of.discard(reused[j])  # its temporary name is gone
+                    of.discard(entries[j]) if entries[j] is not None else None  # its temporary name is gone
+                    entries[j] = None
                     if i not in errors:
                         errors[i] = error_for(int(ops.err[j]), str(self.dir.child(ops.finals[j].decode())))
                         io_failed.add(i)
-                elif reused[j] is not None:
-                    entries[j] = reused[j]
-                elif ops.fd[j] >= 0:
-                    entries[j] = OpenFiles.describe(int(ops.fd[j]))
-                if publish and not ops.err[j] and of is not None:
-                    drop = of.published(ops.finals[j].decode(), ops.names[j].decode(), entries[j],
-                                        reused[j] is not None, int(ops.got[j]))
+                elif publish and of is not None:
+                    drop = of.published(ops.finals[j].decode(), ops.names[j].decode(), entries[j], int(ops.got[j]))
                     if drop:
                         self.dir.child(drop).unlink()
             if io_failed:  # a failed write leaves no file of its block (no stale or half-written one)
@@ -499,7 +512,7 @@ class BlockBatches:
             else:
                 for j, (i, *_rest) in enumerate(files):
                     item = (self.dir.child(ops.names[j].decode()), self.dir.child(ops.finals[j].decode()),
-                            entries[j], reused[j] is not None)
+                            entries[j])
                     if i in errors:
                         if not ops.err[j]:
                             self.discard(item)  # a sibling pool's file failed: drop this one too
@@ -523,19 +536,15 @@ class BlockBatches:
         group.task_done()
 
     def discard(self, item: tuple) -> None:
-        """Remove a staged file that will not be published (``(tmp, final, entry, reused)``)
-        and drop its descriptor."""
-        tmp, _, entry, reused = item
+        """Remove a staged file that will not be published (``(tmp, final, entry)``) and drop
+        its descriptor."""
+        tmp, _, entry = item
         tmp.unlink()
-        if entry is None:
-            return
-        if reused:
+        if entry is not None:
             self.open_files.discard(entry)
-        else:
-            os.close(entry.fd)
 
     def rename_all(self, items: list[tuple]) -> list[BaseException | None]:
-        """Publish each staged ``(tmp, final, entry, reused)`` in one native batch (a failed
+        """Publish each staged ``(tmp, final, entry)`` in one native batch (a failed
         rename removes its temporary file), exchanging with the replaced file where the
         open-file cache keeps it; per item None or the exception."""
         ops = Ops(len(items), self.native.heads(0))
@@ -548,18 +557,15 @@ class BlockBatches:
                     ops.flags[j] = EXCHANGE
         self.native.run(RENAME, self.dir.fd, ops)
         out: list[BaseException | None] = []
-        for j, (tmp, final, entry, reused) in enumerate(items):
+        for j, (tmp, final, entry) in enumerate(items):
             if ops.err[j]:
                 out.append(error_for(int(ops.err[j]), str(final)))
                 if entry is not None:  # its temporary file is gone
-                    if reused:
-                        of.discard(entry)
-                    else:
-                        os.close(entry.fd)
+                    of.discard(entry)
                 continue
             out.append(None)
             if of is not None:
-                drop = of.published(final.name, tmp.name, entry, reused, int(ops.got[j]))
+                drop = of.published(final.name, tmp.name, entry, int(ops.got[j]))
                 if drop:
                     self.dir.child(drop).unlink()
         return out
