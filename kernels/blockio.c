@@ -228,6 +228,15 @@ static int settle_fd(const tc_batch *b, int i, int fd, int e)
     return e;
 }
 
+/* a given descriptor (held O_DIRECT when TC_KEEP_DIRECT) used by an operation without
+ * TC_DIRECT (an unaligned buffer): buffered for this operation (before = 1), O_DIRECT again
+ * after it (before = 0). The writer owns a reused free file alone, so this races no one. */
+static void given_direct(const tc_batch *b, int i, int fd, int before)
+{
+    if ((b->flags[i] & TC_KEEP_DIRECT) && !(b->flags[i] & TC_DIRECT))
+        fcntl(fd, F_SETFL, before ? 0 : O_DIRECT);
+}
+
 /* a kept descriptor of a write whose file is being removed: close it */
 static void drop_kept(const tc_batch *b, int i, int given)
 {
@@ -345,7 +354,11 @@ static void do_write(const tc_batch *b, int i)
         b->err[i] = not_regular(errno) ? TC_NOTREG : errno;
         return;
     }
+    if (given >= 0)
+        given_direct(b, i, fd, 1);
     int e = write_all(fd, b, i);
+    if (given >= 0)
+        given_direct(b, i, fd, 0);
     if (!e && given < 0 && b->file_len[i] > TC_HEADER_BYTES + b->data_len[i] && ftruncate(fd, b->file_len[i]) != 0)
         e = errno;
     if (!e && (flags & TC_FDATASYNC) && fdatasync(fd) != 0)
@@ -628,6 +641,8 @@ static int finish_write(const tc_batch *b, tc_file *f, int i, int e)
     const char *tmp = b->names + b->name_off[i];
     if (!f->given)
         e = settle_fd(b, i, f->fd, e);
+    else
+        given_direct(b, i, f->fd, 0);
     f->fd = -1;
     if (!e && (b->flags[i] & TC_PUBLISH))
         e = publish(b, i);
@@ -786,6 +801,8 @@ static int uring_run(const tc_batch *b, int n)
                     continue;
                 }
                 f->off = 0;
+                if (b->kind == TC_WRITE)
+                    given_direct(b, next, f->fd, 1);
                 prep_io(r, b, f, next);
             } else {
                 f->fd = -1;

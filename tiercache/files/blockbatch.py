@@ -262,9 +262,6 @@ class BlockBatches:
         self.block_meta = block_meta
         self._delete = delete
         self.open_files = open_files if open_files is not None and open_files.enabled else None
-        #: flags of an operation that keeps its file open (O_DIRECT descriptors where the tier
-        #: uses O_DIRECT, whatever the buffer of the operation that opened it)
-        self._keep = KEEP | (KEEP_DIRECT if direct_io else 0)
         self._local = threading.local()
         self._root = str(directory.path)  # for messages
 
@@ -404,6 +401,12 @@ class BlockBatches:
                 errors.setdefault(i, exc)
         outcome.settle(errors)
 
+    def _keep(self, ops: Ops, j: int) -> int:
+        """Flags of operation ``j`` keeping its file open: an O_DIRECT descriptor where the
+        tier uses O_DIRECT and the pool's blocks are page-sized multiples, whatever the
+        alignment of the buffer of the operation that opens it."""
+        return KEEP | (KEEP_DIRECT if self.direct_io and ops.data_len[j] % ALIGN == 0 else 0)
+
     def _hold(self, names: list[str], ops: Ops) -> list[Entry | None]:
         """Per read: the held descriptor it uses (its fd set in ``ops``), or None (the read
         opens the file and keeps it: ``KEEP``)."""
@@ -414,7 +417,7 @@ class BlockBatches:
             if e is not None:
                 ops.fd[j] = e.fd
             elif self.open_files.reserve():
-                ops.flags[j] |= self._keep
+                ops.flags[j] |= self._keep(ops, j)
         return held
 
     def _check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray) -> None:
@@ -467,14 +470,15 @@ class BlockBatches:
                 final = block_filename(key, pool.name)
                 ops.heads[j] = np.frombuffer(encode_header(key, pool, checksum(host), self.block_meta.get(key)),
                                              np.uint8)
-                free = of.take_free(int(ops.file_len[j]), bool(ops.flags[j] & DIRECT)) if of is not None else None
+                free = of.take_free(int(ops.file_len[j])) if of is not None else None
                 if free is not None:  # a free file of this size: written through its descriptor
                     ops.names.append(free[0].encode())
                     ops.fd[j] = free[1].fd
                     reused[j] = free[1]
+                    ops.flags[j] |= KEEP_DIRECT if free[1].direct else 0
                 else:
                     ops.names.append(posix_io.tmp_name(final).encode())
-                    ops.flags[j] |= self._keep if of is not None and of.reserve() else 0
+                    ops.flags[j] |= self._keep(ops, j) if of is not None and of.reserve() else 0
                 ops.finals.append(final.encode())
                 ops.flags[j] |= flags | (EXCHANGE if publish and of is not None and of.exchange(final) else 0)
             self.native.run(WRITE, self.dir.fd, ops)

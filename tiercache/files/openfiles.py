@@ -119,7 +119,7 @@ class OpenFiles:
         self.recycle = recycle and self.capacity > 0
         self.free_files = free_files
         self._open: dict[str, Entry] = {}
-        self._free: dict[tuple[int, bool], list[tuple[str, Entry]]] = {}
+        self._free: dict[int, list[tuple[str, Entry]]] = {}  # by file size
         self._held = 0
         self._lock = threading.Lock()
         #: counts for tests and reports: batches' uses of a held descriptor, free files taken
@@ -222,11 +222,12 @@ class OpenFiles:
         _close(close)
 
     # -- writes ------------------------------------------------------------------------------
-    def take_free(self, size: int, direct: bool) -> tuple[str, Entry] | None:
-        """A free file of ``size`` bytes opened as ``direct`` that no batch reads: its
-        temporary name and entry, with the writer's reference taken; or None."""
+    def take_free(self, size: int) -> tuple[str, Entry] | None:
+        """A free file of ``size`` bytes that no batch reads: its temporary name and entry,
+        with the writer's reference taken; or None. (A write from an unaligned buffer uses an
+        O_DIRECT one buffered: ``kernels/blockio.c``, ``TC_KEEP_DIRECT``.)"""
         with self._lock:
-            free = self._free.get((size, direct))
+            free = self._free.get(size)
             for k in range(len(free) - 1, -1, -1) if free else ():
                 name, e = free[k]
                 if e.refs == 0:
@@ -260,7 +261,7 @@ class OpenFiles:
                 self._open[final] = entry
             if ino:
                 if old is not None and old.ino == ino and old.writable and self._free_room(old):
-                    self._free.setdefault((old.size, old.direct), []).append((tmp, old))
+                    self._free.setdefault(old.size, []).append((tmp, old))
                     self.recycled += 1
                     old = None
                 else:
@@ -308,7 +309,7 @@ class OpenFiles:
             with self._lock:
                 e.refs = 0
                 if same:
-                    self._free.setdefault((e.size, e.direct), []).append((tmp, e))
+                    self._free.setdefault(e.size, []).append((tmp, e))
                     self.recycled += 1
                 else:
                     self._retire(e, close)
@@ -334,7 +335,7 @@ class OpenFiles:
 
     # -- internals (under the lock) ----------------------------------------------------------
     def _free_room(self, e: Entry) -> bool:
-        return len(self._free.get((e.size, e.direct), ())) < self.free_files
+        return len(self._free.get(e.size, ())) < self.free_files
 
     def _retire(self, e: Entry, close: list) -> None:
         e.dead = True

@@ -1,0 +1,196 @@
+"""Held descriptors and recycled block files (tiercache.files.openfiles): exact bytes through
+random writes, overwrites, evictions and reads against a model; free files reused and never
+served torn; the descriptor cap; shared roots hold none."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+from conftest import ENGINES, random_keys
+
+from tiercache import CacheConfig, PoolSpec, TierCache
+from tiercache.files import FileTier, IOPath, batchio, block_filename
+
+NATIVE = [e for e in ENGINES if e != "python"]
+pytestmark = pytest.mark.skipif(not NATIVE, reason="no C compiler: the native engines cannot be built here")
+
+
+def _pools(rng):
+    return (PoolSpec("kv", (4096 * int(rng.integers(1, 4)),), "uint8"),
+            PoolSpec("act", (int(rng.integers(100, 3000)),), "float32"))
+
+
+def _tier(root, pools, engine, **kw):
+    return FileTier(root, pools, 4096, IOPath("posix", "test"), io_engine=engine, io_threads=4, direct_io=True, **kw)
+
+
+def _rows(rng, pools, n):
+    return {p.name: rng.integers(0, 256, (n, p.block_nbytes), dtype=np.uint8) for p in pools}
+
+
+def _items(keys, arrays):
+    return [(k, {name: arr[i] for name, arr in arrays.items()}) for i, k in enumerate(keys)]
+
+
+def _temporaries(root):
+    return sorted(n for n in os.listdir(root) if n.startswith(".tmp."))
+
+
+def _check(ft, pools, model):
+    keys = list(model)
+    if not keys:
+        return
+    out = {p.name: np.zeros((len(keys), p.block_nbytes), np.uint8) for p in pools}
+    errs = ft.read(_items(keys, out))
+    assert not any(errs.values()), {k: e for k, e in errs.items() if e}
+    for p in pools:
+        want = np.stack([model[k][p.name] for k in keys])
+        assert np.array_equal(out[p.name], want)
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+@pytest.mark.parametrize("fsync", ["none", "data"])
+def test_random_writes_overwrites_evictions_and_reads_match_a_model(tmp_path, rng, engine, fsync):
+    pools = _pools(rng)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, engine, fsync=fsync)
+    of = ft.open_files
+    assert of is not None and of.recycle
+    universe = random_keys(rng, 48)
+    model: dict = {}
+    for _ in range(30):
+        op = rng.integers(0, 3)
+        keys = [universe[i] for i in rng.choice(len(universe), int(rng.integers(1, 12)), replace=False)]
+        if op == 0 or not model:  # write (new keys and overwrites of held ones)
+            data = _rows(rng, pools, len(keys))
+            assert not any(ft.write(_items(keys, data)).values())
+            for i, k in enumerate(keys):
+                model[k] = {p.name: data[p.name][i].copy() for p in pools}
+        elif op == 1:  # evict: the files become free files
+            gone = [k for k in keys if k in model]
+            ft.evict(gone)
+            for k in gone:
+                del model[k]
+                assert not any((root / block_filename(k, p.name)).exists() for p in pools)
+        else:
+            _check(ft, pools, {k: model[k] for k in keys if k in model})
+        # the only temporaries are the free files the tier keeps; no stale block file
+        assert _temporaries(root) == sorted(of.free_names())
+        assert {n for n in os.listdir(root) if n.startswith("block_")} == {
+            block_filename(k, p.name) for k in model for p in pools}
+        assert of.held <= of.capacity
+    _check(ft, pools, model)
+    assert of.hits > 0 and of.recycled > 0 and of.reused > 0  # the mechanisms under test ran
+    ft.close()
+    assert _temporaries(root) == []  # free files go with the tier
+    ft = _tier(root, pools, engine, fsync=fsync)  # a fresh process's view: what is on disk
+    assert {k for k, _ in ft.scan().blocks} == set(model)
+    _check(ft, pools, model)
+    ft.close()
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_a_failed_write_into_a_free_file_is_never_served(tmp_path, rng, engine):
+    """Overwrites make free files; the next writes reuse them. One of those writes fails
+    mid-way (injected ENOSPC after its data went to the reused file): the block is reported
+    failed, its torn bytes are never published under a block name, and the reused file is
+    neither kept nor left behind."""
+    pools = (PoolSpec("kv", (8192,), "uint8"),)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, engine, fsync="data")
+    of = ft.open_files
+    keys = random_keys(rng, 16)
+    first = _rows(rng, pools, 16)
+    assert not any(ft.write(_items(keys, first)).values())
+    second = _rows(rng, pools, 16)
+    assert not any(ft.write(_items(keys, second)).values())  # 16 exchanges: 16 free files
+    assert len(of.free_names()) == 16
+    others = random_keys(rng, 8)
+    doomed = others[int(rng.integers(0, 8))]
+    batchio.set_fault(batchio.WRITE, block_filename(doomed, "kv"), errno.ENOSPC)
+    try:
+        errs = ft.write(_items(others, _rows(rng, pools, 8)))
+    finally:
+        batchio.clear_faults()
+    assert {k for k, e in errs.items() if e} == {doomed}
+    assert of.reused >= 8  # the new blocks went into free files
+    assert not (root / block_filename(doomed, "kv")).exists()
+    assert _temporaries(root) == sorted(of.free_names())
+    _check(ft, pools, {k: {"kv": second["kv"][i]} for i, k in enumerate(keys)})
+    ft.close()
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_torn_free_file_left_by_a_crash_is_removed_not_served(tmp_path, rng, engine):
+    """A process dies while a free file holds half-written bytes: the next open removes it
+    as a temporary and serves only published blocks."""
+    pools = (PoolSpec("kv", (8192,), "uint8"),)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, engine, fsync="data")
+    keys = random_keys(rng, 6)
+    data = _rows(rng, pools, 6)
+    ft.write(_items(keys, _rows(rng, pools, 6)))
+    ft.write(_items(keys, data))
+    free = ft.open_files.free_names()
+    assert free
+    with open(root / free[0], "r+b") as f:  # a torn write of another block into it
+        f.seek(4096)
+        f.write(rng.bytes(3000))
+    # the crash: the tier is gone without closing (its descriptors die with the process)
+    ft._lock.release()
+    ft.dir.close()
+    ft = _tier(root, pools, engine, fsync="data")
+    scan = ft.scan()
+    assert scan.removed_tmp == len(free) and _temporaries(root) == []
+    assert {k for k, _ in scan.blocks} == set(keys)
+    _check(ft, pools, {k: {"kv": data["kv"][i]} for i, k in enumerate(keys)})
+    ft.close()
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_the_descriptor_cap_holds_and_misses_still_read_exact_bytes(tmp_path, rng, engine):
+    pools = _pools(rng)
+    cap = int(rng.integers(1, 8))
+    ft = _tier(tmp_path / "root", pools, engine, open_files=cap)
+    keys = random_keys(rng, 40)
+    data = _rows(rng, pools, 40)
+    assert not any(ft.write(_items(keys, data)).values())
+    assert ft.open_files.held <= cap
+    _check(ft, pools, {k: {p.name: data[p.name][i] for p in pools} for i, k in enumerate(keys)})
+    assert ft.open_files.held <= cap
+    ft.close()
+
+
+def test_open_files_off_and_shared_roots_hold_no_descriptor(tmp_path, rng):
+    pools = _pools(rng)
+    ft = _tier(tmp_path / "a", pools, NATIVE[0], open_files=0)
+    assert ft.open_files is None
+    ft.close()
+    ft = _tier(tmp_path / "b", pools, NATIVE[0], sharing="shared")
+    assert ft.open_files is None
+    ft.close()
+
+
+def test_cache_evictions_recycle_files_for_later_offloads(tmp_path, rng):
+    """Through the cache: a full file tier evicts the least recently used blocks into free
+    files and the offloads that follow reuse them; every block reads back exact, now and
+    after a reopen."""
+    pools = (PoolSpec("kv", (16384,), "uint8"),)
+    cfg = CacheConfig(pools=pools, host_slots=8, file_slots=8, root=tmp_path / "root")
+    expected = {}
+    with TierCache(cfg) as c:
+        of = c.tiers["file"].open_files
+        for _ in range(4):
+            keys = random_keys(rng, 8)
+            data = {"kv": rng.integers(0, 256, (8, 16384), dtype=np.uint8)}
+            c.put(keys, data, tier="file")
+            expected = {k: data["kv"][i].copy() for i, k in enumerate(keys)}
+        assert of.recycled >= 8 and of.reused >= 8
+        got = c.get(list(expected), pool="kv", out=np.empty((8, 16384), np.uint8))
+        assert np.array_equal(got, np.stack(list(expected.values())))
+    with TierCache(cfg) as c:
+        got = c.get(list(expected), pool="kv", out=np.empty((8, 16384), np.uint8))
+        assert np.array_equal(got, np.stack(list(expected.values())))
