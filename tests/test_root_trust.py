@@ -324,16 +324,23 @@ def test_verify_finds_trailing_bytes_and_symlinked_blocks(flushed, outside):
     assert tree(outside) == before
 
 
+def _symlink_block_8(c, cfg, rng, outside):
+    """Blocks 8 and 9 in files; block 8's file then replaced by a symlink to a copy of it
+    outside the root. Returns (the blocks' bytes, block 8's file name)."""
+    exp = put_random(c, [8, 9], rng)
+    c.offload([8, 9], to="file")
+    name = block_filename(8, "kv")
+    shutil.copy(cfg.root / name, outside / "copy.bin")
+    (cfg.root / name).unlink()
+    (cfg.root / name).symlink_to(outside / "copy.bin")
+    return exp, name
+
+
 def test_a_block_replaced_by_a_symlink_at_run_time_is_not_followed(make_config, rng, outside):
     """Without held descriptors the read finds the symlink and refuses it."""
     cfg = make_config(host_slots=4, open_files=0)
     with TierCache(cfg) as c:
-        exp = put_random(c, [8, 9], rng)
-        c.offload([8, 9], to="file")
-        name = block_filename(8, "kv")
-        shutil.copy(cfg.root / name, outside / "copy.bin")
-        (cfg.root / name).unlink()
-        (cfg.root / name).symlink_to(outside / "copy.bin")
+        exp, name = _symlink_block_8(c, cfg, rng, outside)
         before = tree(outside)
         with pytest.raises(TransferError, match="not a regular file") as ei:
             c.onboard([8, 9])
@@ -351,12 +358,7 @@ def test_a_held_block_replaced_by_a_symlink_is_neither_followed_nor_swapped(make
     outside is untouched throughout."""
     cfg = make_config(host_slots=4)
     with TierCache(cfg) as c:
-        exp = put_random(c, [8, 9], rng)
-        c.offload([8, 9], to="file")
-        name = block_filename(8, "kv")
-        shutil.copy(cfg.root / name, outside / "copy.bin")
-        (cfg.root / name).unlink()
-        (cfg.root / name).symlink_to(outside / "copy.bin")
+        exp, name = _symlink_block_8(c, cfg, rng, outside)
         before = tree(outside)
         c.onboard([8, 9])
         assert_bytes(c, exp)
