@@ -494,8 +494,9 @@ class BlockBatches:
                     else:
                         entries[j].refs = 1  # the writer's, until published or discarded
                 if ops.err[j]:
-                    of.discard(entries[j]) if entries[j] is not None else None  # its temporary name is gone
-                    entries[j] = None
+                    if entries[j] is not None:  # its temporary name is gone
+                        of.discard(entries[j])
+                        entries[j] = None
                     if i not in errors:
                         errors[i] = error_for(int(ops.err[j]), str(self.dir.child(ops.finals[j].decode())))
                         io_failed.add(i)

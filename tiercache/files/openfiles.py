@@ -171,11 +171,8 @@ class OpenFiles:
     def reserve(self) -> bool:
         """Count one descriptor a batch is about to open and keep (``KEEP``); False when the
         cache is full of descriptors in use (the batch then closes what it opens)."""
-        close: list[Entry] = []
         with self._lock:
-            ok = self._admit(close)
-        _close(close)
-        return ok
+            return self._admit()
 
     def unreserve(self) -> None:
         """A reserved descriptor was not kept (its operation failed)."""
@@ -347,7 +344,7 @@ class OpenFiles:
         _give_budget(1)
         close.append(e)
 
-    def _admit(self, close: list) -> bool:
+    def _admit(self) -> bool:
         """Count one more held descriptor, within capacity and the budget. A full cache
         evicts nothing: under random access over more files than it holds, any held set
         serves the same share of reads, and replacing one per miss would add a close and a
