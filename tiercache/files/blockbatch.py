@@ -87,18 +87,34 @@ def _is_host(buf) -> bool:
 
 class Outcome:
     """The outcome of a set of blocks (a chunk of a request, or a group commit's request):
-    one event for all of them, and the errors of those that failed (by index)."""
+    one event for all of them, the errors of those that failed (by index), and callbacks
+    to run once settled."""
 
-    __slots__ = ("errors", "event")
+    __slots__ = ("_callbacks", "_lock", "errors", "event")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.errors: dict[int, BaseException] = {}
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] | None = []
 
     def settle(self, errors: dict[int, BaseException]) -> None:
-        """Record the failures (every other block succeeded) and release the waiters."""
+        """Record the failures (every other block succeeded), release the waiters, then run
+        the callbacks (in this thread)."""
         self.errors.update(errors)
         self.event.set()
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            fn()
+
+    def on_settled(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once settled: in the settling thread, or now if already settled."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn()
 
 
 class BlockFuture:
@@ -133,6 +149,11 @@ class BlockFuture:
         exc = self.exception(timeout)
         if exc is not None:
             raise exc
+
+    def add_done_callback(self, fn: Callable[["BlockFuture"], None]) -> None:
+        """Call ``fn(self)`` once the block is settled (as :class:`concurrent.futures.Future`
+        does: in the thread that settles it, or at once if it already is)."""
+        self._outcome.on_settled(lambda: fn(self))
 
 
 class GroupCommit:

@@ -495,6 +495,12 @@ class FileTier:
             self._executor.submit(task, i, key, bufs)
         return [(key, f) for (key, _), f in zip(items, futures)]
 
+    def run_task(self, fn: Callable[[], None]) -> Future:
+        """Run ``fn()`` on the tier's I/O threads, after every task queued before it has
+        started (first in, first out): work that must not hold up its caller, such as
+        removing evicted files."""
+        return self._executor.submit(fn)
+
     def _wait(self, futures: list[tuple[Key, Future]]) -> dict[Key, BaseException | None]:
         return {key: fut.exception() for key, fut in futures}
 

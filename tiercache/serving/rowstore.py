@@ -1,0 +1,753 @@
+"""Rows of an engine's host buffer <-> block files: asynchronous store and load jobs by
+content key, for serving engines whose own CPU tier holds the KV bytes (vLLM's offloading
+tiers, SGLang's HiCache storage backends).
+
+An engine keeps its host KV cache as one buffer of rows, ``[num_rows, row_bytes]`` (one row
+per block or chunk). :class:`RowStore` writes rows to tiercache's block files (one file per
+key: 4 KiB header, XXH3-64 of the data, atomic publication) and reads them back into rows,
+straight between the row and the file (O_DIRECT where the rows are page-aligned), on the file
+tier's native I/O engine. Nothing is copied on the way beyond what the checksum reads.
+
+- **Jobs.** :meth:`RowStore.submit_store` and :meth:`RowStore.submit_load` return at once;
+  :meth:`RowStore.finished` hands back each job's :class:`RowJobResult` (per key: done or
+  why not) once its last file settled; :meth:`RowStore.drain` waits for every job.
+- **Keys** are content keys (bytes, 1..64): the same key names the same bytes in every
+  process, which is what lets processes share a root (``sharing = "shared"``).
+- **State without the disk.** :meth:`RowStore.state` answers from memory: ``PRESENT``,
+  ``ABSENT``, or ``PENDING`` while a store of the key is in flight (and, on a shared root,
+  while a background probe looks for another process's file of it).
+- **Capacity.** At most ``capacity_blocks`` blocks: a store that needs room evicts the least
+  recently used blocks that no load is reading (:meth:`RowStore.touch` refreshes); their
+  files go on an I/O thread, before any later write of the same key. A shared root is held
+  to its capacity as a whole by a background sweep (:meth:`FileTier.sweep
+  <tiercache.files.FileTier.sweep>`).
+- **Never a wrong byte.** A load whose file fails its header or checksum fails that key; the
+  file is quarantined, the key forgotten, and the key's row is zeroed before the job is
+  reported, so no unverified byte stays in it. A store that fails leaves no file of its key.
+
+Depends on :mod:`tiercache.files` and :mod:`tiercache.placement`.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tiercache.errors import (
+    ArrayMismatchError,
+    ClosedError,
+    ConfigError,
+    CorruptBlockError,
+    InvalidKeyError,
+    KeyNotFoundError,
+    SlotRangeError,
+    TierFullError,
+)
+from tiercache.files import IO_ENGINES, FileTier, IOPath, file_size, write_stats
+from tiercache.geometry import PoolSpec
+from tiercache.keys import MAX_BYTES_KEY
+from tiercache.placement import TierSlots
+from tiercache.transfer import LATENCY_BUCKETS_S, TransferStats
+
+log = logging.getLogger("tiercache")
+
+SHARING_MODES = ("exclusive", "shared")
+FSYNC_POLICIES = ("none", "data", "data+dir")
+#: the one pool of a row store's files (``block_x<key>_pool_kv.bin``)
+POOL = "kv"
+
+
+class KeyState(enum.Enum):
+    """Where a key stands, as :meth:`RowStore.state` sees it without touching the disk."""
+
+    ABSENT = "absent"
+    PRESENT = "present"
+    #: a store of the key is in flight, or (shared roots) a probe for another process's file
+    PENDING = "pending"
+
+
+@dataclass
+class RowJobResult:
+    """What one store or load job did.
+
+    Attributes:
+        job_id: the id given to the submit call.
+        kind: ``"store"`` or ``"load"``.
+        keys: the job's keys, in order.
+        failed: key -> why, for every key that was not stored or loaded.
+        skipped: stores only: keys already stored (or being stored) that were not written again.
+        nbytes: bytes moved between rows and files (failed keys excluded).
+        seconds: from the submit call to the job's last file (wall time).
+    """
+
+    job_id: Hashable
+    kind: str
+    keys: list[bytes]
+    failed: dict[bytes, BaseException] = field(default_factory=dict)
+    skipped: list[bytes] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def success(self) -> bool:
+        """True when every key was stored (or already stored) or loaded."""
+        return not self.failed
+
+    @property
+    def done_keys(self) -> list[bytes]:
+        """The keys that succeeded, in order."""
+        return [k for k in self.keys if k not in self.failed]
+
+
+class _Eviction:
+    """Files of evicted keys being removed on an I/O thread; a later write of one of those
+    keys waits for it (``wait_host``, the dependency protocol of :meth:`FileTier.submit`)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def wait_host(self) -> None:
+        self.event.wait()
+
+
+@dataclass
+class _Job:
+    result: RowJobResult
+    items: list[tuple[bytes, int]]  # (key, row) of the keys that went to the disk
+    start: float
+    left: int = 0
+    futures: list = field(default_factory=list)
+
+
+class RowStore:
+    """Block files for the rows of an engine's host buffer (see the module docstring).
+
+    Args:
+        rows: the engine's buffer: any C-contiguous array or buffer whose first axis is the
+            row (``[num_rows, ...]``; a ``memoryview``, NumPy array, or a CPU tensor's
+            ``.numpy()``); each row is one block of ``row_bytes`` bytes. Loads need it
+            writable. Rows that start on a 4 KiB boundary and are 4 KiB multiples are read
+            and written with O_DIRECT.
+        root: the directory of the block files (a tiercache root: created, marked and locked,
+            :class:`~tiercache.files.FileTier`).
+        capacity_bytes: disk bytes the blocks may take (each block takes
+            ``file_size(row_bytes)``: its row plus the 4 KiB header, 4 KiB-padded).
+            ``None`` with ``capacity_blocks`` unset: 90% of the root's file system's free
+            space at open, plus what the root's blocks already take.
+        capacity_blocks: the same bound in blocks (the smaller of the two holds).
+        sharing: ``exclusive`` (one process writes the root; the default) or ``shared`` (any
+            number of processes, each seeing the others' blocks: README "Sharing a root").
+        fsync: ``none`` (the default here: a power loss may drop recent blocks; a stale file
+            then fails its checksum and is quarantined, never served), ``data`` (group
+            commit: data on the disk before the rename) or ``data+dir``.
+        verify: check every read's XXH3-64 (default True).
+        io_engine: ``auto | io_uring | threads | python`` (:mod:`tiercache.files.batchio`).
+        io_threads: I/O threads (1..256): each runs a chunk of a job's files at a time.
+        open_files: held descriptors (``FileTier``'s ``open_files``; -1 auto, 0 none).
+        direct_io: O_DIRECT where rows are aligned (default True).
+        check_root_owner: refuse a root owned by another user or writable by others.
+        min_age_s, negative_ttl_s, tmp_max_age_s: shared roots: files younger than
+            ``min_age_s`` are not swept; a key found in no file is not looked for again for
+            ``negative_ttl_s``; temporary files older than ``tmp_max_age_s`` are abandoned.
+        sweep_interval_s: shared roots: at most one capacity sweep per this many seconds.
+
+    Raises:
+        ConfigError: a bad value (named, with the valid range).
+        ArrayMismatchError: ``rows`` is not a C-contiguous buffer of at least one row.
+        RootError: see :class:`~tiercache.files.FileTier` (another process holds the root in
+            another mode, a root that is not tiercache's, ...).
+    """
+
+    def __init__(self, rows, root: str | os.PathLike, *, capacity_bytes: int | None = None,
+                 capacity_blocks: int | None = None, sharing: str = "exclusive", fsync: str = "none",
+                 verify: bool = True, io_engine: str = "auto", io_threads: int = 16, open_files: int = -1,
+                 direct_io: bool = True, check_root_owner: bool = True, min_age_s: float = 30.0,
+                 negative_ttl_s: float = 1.0, tmp_max_age_s: float = 900.0, sweep_interval_s: float = 1.0) -> None:
+        self.rows = _row_view(rows)
+        self.num_rows, self.row_bytes = self.rows.shape
+        _check_choice("sharing", sharing, SHARING_MODES)
+        _check_choice("fsync", fsync, FSYNC_POLICIES)
+        _check_choice("io_engine", io_engine, IO_ENGINES)
+        _check_int("io_threads", io_threads, 1, 256)
+        _check_int("open_files", open_files, -1, 1 << 30)
+        for name, v in (("min_age_s", min_age_s), ("negative_ttl_s", negative_ttl_s),
+                        ("tmp_max_age_s", tmp_max_age_s), ("sweep_interval_s", sweep_interval_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e9:
+                raise ConfigError(f"{name} = {v!r} must be a number of seconds in [0, 1e9)")
+        self.root = Path(root)
+        self.file_bytes = file_size(self.row_bytes)
+        self.capacity_blocks = self._capacity(capacity_bytes, capacity_blocks)
+        self.shared = sharing == "shared"
+        self.sharing, self.fsync = sharing, fsync
+        self.negative_ttl_s, self.sweep_interval_s = float(negative_ttl_s), float(sweep_interval_s)
+        self.pool = PoolSpec(POOL, (self.row_bytes,), "uint8")
+        self.ft = FileTier(self.root, (self.pool,), self.capacity_blocks, IOPath("posix", "host rows"), fsync=fsync,
+                           verify=verify, io_threads=io_threads, direct_io=direct_io,
+                           check_root_owner=check_root_owner, io_engine=io_engine, sharing=sharing,
+                           min_age_s=min_age_s, tmp_max_age_s=tmp_max_age_s, open_files=open_files)
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(threading.Lock())  # completions -> drain()
+        self._done: collections.deque = collections.deque()  # filled by I/O threads
+        self.index = TierSlots("file", self.capacity_blocks)
+        self._storing: dict[bytes, _Job] = {}
+        self._pins: collections.Counter = collections.Counter()
+        self._evicting: dict[bytes, _Eviction] = {}
+        self._jobs_in_flight = 0
+        self._finished: list[RowJobResult] = []
+        self._removed: list[bytes] = []
+        self.counters: collections.Counter = collections.Counter()
+        self.transfer_stats = TransferStats()
+        self.metrics_name: str | None = None
+        self.closed = False
+        self._absent: dict[bytes, float] = {}
+        self._probing: set[bytes] = set()
+        self._probe_q: collections.deque = collections.deque()
+        self._touch_q: collections.deque = collections.deque()
+        self._touched: dict[bytes, float] = {}
+        self._sweep_wanted = False
+        self._bg_cv = threading.Condition(threading.Lock())
+        self._bg_stop = False
+        self._bg: threading.Thread | None = None
+        try:
+            self._rebuild()
+        except BaseException:
+            self.ft.close()
+            raise
+        if self.shared:
+            self._bg = threading.Thread(target=self._background, name="tiercache-rowstore", daemon=True)
+            self._bg.start()
+
+    # -- setup -------------------------------------------------------------------------------
+    def _capacity(self, capacity_bytes, capacity_blocks) -> int:
+        caps = []
+        if capacity_blocks is not None:
+            _check_int("capacity_blocks", capacity_blocks, 1, 1 << 40)
+            caps.append(int(capacity_blocks))
+        if capacity_bytes is not None:
+            _check_int("capacity_bytes", capacity_bytes, self.file_bytes, 1 << 62,
+                       f" (one block of {self.row_bytes} bytes takes {self.file_bytes} bytes on disk)")
+            caps.append(int(capacity_bytes) // self.file_bytes)
+        if not caps:  # 90% of the free space, plus what the root's blocks take already
+            probe = self.root
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            free = shutil.disk_usage(probe).free
+            have = 0
+            if self.root.is_dir():
+                with os.scandir(self.root) as it:
+                    have = sum(1 for e in it if e.name.startswith("block_") and e.name.endswith(".bin"))
+            caps.append(max(1, int(free * 0.9) // self.file_bytes + have))
+        return min(caps)
+
+    def _rebuild(self) -> None:
+        """The index from the root's files (oldest first); more than fit: the oldest go."""
+        scan = self.ft.scan()
+        blocks = [(k, t) for k, t in scan.blocks if isinstance(k, bytes)]
+        extra = len(blocks) - self.capacity_blocks
+        if extra > 0:
+            if not self.shared:
+                self.ft.delete([k for k, _ in blocks[:extra]])
+                self.counters["evicted_blocks"] += extra
+            blocks = blocks[extra:]
+        self.index.add([k for k, _ in blocks])
+        self.counters["quarantined_files"] += len(scan.quarantined)
+        if scan.quarantined or scan.removed_tmp:
+            log.warning("tiercache: reopened %s: %d block(s), %d temporary file(s) removed, %d file(s) quarantined",
+                        self.root, len(blocks), scan.removed_tmp, len(scan.quarantined))
+
+    # -- keys and rows -----------------------------------------------------------------------
+    def _keys_rows(self, keys, rows) -> tuple[list[bytes], list[int]]:
+        ks = [_content_key(k) for k in keys]
+        if len(set(ks)) != len(ks):
+            dup = next(k for i, k in enumerate(ks) if k in ks[:i])
+            raise InvalidKeyError(f"key {dup.hex()} appears twice in one job")
+        rs = [_row_index(r) for r in (rows.tolist() if isinstance(rows, np.ndarray) else rows)]
+        if len(ks) != len(rs):
+            raise ConfigError(f"{len(ks)} keys but {len(rs)} rows: give one row per key")
+        bad = [r for r in rs if not 0 <= r < self.num_rows]
+        if bad:
+            raise SlotRangeError(f"row {bad[0]} outside [0, {self.num_rows})")
+        return ks, rs
+
+    def _items(self, pairs: list[tuple[bytes, int]]) -> list[tuple[bytes, dict]]:
+        return [(k, {POOL: self.rows[r]}) for k, r in pairs]
+
+    # -- state -------------------------------------------------------------------------------
+    def state(self, key: bytes) -> KeyState:
+        """Where ``key`` stands, from memory only (never waits on the disk).
+
+        ``PENDING`` while a store of it is in flight; on a shared root also while a background
+        probe looks for another process's file of it (ask again later: the answer is then
+        ``PRESENT`` or ``ABSENT``, and an absent key is not looked for again for
+        ``negative_ttl_s``). A key that is not a valid content key is ``ABSENT``.
+        """
+        with self._lock:
+            self._apply()
+            if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BYTES_KEY:
+                return KeyState.ABSENT
+            if key in self._storing:
+                return KeyState.PENDING
+            if key in self.index:
+                return KeyState.PRESENT
+            if not self.shared:
+                return KeyState.ABSENT
+            if self._absent.get(key, 0.0) > time.monotonic():
+                return KeyState.ABSENT
+            if key not in self._probing:
+                self._probing.add(key)
+                self._probe_q.append(key)
+                self._wake()
+            return KeyState.PENDING
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark ``keys`` most recently used (keys not held are ignored)."""
+        with self._lock:
+            self.index.touch(k for k in keys if isinstance(k, bytes))
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.state(key) is KeyState.PRESENT
+
+    def __len__(self) -> int:
+        return len(self.index) - len(self._storing)
+
+    # -- jobs --------------------------------------------------------------------------------
+    def submit_store(self, keys, rows, job_id: Hashable = None) -> Hashable:
+        """Write rows ``rows[i]`` as the blocks of ``keys[i]``; returns ``job_id`` at once.
+
+        Keys already stored, or being stored, are skipped (content keys: the same bytes).
+        Room is made by evicting the least recently used blocks no load is reading; keys that
+        find no room fail (:class:`TierFullError`). The rows must not change until the job
+        is finished.
+
+        Args:
+            keys: content keys (bytes, 1..64 each).
+            rows: row indices, one per key (a list or an integer array).
+            job_id: any hashable id for the result (default: an increasing integer).
+
+        Raises:
+            InvalidKeyError, SlotRangeError, ConfigError: bad keys, rows out of range, or
+                lengths that differ (nothing is submitted).
+            ClosedError: after :meth:`close`.
+        """
+        with self._lock:
+            self._check_open()
+            ks, rs = self._keys_rows(keys, rows)
+            job_id = self._job_id(job_id)
+            result = RowJobResult(job_id, "store", ks)
+            self._apply()
+            new: list[tuple[bytes, int]] = []
+            for k, r in zip(ks, rs):
+                if k in self.index:
+                    result.skipped.append(k)
+                else:
+                    new.append((k, r))
+            seen = {k for k, _ in new}
+            room = self.index.free_count
+            if len(new) > room:
+                victims = self._victims(len(new) - room, seen)
+                self._evict(victims)
+                room += len(victims)
+            for k, _ in new[room:]:
+                result.failed[k] = TierFullError(
+                    f"no room for block {k.hex()}: the {self.capacity_blocks} blocks of {self.root} are all being "
+                    "read or written")
+            new = new[:room]
+            self.counters["dropped_stores"] += len(result.failed)
+            job = _Job(result, new, time.monotonic())
+            self.index.add([k for k, _ in new])
+            for k, _ in new:
+                self._storing[k] = job
+            deps = list({id(e): e for k, _ in new if (e := self._evicting.get(k)) is not None}.values())
+            self._launch(job, "write", deps)
+            return job_id
+
+    def submit_load(self, keys, rows, job_id: Hashable = None) -> Hashable:
+        """Read the blocks of ``keys[i]`` into rows ``rows[i]``; returns ``job_id`` at once.
+
+        A key that is not stored (or still being stored) fails at once
+        (:class:`KeyNotFoundError`). A key whose file is gone fails; one whose file does not
+        verify fails and its file is quarantined (:class:`CorruptBlockError`); either way the
+        key is forgotten and its row is zeroed before the job is reported. The keys read are
+        protected from eviction until the job finishes, and marked most recently used.
+
+        Raises:
+            InvalidKeyError, SlotRangeError, ConfigError: as :meth:`submit_store`; also
+                ``rows`` is read-only.
+            ClosedError: after :meth:`close`.
+        """
+        with self._lock:
+            self._check_open()
+            if not self.rows.flags.writeable:
+                raise ConfigError("the row buffer is read-only: loads need a writable buffer")
+            ks, rs = self._keys_rows(keys, rows)
+            if len(set(rs)) != len(rs):
+                dup = next(r for i, r in enumerate(rs) if r in rs[:i])
+                raise SlotRangeError(f"row {dup} appears twice in one load")
+            job_id = self._job_id(job_id)
+            result = RowJobResult(job_id, "load", ks)
+            self._apply()
+            go: list[tuple[bytes, int]] = []
+            for k, r in zip(ks, rs):
+                if k in self.index and k not in self._storing:
+                    go.append((k, r))
+                else:
+                    why = "is still being stored" if k in self._storing else "is not stored"
+                    result.failed[k] = KeyNotFoundError(f"block {k.hex()} {why} in {self.root}")
+            self._pins.update(k for k, _ in go)
+            self.index.touch(k for k, _ in go)
+            job = _Job(result, go, time.monotonic())
+            self._launch(job, "read", [])
+            return job_id
+
+    def _job_id(self, job_id):
+        if job_id is None:
+            self.counters["jobs"] += 1
+            return self.counters["jobs"]
+        return job_id
+
+    def _launch(self, job: _Job, kind: str, deps: list) -> None:
+        self._jobs_in_flight += 1
+        if not job.items:
+            self._finish(job)
+            return
+        futures = self.ft.submit(kind, self._items(job.items), deps=deps)
+        job.futures = [f for _, f in futures]
+        job.left = len(futures)
+        for f in job.futures:
+            f.add_done_callback(lambda _f, job=job: self._block_done(job))
+
+    def _block_done(self, job: _Job) -> None:
+        """In an I/O thread: one file of ``job`` settled; the last one finishes the job."""
+        with self._cv:
+            job.left -= 1
+            last = job.left == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        """The job's files are all settled (in the thread that settled the last one): a
+        failed load's rows are zeroed and bad files quarantined here, before anyone hears of
+        the job; the index is updated by the owner thread (:meth:`_apply`)."""
+        res = job.result
+        for (k, r), f in zip(job.items, job.futures):
+            exc = f.exception()
+            if exc is None:
+                res.nbytes += self.row_bytes
+                continue
+            res.failed[k] = exc
+            if res.kind == "load":
+                self.rows[r].fill(0)  # no unverified byte stays in the row
+                if isinstance(exc, CorruptBlockError):
+                    self.ft.quarantine_block(k, str(exc))
+        res.seconds = time.monotonic() - job.start
+        with self._cv:
+            self._done.append(job)
+            self._cv.notify_all()
+
+    def _victims(self, count: int, protect: set[bytes]) -> list[bytes]:
+        out = []
+        for k in self.index.lru:
+            if k in protect or k in self._storing or self._pins.get(k):
+                continue
+            out.append(k)
+            if len(out) == count:
+                break
+        return out
+
+    def _evict(self, keys: list[bytes]) -> None:
+        """Drop ``keys`` from the index now; their files go on an I/O thread (exclusive roots;
+        a shared root's files are left to the sweep)."""
+        if not keys:
+            return
+        self.index.remove(keys)
+        self._removed.extend(keys)
+        self.counters["evicted_blocks"] += len(keys)
+        if self.shared:
+            return
+        ev = _Eviction()
+        for k in keys:
+            self._evicting[k] = ev
+
+        def run() -> None:
+            try:
+                self.ft.evict(keys)
+            except BaseException:  # a file left behind is adopted or replaced later, never served stale
+                log.exception("tiercache: evicting %d block(s) from %s", len(keys), self.root)
+            finally:
+                ev.event.set()
+                with self._cv:
+                    self._done.append(("evicted", keys, ev))
+
+        self.ft.run_task(run)
+
+    # -- completions -------------------------------------------------------------------------
+    def _apply(self) -> None:
+        """Under the lock: take what the I/O threads and the background thread finished."""
+        while self._done:
+            item = self._done.popleft()
+            if isinstance(item, _Job):
+                self._settle(item)
+            elif item[0] == "probe":
+                self._discovered(item[1], item[2])
+            elif item[0] == "swept":
+                gone = [k for k in item[1] if k in self.index and k not in self._storing and not self._pins.get(k)]
+                self.index.remove(gone)
+                self._removed.extend(gone)
+                self.counters["evicted_blocks"] += len(gone)
+                self.on_disk_blocks = item[2]
+            else:  # ("evicted", keys, eviction)
+                _, keys, ev = item
+                for k in keys:
+                    if self._evicting.get(k) is ev:
+                        del self._evicting[k]
+
+    def _settle(self, job: _Job) -> None:
+        res = job.result
+        n_ok = len(job.items) - sum(1 for k, _ in job.items if k in res.failed)
+        if res.kind == "store":
+            for k, _ in job.items:
+                if self._storing.get(k) is job:
+                    del self._storing[k]
+            failed = [k for k, _ in job.items if k in res.failed]
+            self.index.remove(failed)
+            self.counters["stored_blocks"] += n_ok
+            if n_ok and self.shared:
+                self._sweep_wanted = True
+                self._wake()
+            self.transfer_stats.record("host", "file", "posix", n_ok, n_ok * self.row_bytes, len(failed), res.seconds)
+        else:
+            self._pins.subtract(k for k, _ in job.items)
+            for k, _ in job.items:
+                if self._pins.get(k, 1) <= 0:
+                    del self._pins[k]
+            bad = [k for k, _ in job.items if k in res.failed]
+            self.index.remove(bad)  # gone, corrupt or unreadable: a lookup must not promise it again
+            self._removed.extend(bad)
+            self.counters["loaded_blocks"] += n_ok
+            self.counters["corrupt_blocks"] += sum(isinstance(res.failed[k], CorruptBlockError) for k in bad)
+            self.counters["quarantined_files"] += sum(isinstance(res.failed[k], CorruptBlockError) for k in bad)
+            self.counters["vanished_blocks"] += sum(isinstance(res.failed[k], FileNotFoundError) for k in bad)
+            self.transfer_stats.record("file", "host", "posix", n_ok, n_ok * self.row_bytes, len(bad), res.seconds)
+            if n_ok and self.shared:
+                self._touch_q.append([k for k, _ in job.items if k not in res.failed])
+                self._wake()
+        self._jobs_in_flight -= 1
+        self._finished.append(res)
+
+    def finished(self) -> list[RowJobResult]:
+        """The jobs that finished since the last call (in the order they finished)."""
+        with self._lock:
+            self._apply()
+            out, self._finished = self._finished, []
+            return out
+
+    def take_removed(self) -> list[bytes]:
+        """Keys that left the store since the last call (evicted for room, swept on a shared
+        root, or dropped after a failed load)."""
+        with self._lock:
+            self._apply()
+            out, self._removed = self._removed, []
+            return out
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs submitted whose files are not all settled yet."""
+        with self._lock:
+            self._apply()
+            return self._jobs_in_flight
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has finished (none is cut short); their results
+        stay for :meth:`finished`. Returns False if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self._apply()
+                if self._jobs_in_flight == 0:
+                    return True
+            with self._cv:
+                if self._done:
+                    continue
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left if left is not None else 1.0)
+
+    # -- shared roots: probes, sweeps, use times (background thread) -------------------------
+    on_disk_blocks: int | None = None
+
+    def _wake(self) -> None:
+        with self._bg_cv:
+            self._bg_cv.notify()
+
+    def _background(self) -> None:
+        last_sweep = 0.0
+        while True:
+            with self._bg_cv:
+                while not (self._bg_stop or self._probe_q or self._touch_q or self._sweep_wanted):
+                    self._bg_cv.wait()
+                if self._bg_stop:
+                    return
+            try:
+                if self._probe_q:
+                    todo = []
+                    while self._probe_q and len(todo) < 4096:
+                        todo.append(self._probe_q.popleft())
+                    found = self.ft.probe(todo)
+                    with self._cv:
+                        self._done.append(("probe", todo, found))
+                while self._touch_q:
+                    self._touch(self._touch_q.popleft())
+                if self._sweep_wanted and time.monotonic() - last_sweep >= self.sweep_interval_s:
+                    self._sweep_wanted = False
+                    last_sweep = time.monotonic()
+                    with self._lock:
+                        keep = set(self._pins) | set(self._storing)
+                    gone, left = self.ft.sweep(self.capacity_blocks, keep)
+                    with self._cv:
+                        self._done.append(("swept", gone, left))
+                elif self._sweep_wanted:
+                    time.sleep(min(0.05, self.sweep_interval_s))
+            except Exception:
+                log.exception("tiercache: background work on shared root %s", self.root)
+                time.sleep(0.1)
+
+    def _touch(self, keys: list[bytes]) -> None:
+        now = time.monotonic()
+        every = max(1.0, self.ft.min_age_s)
+        todo = [k for k in keys if now - self._touched.get(k, -every) >= every]
+        if todo:
+            self.ft.touch(todo)
+            for k in todo:
+                self._touched[k] = now
+            if len(self._touched) > 65536:
+                self._touched = {k: t for k, t in self._touched.items() if now - t < every}
+
+    def _discovered(self, asked: list[bytes], found: list[bytes]) -> None:
+        now = time.monotonic()
+        found_set = set(found)
+        for k in asked:
+            self._probing.discard(k)
+            if k not in found_set:
+                self._absent[k] = now + self.negative_ttl_s
+        if len(self._absent) > 65536:
+            self._absent = {k: t for k, t in self._absent.items() if t > now}
+        new = [k for k in found if k not in self.index]
+        over = len(new) - self.index.free_count
+        if over > 0:  # a full index forgets its least recently used (a shared root keeps the files)
+            victims = self._victims(over, set(new))
+            self.index.remove(victims)
+            new = new[: self.index.free_count]
+        self.index.add(new)
+        self.counters["discovered_blocks"] += len(new)
+
+    # -- stats and close ---------------------------------------------------------------------
+    def stats(self, block: bool = True) -> dict:
+        """A JSON-ready snapshot in the shape of :meth:`TierCache.stats
+        <tiercache.TierCache.stats>` (one ``file`` tier), which :mod:`tiercache.metrics`
+        exports and ``tiercache inspect`` shows: blocks held, capacity, bytes on disk, the
+        I/O engine, counters (``stored_blocks``, ``loaded_blocks``, ``evicted_blocks``,
+        ``dropped_stores``, ``corrupt_blocks``, ``quarantined_files``, ``vanished_blocks``,
+        ``discovered_blocks``) and per-direction job totals (``transfers``: ``host`` is the
+        engine's rows). ``block`` is accepted for the exporters' call and ignored."""
+        if self.closed:
+            raise ClosedError("this RowStore is closed")
+        with self._lock:
+            self._apply()
+            used = len(self.index)
+            tiers = {"file": {
+                "slots": self.capacity_blocks, "used": used, "free": self.index.free_count,
+                "bytes_used": used * self.row_bytes, "bytes_capacity": self.capacity_blocks * self.row_bytes,
+                "root": str(self.root), "bytes_on_disk": used * self.file_bytes,
+                "bytes_capacity_on_disk": self.capacity_blocks * self.file_bytes,
+                "capacity_bytes": self.capacity_blocks * self.file_bytes,
+                "io_engine": self.ft.engine, "io_engine_reason": self.ft.engine_reason,
+                "sharing": self.sharing, "on_disk_blocks": self.on_disk_blocks, "fsync": self.fsync,
+            }}
+            return {
+                "io_path": {"name": "posix", "label": "POSIX", "reason": "host rows"},
+                "tiers": tiers, "pools": [self.pool.describe()], "blocks": used,
+                "pinned_blocks": len(self._pins), "jobs_in_flight": self._jobs_in_flight,
+                "counters": dict(self.counters), "metrics_name": self.metrics_name,
+                "transfers": self.transfer_stats.snapshot(), "latency_buckets_s": list(LATENCY_BUCKETS_S),
+            }
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("this RowStore is closed")
+
+    def close(self) -> None:
+        """Wait for every job (none is cut short), save the stats in the root (for
+        ``tiercache inspect``), stop the threads and release the root. Idempotent."""
+        if self.closed:
+            return
+        self.drain()
+        try:
+            write_stats(self.ft.dir, self.stats())
+        except OSError as exc:
+            log.warning("tiercache: could not save stats in %s: %s", self.root, exc)
+        self.closed = True
+        if self._bg is not None:
+            with self._bg_cv:
+                self._bg_stop = True
+                self._bg_cv.notify()
+            self._bg.join()
+        self.ft.close()
+
+    def __enter__(self) -> RowStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- validation ----------------------------------------------------------------------------------
+def _row_view(rows) -> np.ndarray:
+    """``rows`` as ``uint8 [num_rows, row_bytes]`` over the same memory."""
+    try:
+        arr = np.asarray(rows)
+    except (TypeError, ValueError) as exc:
+        raise ArrayMismatchError(f"the row buffer ({type(rows).__name__}) exposes no buffer: {exc}") from None
+    if arr.ndim == 0 or arr.shape[0] == 0 or arr.size == 0:
+        raise ArrayMismatchError(f"the row buffer has shape {arr.shape}: it needs at least one row")
+    if not arr.flags.c_contiguous:
+        raise ArrayMismatchError(f"the row buffer (shape {arr.shape}, strides {arr.strides}) is not C-contiguous")
+    return arr.reshape(-1).view(np.uint8).reshape(arr.shape[0], -1)
+
+
+def _content_key(k) -> bytes:
+    if isinstance(k, (bytearray, memoryview)):
+        k = bytes(k)
+    if not isinstance(k, bytes) or not 1 <= len(k) <= MAX_BYTES_KEY:
+        what = f"{len(k)} bytes" if isinstance(k, bytes) else type(k).__name__
+        raise InvalidKeyError(f"key {k!r} ({what}): a row store takes content keys of 1..{MAX_BYTES_KEY} bytes")
+    return k
+
+
+def _row_index(r) -> int:
+    if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+        raise SlotRangeError(f"row {r!r} is not an integer")
+    return int(r)
+
+
+def _check_choice(name: str, value, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name} = {value!r}; valid: {', '.join(valid)}")
+
+
+def _check_int(name: str, value, lo: int, hi: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise ConfigError(f"{name} = {value!r} must be an integer in [{lo}, {hi}]{note}")
+
