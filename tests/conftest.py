@@ -18,6 +18,17 @@ settings.register_profile("tiercache", deadline=None, suppress_health_check=[Hea
 settings.load_profile("tiercache")
 
 
+def require_integration(module: str):
+    """``module`` (an integration's library: vllm, torch, transformers), imported. Where it is
+    missing the calling test module is skipped, except under ``TIERCACHE_REQUIRE_INTEGRATIONS=1``
+    (CI), where its absence is an error: integration tests must run there, not skip."""
+    if os.environ.get("TIERCACHE_REQUIRE_INTEGRATIONS") == "1":
+        import importlib
+
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
 def pytest_collection_modifyitems(config, items):
     if cuda_status().available:
         return

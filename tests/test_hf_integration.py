@@ -10,8 +10,10 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require_integration  # noqa: E402
+
+torch = require_integration("torch")
+transformers = require_integration("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 

@@ -94,6 +94,8 @@ class FileTier:
             else deletes or replaces the name (the next open's scan sees what is on disk).
             Shared roots hold none: a descriptor would keep the disk space of files other
             processes delete, and hide their deletions.
+        free_files: recycled files kept per file size (their disk space is beyond
+            ``num_slots``' blocks).
 
     Raises:
         RootError: see :func:`~tiercache.files.rootdir.open_root` and
@@ -107,7 +109,8 @@ class FileTier:
                  direct_io: bool = False, kvikio_task_size: int | None = None,
                  kvikio_gds_threshold: int | None = None, check_root_owner: bool = True,
                  io_engine: str = "auto", sharing: str = "exclusive", min_age_s: float = 30.0,
-                 tmp_max_age_s: float = 900.0, open_files: int = -1) -> None:
+                 tmp_max_age_s: float = 900.0, open_files: int = -1,
+                 free_files: int = FREE_FILES) -> None:
         self.engine, self.engine_reason = choose_engine(io_engine)
         self.shared = sharing == "shared"
         self.min_age_s = min_age_s
@@ -145,7 +148,7 @@ class FileTier:
             if open_files and not self.shared:  # shared: see the open_files argument
                 sizes = len({file_size(p.block_nbytes) for p in pools})
                 want = num_slots * len(pools) + FREE_FILES * sizes if open_files < 0 else open_files
-                self.open_files = OpenFiles(self.dir.fd, want, recycle=not self.shared)
+                self.open_files = OpenFiles(self.dir.fd, want, recycle=not self.shared, free_files=free_files)
             self._batches = BlockBatches(self.dir, self.pools, self._native, self._executor, fsync, verify,
                                          direct_io, device_id, self.block_meta, self._drop_failed, self.open_files)
 

@@ -53,7 +53,7 @@ from tiercache.errors import (
     SlotRangeError,
     TierFullError,
 )
-from tiercache.files import IO_ENGINES, FileTier, IOPath, file_size, write_stats
+from tiercache.files import FREE_FILES, IO_ENGINES, FileTier, IOPath, file_size, write_stats
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
 from tiercache.placement import TierSlots
@@ -193,10 +193,14 @@ class RowStore:
         self.sharing, self.fsync = sharing, fsync
         self.negative_ttl_s, self.sweep_interval_s = float(negative_ttl_s), float(sweep_interval_s)
         self.pool = PoolSpec(POOL, (self.row_bytes,), "uint8")
+        # recycled files (exclusive roots) take disk space too: they come out of the capacity
+        free_files = 0 if self.shared else min(FREE_FILES, self.capacity_blocks // 16)
         self.ft = FileTier(self.root, (self.pool,), self.capacity_blocks, IOPath("posix", "host rows"), fsync=fsync,
                            verify=verify, io_threads=io_threads, direct_io=direct_io,
                            check_root_owner=check_root_owner, io_engine=io_engine, sharing=sharing,
-                           min_age_s=min_age_s, tmp_max_age_s=tmp_max_age_s, open_files=open_files)
+                           min_age_s=min_age_s, tmp_max_age_s=tmp_max_age_s, open_files=open_files,
+                           free_files=free_files)
+        self.capacity_blocks -= free_files
         self._lock = threading.RLock()
         self._cv = threading.Condition(threading.Lock())  # completions -> drain()
         self._done: collections.deque = collections.deque()  # filled by I/O threads
@@ -355,9 +359,12 @@ class RowStore:
                     new.append((k, r))
             seen = {k for k, _ in new}
             room = self.index.free_count
+            deps = []
             if len(new) > room:
                 victims = self._victims(len(new) - room, seen)
-                self._evict(victims)
+                ev = self._evict(victims)
+                if ev is not None:
+                    deps.append(ev)  # the writes go into the files it frees (recycled: no allocation)
                 room += len(victims)
             for k, _ in new[room:]:
                 result.failed[k] = TierFullError(
@@ -369,7 +376,10 @@ class RowStore:
             self.index.add([k for k, _ in new])
             for k, _ in new:
                 self._storing[k] = job
-            deps = list({id(e): e for k, _ in new if (e := self._evicting.get(k)) is not None}.values())
+            for k, _ in new:  # a key evicted earlier whose files may not be gone yet
+                e = self._evicting.get(k)
+                if e is not None and e not in deps:
+                    deps.append(e)
             self._launch(job, "write", deps)
             return job_id
 
@@ -466,16 +476,16 @@ class RowStore:
                 break
         return out
 
-    def _evict(self, keys: list[bytes]) -> None:
+    def _evict(self, keys: list[bytes]) -> _Eviction | None:
         """Drop ``keys`` from the index now; their files go on an I/O thread (exclusive roots;
-        a shared root's files are left to the sweep)."""
+        a shared root's files are left to the sweep). Returns what a write waits on for them."""
         if not keys:
-            return
+            return None
         self.index.remove(keys)
         self._removed.extend(keys)
         self.counters["evicted_blocks"] += len(keys)
         if self.shared:
-            return
+            return None
         ev = _Eviction()
         for k in keys:
             self._evicting[k] = ev
@@ -491,6 +501,7 @@ class RowStore:
                     self._done.append(("evicted", keys, ev))
 
         self.ft.run_task(run)
+        return ev
 
     # -- completions -------------------------------------------------------------------------
     def _apply(self) -> None:
@@ -705,6 +716,7 @@ class RowStore:
                 self._bg_cv.notify()
             self._bg.join()
         self.ft.close()
+        self.rows = None  # the engine may release its buffer now (no export of it is left here)
 
     def __enter__(self) -> RowStore:
         return self
