@@ -91,6 +91,7 @@ class Job(str, Enum):
     metrics = "metrics"
     shared = "shared"
     hf = "hf"
+    vllm_tier = "vllm-tier"
 
 
 class Baseline(str, Enum):
@@ -151,7 +152,11 @@ def bench(
                                           "cache calls with metrics off and on (exported, scraped), host<->file and "
                                           "(GPU) device<->host; shared: --procs processes writing and reading one shared root "
                                           "against one process (--bs, default 64k; --batch; --blocks per process); hf: transformers "
-                                          "generate with its plain cache, its offloaded cache and tiercache's (GPU).")] = Job.main,
+                                          "generate with its plain cache, its offloaded cache and tiercache's (GPU); "
+                                          "vllm-tier: tiercache's vLLM storage tier against vLLM's own fs tier through "
+                                          "vLLM's interface, and fio's best, on the root's disk (--bs: one row size, "
+                                          "default 256k and 2m; --size per phase, default 1g; --batch chunks per job; "
+                                          "--iodepth jobs in flight, default 8; --no-baseline: no fio).")] = Job.main,
     procs: Annotated[int, typer.Option(help="Processes of the shared job.", min=2, max=64)] = 4,
     context: Annotated[Optional[list[int]], typer.Option(help="hf job: context lengths in tokens (repeat the option; "
                                                               "default 16384 and 32768).", min=64)] = None,
@@ -204,6 +209,10 @@ def bench(
         return
     if job is Job.shared:
         _shared_job(config, output_format, root, procs, blocks, bs, min(batch, 256), repeat, seed, quick)
+        return
+    if job is Job.vllm_tier:
+        _vllm_tier_job(config, output_format, root, bs, size, batch, iodepth or 8, repeat if repeat > 1 else 3, seed,
+                       not no_baseline and (baseline is None or baseline.value != "none"), quick)
         return
     if jobfiles or (set(fio_opts) - {"io"}) or plot_path is not None:
         from .fio_cmd import run_fio
@@ -308,6 +317,25 @@ def _shared_job(config: Path | None, output_format: OutputFormat, root: Path | N
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_shared_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _vllm_tier_job(config: Path | None, output_format: OutputFormat, root: Path | None, bs: str | None,
+                   size: str | None, batch: int, in_flight: int, repeat: int, seed: int | None, fio: bool,
+                   quick: bool) -> None:
+    from tiercache.bench.benchvllm import format_vllm_tier_report, run_vllm_tier_bench
+    from tiercache.bench.fiospec import parse_size
+
+    try:
+        base = root or load_config(config or _default_config()).root
+        log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+        rows = (parse_size(bs, "--bs"),) if bs else (256 << 10, 2 << 20)
+        total = parse_size(size, "--size") if size else (256 << 20 if quick else 1 << 30)
+        rep = run_vllm_tier_bench(Path(base), row_sizes=rows, total_bytes=total, per_job=batch, in_flight=in_flight,
+                                  repeat=1 if quick else repeat, fio=fio, seed=seed, log=log)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_vllm_tier_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
 
 

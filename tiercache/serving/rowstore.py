@@ -233,6 +233,15 @@ class RowStore:
             self._bg = threading.Thread(target=self._background, name="tiercache-rowstore", daemon=True)
             self._bg.start()
 
+    @staticmethod
+    def blocks_for(blocks: int) -> int:
+        """The ``capacity_blocks`` at which an exclusive store holds ``blocks`` blocks (its
+        recycled free files come out of the capacity: ``min(FREE_FILES, capacity // 16)``)."""
+        cap = blocks
+        while cap - min(FREE_FILES, cap // 16) < blocks:
+            cap += 1
+        return cap
+
     # -- setup -------------------------------------------------------------------------------
     def _capacity(self, capacity_bytes, capacity_blocks) -> int:
         caps = []
