@@ -17,7 +17,17 @@ from rich.progress import Progress
 
 from tiercache.errors import InvalidKeyError, RootError
 from tiercache.config import CacheConfig
-from tiercache.files import QUARANTINE, RootDir, RootLock, is_own_block_file, is_root, lock_holder, survey, tmp_abandoned
+from tiercache.files import (
+    QUARANTINE,
+    RootDir,
+    RootLock,
+    entry_path,
+    is_own_block_file,
+    is_root,
+    lock_holder,
+    survey,
+    tmp_abandoned,
+)
 
 
 TMP_MAX_AGE_S = CacheConfig.tmp_max_age_s  # the default [file] tmp_max_age_s
@@ -81,8 +91,9 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
     chosen = [e for e in sv.blocks
               if (not pools or e.pool in pools) and (wanted_keys is None or e.key in wanted_keys)
               and (cutoff is None or e.mtime < cutoff)]
-    targets = [rd.child(e.name) for e in chosen if is_own_block_file(rd.child(e.name))]
-    sizes = [e.size for e in chosen if is_own_block_file(rd.child(e.name))]
+    own = [e for e in chosen if is_own_block_file(entry_path(rd, e))]
+    targets = [entry_path(rd, e) for e in own]
+    sizes = [e.size for e in own]
     skipped = len(chosen) - len(targets)
     if not pools and wanted_keys is None:  # a whole-root purge also clears leftovers
         now = time.time()
@@ -90,7 +101,7 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
             if shared and not tmp_abandoned(e.name, now - e.mtime, TMP_MAX_AGE_S):
                 continue  # a live writer's (shared mode)
             if cutoff is None or e.mtime < cutoff:
-                targets.append(rd.child(e.name))
+                targets.append(entry_path(rd, e))
                 sizes.append(e.size)
         qdir = rd.subdir(QUARANTINE) if not sv.problems else None
         for e in sv.quarantined if qdir is not None else ():

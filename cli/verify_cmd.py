@@ -12,7 +12,7 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import QUARANTINE, RootDir, RootLock, classify, is_root, lock_holder, survey, verify_file
+from tiercache.files import QUARANTINE, RootDir, RootLock, classify, entry_path, is_root, lock_holder, survey, verify_file
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
 
@@ -46,23 +46,26 @@ def verify(
     try:
         sv = survey(root)
         # names that should be blocks but are symlinks, directories...: bad too
-        files = [rd.child(e.name) for e in sv.blocks] + [rd.child(e.name) for e in sv.foreign
-                                                          if classify(e.name) == "block"]
-        bad: list[tuple[str, str]] = [
-            (e.name, f"{e.name}: not a canonical block file name (one spelling per key, ASCII digits): the cache "
-                     "ignores it, so it is a stray copy or junk")
+        files = [entry_path(rd, e) for e in sv.blocks] + [entry_path(rd, e) for e in sv.foreign
+                                                           if classify(e.name) == "block"]
+        bad: list[tuple[str, str, object]] = [
+            (e.relpath, f"{e.relpath}: not a canonical block file name (one spelling per key, ASCII digits): the cache "
+                        "ignores it, so it is a stray copy or junk", entry_path(rd, e))
             for e in sv.foreign if classify(e.name) == "foreign" and LOOKS_LIKE_BLOCK.match(e.name)]
+        bad += [(problem.split(" ", 1)[0], problem, None) for problem in sv.problems]  # e.g. a symlinked subdirectory
         with Progress(transient=True, disable=as_json) as progress, ThreadPoolExecutor(threads) as pool:
             task = progress.add_task("verifying", total=len(files))
             for path, problem in zip(files, pool.map(verify_file, files)):
                 if problem:
-                    bad.append((path.name, problem))
+                    bad.append((path.name, problem, path))
                 progress.advance(task)
         moved = 0
         if quarantine and bad:
-            for name, _ in bad:
+            for name, _, path in bad:
+                if path is None:
+                    continue
                 try:
-                    rd.child(name).rename(qdir.child(name))
+                    path.rename(qdir.child(path.name))
                     moved += 1
                 except FileNotFoundError:
                     pass
@@ -71,10 +74,10 @@ def verify(
             lock.release()
         rd.close()
     if as_json:
-        typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p in bad],
+        typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p, _ in bad],
                                "quarantined": moved}, indent=2))
     else:
-        for name, problem in bad:
+        for _, problem, _ in bad:
             typer.echo(f"BAD {problem}")
         typer.echo(f"checked {len(files)} block file(s) in {root}: {len(bad)} bad"
                    + (f", {moved} moved to quarantine/" if moved else ""))

@@ -23,7 +23,17 @@
  * filesystem cannot exchange, or the name is not a regular file: then a plain rename
  * replaced it).
  *
- * Two backends run reads and writes (renames always run on the threads):
+ * Directories: an operation's names are relative to dirs[i] where the batch has a dirs array
+ * (the block's subdirectory of the root: its temporary and final names are both there), else to
+ * dir_fd.
+ *
+ * Checksums: with TC_HASH a read that got every byte stores XXH3-64 of its data in hash[i]; a
+ * TC_HASHONLY batch only computes hash[i] of each operation's data (before a write batch, whose
+ * headers carry it). The XXH3-64 function is the xxhash library's, given by tc_set_hash (the
+ * Python package's extension exports it); the pool's threads run it, in parallel, outside the
+ * GIL.
+ *
+ * Two backends run reads and writes (renames and hashes always run on the threads):
  *
  *   io_uring  the calling thread drives a ring of its own (created on first use, closed when
  *             the thread exits): every file's open, vectored read or write and flush are
@@ -58,8 +68,16 @@
 #define TC_HEADER_BYTES 4096
 #define TC_NOTREG (-1)
 
-enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2 };
-enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16, TC_KEEP_DIRECT = 32 };
+enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2, TC_HASHONLY = 3 };
+enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16, TC_KEEP_DIRECT = 32, TC_HASH = 64 };
+
+typedef uint64_t (*tc_hash_fn)(const void *, size_t);
+static tc_hash_fn xxh3; /* XXH3_64bits of the xxhash library (tc_set_hash) */
+
+void tc_set_hash(void *fn)
+{
+    xxh3 = (tc_hash_fn)fn;
+}
 
 /* One batch, struct of arrays (entry i of every array belongs to operation i). */
 typedef struct {
@@ -76,7 +94,22 @@ typedef struct {
     int32_t *err;            /* out: 0, errno, or TC_NOTREG */
     int64_t *got;            /* out: read: bytes read, header included; publish: see TC_EXCHANGE */
     int32_t *fd;             /* in/out: open descriptors (see above); may be NULL */
+    const int32_t *dirs;     /* per operation: the directory of its names; may be NULL (dir_fd) */
+    uint64_t *hash;          /* out: TC_HASH reads and TC_HASHONLY: XXH3-64 of the data; may be NULL */
 } tc_batch;
+
+/* the directory of operation i's names */
+static inline int opdir(const tc_batch *b, int i)
+{
+    return b->dirs ? b->dirs[i] : b->dir_fd;
+}
+
+/* a read of every byte: its data's checksum where asked for */
+static inline void hash_read(const tc_batch *b, int i)
+{
+    if ((b->flags[i] & TC_HASH) && b->hash && xxh3)
+        b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+}
 
 typedef struct tc_job {
     const tc_batch *b;
@@ -196,9 +229,10 @@ static int publish(const tc_batch *b, int i)
     struct stat st;
     /* only a regular file is swapped out (a directory or symlink under the name is left to
      * the plain rename, which refuses or replaces it as it always did) */
-    if ((b->flags[i] & TC_EXCHANGE) && fstatat(b->dir_fd, final, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+    int dir = opdir(b, i);
+    if ((b->flags[i] & TC_EXCHANGE) && fstatat(dir, final, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
         S_ISREG(st.st_mode)) {
-        if (syscall(SYS_renameat2, b->dir_fd, tmp, b->dir_fd, final, RENAME_EXCHANGE) == 0) {
+        if (syscall(SYS_renameat2, dir, tmp, dir, final, RENAME_EXCHANGE) == 0) {
             b->got[i] = (int64_t)st.st_ino;
             return 0;
         }
@@ -206,7 +240,7 @@ static int publish(const tc_batch *b, int i)
             return not_regular(errno) ? TC_NOTREG : errno;
     }
 #endif
-    if (renameat(b->dir_fd, tmp, b->dir_fd, final) != 0)
+    if (renameat(opdir(b, i), tmp, opdir(b, i), final) != 0)
         return not_regular(errno) || errno == ENOTEMPTY ? TC_NOTREG : errno;
     return 0;
 }
@@ -267,11 +301,11 @@ static int open_read(const tc_batch *b, int i, const char *name)
 {
     int base = O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, direct = b->flags[i] & TC_DIRECT;
     if (keeps(b, i)) {
-        int fd = open_file(b->dir_fd, name, O_RDWR | base, direct, 0);
+        int fd = open_file(opdir(b, i), name, O_RDWR | base, direct, 0);
         if (fd >= 0 || (errno != EACCES && errno != EROFS && errno != EPERM))
             return fd;
     }
-    return open_file(b->dir_fd, name, O_RDONLY | base, direct, 0);
+    return open_file(opdir(b, i), name, O_RDONLY | base, direct, 0);
 }
 
 static void do_read(const tc_batch *b, int i)
@@ -316,6 +350,8 @@ static void do_read(const tc_batch *b, int i)
         iov = advance(v, iov, (size_t)r);
     }
     b->got[i] = total;
+    if (!e && total == want)
+        hash_read(b, i);
     b->err[i] = given >= 0 ? e : settle_fd(b, i, fd, e);
 }
 
@@ -348,7 +384,7 @@ static void do_write(const tc_batch *b, int i)
     int flags = b->flags[i];
     int given = given_fd(b, i);
     int fd = given >= 0 ? given
-                        : open_file(b->dir_fd, tmp, (keeps(b, i) ? O_RDWR : O_WRONLY) | O_CREAT | O_EXCL | O_CLOEXEC
+                        : open_file(opdir(b, i), tmp, (keeps(b, i) ? O_RDWR : O_WRONLY) | O_CREAT | O_EXCL | O_CLOEXEC
                                                          | O_NOFOLLOW, flags & TC_DIRECT, 0600);
     if (fd < 0) {
         b->err[i] = not_regular(errno) ? TC_NOTREG : errno;
@@ -368,7 +404,7 @@ static void do_write(const tc_batch *b, int i)
     if (!e && (flags & TC_PUBLISH))
         e = publish(b, i);
     if (e) {
-        unlinkat(b->dir_fd, tmp, 0);
+        unlinkat(opdir(b, i), tmp, 0);
         drop_kept(b, i, given >= 0);
     }
     b->err[i] = e;
@@ -381,7 +417,7 @@ static void do_rename(const tc_batch *b, int i)
     if (!e)
         e = publish(b, i);
     if (e)
-        unlinkat(b->dir_fd, tmp, 0);
+        unlinkat(opdir(b, i), tmp, 0);
     b->err[i] = e;
 }
 
@@ -390,6 +426,10 @@ static void run_one(tc_job *j, int i)
     switch (j->b->kind) {
     case TC_READ: do_read(j->b, i); break;
     case TC_WRITE: do_write(j->b, i); break;
+    case TC_HASHONLY:
+        j->b->hash[i] = xxh3 ? xxh3(j->b->data[i], (size_t)j->b->data_len[i]) : 0;
+        j->b->err[i] = xxh3 ? 0 : ENOSYS;
+        break;
     default: do_rename(j->b, i); break;
     }
     if (atomic_fetch_sub(&j->left, 1) == 1) {
@@ -600,7 +640,7 @@ static void prep_open(tc_ring *r, const tc_batch *b, tc_file *f, int i)
     struct io_uring_sqe *sqe = ring_sqe(r);
     int write = b->kind == TC_WRITE;
     sqe->opcode = IORING_OP_OPENAT;
-    sqe->fd = b->dir_fd;
+    sqe->fd = opdir(b, i);
     sqe->addr = (uint64_t)(uintptr_t)(b->names + b->name_off[i]);
     int keep = keeps(b, i);
     sqe->open_flags = (write ? (keep ? O_RDWR : O_WRONLY) | O_CREAT | O_EXCL : (f->rdwr ? O_RDWR : O_RDONLY) | O_NONBLOCK)
@@ -647,7 +687,7 @@ static int finish_write(const tc_batch *b, tc_file *f, int i, int e)
     if (!e && (b->flags[i] & TC_PUBLISH))
         e = publish(b, i);
     if (e) {
-        unlinkat(b->dir_fd, tmp, 0);
+        unlinkat(opdir(b, i), tmp, 0);
         drop_kept(b, i, f->given);
     }
     return e;
@@ -671,7 +711,7 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
         if (res < 0) {
             if (res == -EINVAL && f->direct) { /* O_DIRECT refused (tmpfs): again without it */
                 if (write)
-                    unlinkat(b->dir_fd, b->names + b->name_off[i], 0);
+                    unlinkat(opdir(b, i), b->names + b->name_off[i], 0);
                 f->direct = 0;
                 prep_open(r, b, f, i);
                 return 0;
@@ -722,6 +762,8 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
         }
         if (!write) {
             b->got[i] = f->off;
+            if (!e && f->off == want)
+                hash_read(b, i);
             b->err[i] = finish_read(b, f, i, e);
             return 1;
         }
@@ -909,7 +951,7 @@ int tc_run(void *pool, const tc_batch *b, int n)
     tc_pool *p = pool;
     if (n <= 0)
         return 0;
-    if (p->uring && b->kind != TC_RENAME && uring_run(b, n) == 0) {
+    if (p->uring && (b->kind == TC_READ || b->kind == TC_WRITE) && uring_run(b, n) == 0) {
         int failed = 0;
         for (int i = 0; i < n; i++)
             failed += b->err[i] != 0;

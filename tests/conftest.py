@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,10 +13,33 @@ from hypothesis import HealthCheck, settings
 
 from tiercache import CacheConfig, PoolSpec
 from tiercache.cuda import cuda_status
+from tiercache.files import SUBDIRS
+
+_SUBDIR_NAMES = frozenset(SUBDIRS)
 
 # no wall-clock deadlines: CI machines and the first draw after imports can be slow
 settings.register_profile("tiercache", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("tiercache")
+
+
+def bpath(root, key, pool: str) -> Path:
+    """A block file's path under a root: ``<root>/<subdir>/block_{key}_pool_{pool}.bin``."""
+    from tiercache.files import block_relpath
+
+    return Path(root) / block_relpath(key, pool)
+
+
+def files(root, pattern: str = "*") -> list[Path]:
+    """Files matching ``pattern`` in a root and in its block subdirectories."""
+    root = Path(root)
+    return sorted(p for p in [*root.glob(pattern), *root.glob(f"[0-9a-f][0-9a-f]/{pattern}")] if not p.is_dir()
+                  or p.is_symlink() or p.parent != root or p.name not in _SUBDIR_NAMES)
+
+
+def names(root, prefix: str = "") -> list[str]:
+    """Names (no directory) of the files starting with ``prefix`` in a root and in its block
+    subdirectories."""
+    return sorted(p.name for p in files(root, prefix + "*"))
 
 
 def require_integration(module: str):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import random_keys
+from conftest import bpath, files, random_keys
 from helpers import assert_bytes, put_random
 
 from tiercache import (
@@ -38,7 +38,7 @@ def test_round_trip_host_file_host(make_config, rng):
         assert all(c.lookup(k) == {"file": c.lookup(k)["file"]} for k in keys)
         for k in keys:  # the files are there, named by key and pool
             for p in c.config.pools:
-                assert (c.config.root / block_filename(k, p.name)).is_file()
+                assert (bpath(c.config.root, k, p.name)).is_file()
         slots = c.onboard(keys, to="host")
         assert sorted(slots.tolist()) == sorted(set(slots.tolist()))
         assert all(set(c.lookup(k)) == {"host", "file"} for k in keys)  # clean copy stays below
@@ -81,7 +81,7 @@ def test_bottom_tier_evicts_lru(make_config, rng):
             exp.update(put_random(c, [k], rng))
         assert len(c) == 6 and c.stats()["counters"]["evicted_blocks"] == 2
         assert not any(c.lookup(k) for k in keys[:2])  # the two oldest left the cache
-        assert len(list(cfg.root.glob("block_*"))) == 4 * len(cfg.pools)
+        assert len(list(files(cfg.root, "block_*"))) == 4 * len(cfg.pools)
         assert_bytes(c, {k: exp[k] for k in keys[2:]})
 
 
@@ -122,7 +122,7 @@ def test_put_replaces_all_copies(make_config, rng):
         assert set(c.lookup(k)) == {"host", "file"}
         exp = put_random(c, [k], rng)  # new bytes
         assert set(c.lookup(k)) == {"host"}
-        assert not any(c.config.root.glob("block_*"))
+        assert not any(files(c.config.root, "block_*"))
         assert_bytes(c, exp)
 
 
@@ -265,9 +265,9 @@ def test_write_failure_keeps_source(make_config, rng, io_engine, fail_writes):
         for k in keys:  # failed ones stay in host, nothing half-written on disk
             assert "host" in c.lookup(k)
             assert ("file" in c.lookup(k)) == (k not in doomed_keys)
-        assert not list(cfg.root.glob(".tmp.*"))
+        assert not list(files(cfg.root, ".tmp.*"))
         for k in doomed_keys:
-            assert not list(cfg.root.glob(block_filename(k, "*")))
+            assert not list(files(cfg.root, block_filename(k, "*")))
         fail_writes.disarm()
         c.offload(keys, to="file")  # the cache keeps working
         assert all(set(c.lookup(k)) == {"file"} for k in keys)
@@ -295,7 +295,7 @@ def test_corrupt_files_are_misses(make_config, rng):
     c.offload(keys, to="file")
     # flip one data byte of one block: detected at read by the checksum
     victim = keys[2]
-    path = cfg.root / block_filename(victim, "act")
+    path = bpath(cfg.root, victim, "act")
     with open(path, "r+b") as f:
         f.seek(4096 + int(rng.integers(0, cfg.pools[1].block_nbytes)))
         b = f.read(1)
@@ -311,10 +311,10 @@ def test_corrupt_files_are_misses(make_config, rng):
     c.close()
     # a torn header and a truncated file are found when the root is reopened
     k1, k2 = keys[0], keys[1]
-    with open(cfg.root / block_filename(k1, "kv"), "r+b") as f:
+    with open(bpath(cfg.root, k1, "kv"), "r+b") as f:
         f.seek(30)
         f.write(b"\xff\xff")
-    os.truncate(cfg.root / block_filename(k2, "act"), 4096 + 10)
+    os.truncate(bpath(cfg.root, k2, "act"), 4096 + 10)
     (cfg.root / ".tmp.block_1_pool_kv.bin.123.abcd").write_bytes(b"partial")
     (cfg.root / "notes.txt").write_text("someone else's")
     with TierCache(cfg) as c2:
@@ -332,7 +332,7 @@ def test_evict(make_config, rng):
         c.evict([1], tier="host")
         assert set(c.lookup(1)) == {"file"}
         c.evict([2])
-        assert 2 not in c and not list(c.config.root.glob("block_2_*"))
+        assert 2 not in c and not list(files(c.config.root, "block_2_*"))
         assert_bytes(c, {1: exp[1], 3: exp[3]})
 
 

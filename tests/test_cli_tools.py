@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import random_keys
+from conftest import bpath, files, random_keys
 from helpers import put_random
 from tiercache.cli import app
 from typer.testing import CliRunner
@@ -74,23 +74,23 @@ def test_purge_refusals(tmp_path, populated):
     assert res.exit_code == 2 and "not a key text" in res.output
     res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--older-than", "soon", "--yes"])
     assert res.exit_code == 2 and "not a duration" in res.output
-    assert len(list(cfg.root.glob("block_*"))) == 12
+    assert len(list(files(cfg.root, "block_*"))) == 12
 
 
 def test_purge_filters_confirm_and_dry_run(populated):
     cfg, keys = populated
     res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--pool", "act", "--dry-run"])
     assert res.exit_code == 0 and "would delete 6 file(s)" in res.output
-    assert len(list(cfg.root.glob("block_*"))) == 12
+    assert len(list(files(cfg.root, "block_*"))) == 12
     res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--keys", str(keys[0])], input="n\n")
     assert res.exit_code == 2 and "nothing deleted" in res.output
     res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--keys", str(keys[0])], input="y\n")
     assert res.exit_code == 0 and "deleted 2 file(s)" in res.output
-    assert not list(cfg.root.glob(block_filename(keys[0], "*")))
+    assert not list(files(cfg.root, block_filename(keys[0], "*")))
     res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--older-than", "1h", "--yes"])
     assert res.exit_code == 0 and "nothing to purge" in res.output
     old = time.time() - 7200
-    for p in cfg.root.glob(block_filename(keys[1], "*")):
+    for p in files(cfg.root, block_filename(keys[1], "*")):
         os.utime(p, (old, old))
     res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--older-than", "1h", "--yes"])
     assert res.exit_code == 0 and "deleted 2 file(s)" in res.output
@@ -106,12 +106,12 @@ def test_verify(populated, rng):
     cfg, keys = populated
     res = runner.invoke(app, ["verify", "--root", str(cfg.root)])
     assert res.exit_code == 0 and "checked 12 block file(s)" in res.output and ": 0 bad" in res.output
-    bad = cfg.root / block_filename(keys[2], "kv")
+    bad = bpath(cfg.root, keys[2], "kv")
     with open(bad, "r+b") as f:
         f.seek(4096 + 7)
         f.write(b"\x00\x01\x02")
     act = next(p for p in cfg.pools if p.name == "act")
-    os.truncate(cfg.root / block_filename(keys[3], "act"), 4096 + act.block_nbytes // 2)  # cut into the data
+    os.truncate(bpath(cfg.root, keys[3], "act"), 4096 + act.block_nbytes // 2)  # cut into the data
     res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--json"])
     assert res.exit_code == 1
     r = json.loads(res.stdout)

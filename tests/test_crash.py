@@ -15,6 +15,7 @@ import numpy as np
 from crash_child import block, pools
 
 from tiercache import CacheConfig, TierCache
+from conftest import files
 
 KILLS = int(os.environ.get("TIERCACHE_CRASH_KILLS", "50"))
 
@@ -56,6 +57,6 @@ def test_sigkill_at_random_moments(tmp_path, rng):
                 assert not bad, f"kill {i}: blocks served with wrong bytes: {bad[:5]}"
             verified |= stored
             served_total = len(stored)
-            assert not list(root.glob(".tmp.*")), "temporary files survived the reopen"
+            assert not list(files(root, ".tmp.*")), "temporary files survived the reopen"
         next_key = max(stored | acked | {next_key}) + 1000  # fresh keys for the next round
     assert served_total >= KILLS  # every round acknowledged at least one batch

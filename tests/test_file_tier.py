@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import random_keys
+from conftest import bpath, files, random_keys
 from helpers import assert_bytes, put_random
 
 from tiercache import CacheConfig, ConfigError, PoolSpec, RootError, TierCache
@@ -70,7 +70,7 @@ def test_capacity_bytes_evicts_least_recently_used(make_config, rng):
         exp = {}
         for k in keys:
             exp.update(put_random(c, [k], rng))
-        on_disk = sum(f.stat().st_size for f in cfg.root.glob("block_*"))
+        on_disk = sum(f.stat().st_size for f in files(cfg.root, "block_*"))
         assert on_disk <= cfg.capacity_bytes
         assert c.stats()["tiers"]["file"]["bytes_on_disk"] == on_disk
         assert len(c) == 5 and c.stats()["counters"]["evicted_blocks"] == 3
@@ -118,11 +118,12 @@ def test_permissions(make_config, rng):
             put_random(c, [k], rng)  # the third spills the first
         c.flush()
         c.get([1], pool="kv")
-    files = list(cfg.root.glob("block_*"))
-    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    found = list(files(cfg.root, "block_*"))
+    assert found and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in found)
     assert stat.S_IMODE(cfg.root.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.parent.stat().st_mode) == 0o700 for f in found)  # their subdirectories too
     # a corrupt file gets quarantined into a 0700 directory
-    with open(files[0], "r+b") as f:
+    with open(found[0], "r+b") as f:
         f.write(b"junk")
     with TierCache(cfg) as c:
         assert c.scan.quarantined
@@ -143,7 +144,7 @@ def test_a_slot_left_invalid_by_a_failed_read_is_valid_again_once_written(tmp_pa
         data = rng.integers(1, 256, (3, 1024), dtype=np.uint8)
         cache.put([a], data[:1])
         cache.offload([a], to="file")
-        path = cfg.root / f"block_{a}_pool_p.bin"
+        path = bpath(cfg.root, a, "p")
         raw = bytearray(path.read_bytes())
         raw[DATA_OFFSET] ^= 0xFF
         path.write_bytes(bytes(raw))

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from conftest import require_integration  # noqa: E402
+from conftest import files, require_integration  # noqa: E402
 
 torch = require_integration("torch")
 transformers = require_integration("transformers")
@@ -66,12 +66,12 @@ def _check_modes(kind, device, dtype, tmp_path, batch, prompt, new_tokens, tpb):
     kv = kv_bytes_per_token(model.config, torch.finfo(dtype).bits // 8) * batch * total
     host_bytes = kv * 2 // 5                           # the KV is 2.5x the host tier: most blocks in files
     with TieredCache(model, max_cache_len=total, tokens_per_block=tpb, host_bytes=host_bytes,
-                     root=tmp_path / kind) as files:
-        got = _generate(model, ids, files, new_tokens)
+                     root=tmp_path / kind) as spilled:
+        got = _generate(model, ids, spilled, new_tokens)
         assert torch.equal(got, want), (seed, "files")
-        cnt = files.stats()["counters"]
+        cnt = spilled.stats()["counters"]
         assert cnt["onboard_hits_file"] > cnt.get("onboard_hits_host", 0) and cnt["bytes_file_to_host"] > kv
-    assert not list((tmp_path / kind).glob("block_*"))  # the scratch files are gone after close
+    assert not files(tmp_path / kind, "block_*")  # the scratch files are gone after close
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])

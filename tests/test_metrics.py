@@ -16,7 +16,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import random_blocks, random_keys, random_kv_pool
+from conftest import bpath, random_blocks, random_keys, random_kv_pool
 
 from tiercache import (
     CacheConfig,
@@ -164,7 +164,7 @@ def test_corrupt_file_spills_and_evictions_are_counted(tmp_path, rng, exporter):
         c.put(keys[8:], random_blocks(rng, pool, 4))      # spills 4 more: the file tier is full
         c.offload(keys[8:10], to="file")                  # 2 least recently used files evicted
         victim = keys[5]
-        path = c.config.root / f"block_{victim}_pool_p.bin"
+        path = bpath(c.config.root, victim, "p")
         raw = bytearray(path.read_bytes())
         raw[DATA_OFFSET + int(rng.integers(pool.block_nbytes))] ^= 0xFF
         path.write_bytes(bytes(raw))

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import ENGINES, random_keys
+from conftest import ENGINES, bpath, names, random_keys
 
 from tiercache import ConfigError, CorruptBlockError, PoolSpec
 from tiercache.files import FileTier, IOPath, batchio, block_filename, choose_engine
@@ -73,8 +73,8 @@ def test_round_trip_exact_bytes(tmp_path, rng, io_engine, fsync, direct):
     assert not any(errs.values())
     for name in data:
         assert np.array_equal(out[name], data[name])
-    assert not [p for p in os.listdir(tmp_path / "root") if p.startswith(".tmp.")]
-    sizes = {os.path.getsize(tmp_path / "root" / block_filename(k, p.name)) % 4096 for k in keys for p in pools}
+    assert not [p for p in names(tmp_path / "root") if p.startswith(".tmp.")]
+    sizes = {os.path.getsize(bpath(tmp_path / "root", k, p.name)) % 4096 for k in keys for p in pools}
     assert sizes == {0}
     ft.close()
 
@@ -106,7 +106,7 @@ def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine):
     root = tmp_path / "root"
     ft = _tier(root, pools, io_engine, fsync="none", open_files=0)
     assert not any(ft.write(_items(keys, data)).values())
-    name = {k: root / block_filename(k, "kv") for k in keys}
+    name = {k: bpath(root, k, "kv") for k in keys}
     with open(name[1], "r+b") as f:  # a flipped data byte
         f.seek(4096 + int(rng.integers(0, 8192)))
         b = f.read(1)
@@ -169,9 +169,9 @@ def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
     assert {k for k, e in errs.items() if e} == {doomed}
     assert errs[doomed].errno == errno.ENOSPC
     # the only temporary files are the free files the tier keeps (replaced blocks' files)
-    assert sorted(p for p in os.listdir(root) if p.startswith(".tmp.")) == sorted(_free_names(ft))
+    assert sorted(p for p in names(root) if p.startswith(".tmp.")) == sorted(_free_names(ft))
     # no half-written block: neither pool's file of the failed key is left
-    assert not [p for p in os.listdir(root) if p.startswith(block_filename(doomed, "")[:-4])]
+    assert not [p for p in names(root) if p.startswith(block_filename(doomed, "")[:-4])]
     ok = [i for i, k in enumerate(keys) if k != doomed]
     out = {p.name: np.zeros((len(ok), p.block_nbytes), np.uint8) for p in pools}
     errs = ft.read(_items([keys[i] for i in ok], out))
@@ -179,7 +179,7 @@ def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
     for name in new:  # the other blocks hold the new bytes (the read used to fill copies, unchecked)
         assert np.array_equal(out[name], new[name][ok])
     ft.close()
-    assert not [p for p in os.listdir(root) if p.startswith(".tmp.")]  # free files go with the tier
+    assert not [p for p in names(root) if p.startswith(".tmp.")]  # free files go with the tier
 
 
 @needs_native
@@ -196,7 +196,7 @@ def test_rename_fault_unpublishes_the_block(tmp_path, rng, engine):
     finally:
         batchio.clear_faults()
     assert {k for k, e in errs.items() if e} == {keys[3]}
-    assert not [p for p in os.listdir(root) if p.startswith(".tmp.") or p.startswith(block_filename(keys[3], "")[:-4])]
+    assert not [p for p in names(root) if p.startswith(".tmp.") or p.startswith(block_filename(keys[3], "")[:-4])]
     ft.close()
 
 

@@ -9,10 +9,10 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ENGINES, random_keys
+from conftest import ENGINES, bpath, names, random_keys
 
 from tiercache import CacheConfig, PoolSpec, TierCache
-from tiercache.files import FileTier, IOPath, batchio, block_filename
+from tiercache.files import FileTier, IOPath, batchio, block_filename, block_subdir
 
 NATIVE = [e for e in ENGINES if e != "python"]
 pytestmark = pytest.mark.skipif(not NATIVE, reason="no C compiler: the native engines cannot be built here")
@@ -36,7 +36,20 @@ def _items(keys, arrays):
 
 
 def _temporaries(root):
-    return sorted(n for n in os.listdir(root) if n.startswith(".tmp."))
+    return sorted(n for n in names(root) if n.startswith(".tmp."))
+
+
+def _keys_in(rng, subdirs, n: int, distinct: bool = True) -> list:
+    """``n`` random int keys whose files go in ``subdirs`` (each in a different one with
+    ``distinct``): a free file is reused only by a write into its own subdirectory."""
+    subdirs, out = list(subdirs), []
+    while len(out) < n:
+        k = int(rng.integers(0, 1 << 62))
+        if block_subdir(k) in subdirs and k not in out:
+            out.append(k)
+            if distinct:
+                subdirs.remove(block_subdir(k))
+    return out
 
 
 def _check(ft, pools, model):
@@ -74,12 +87,12 @@ def test_random_writes_overwrites_evictions_and_reads_match_a_model(tmp_path, rn
             ft.evict(gone)
             for k in gone:
                 del model[k]
-                assert not any((root / block_filename(k, p.name)).exists() for p in pools)
+                assert not any((bpath(root, k, p.name)).exists() for p in pools)
         else:
             _check(ft, pools, {k: model[k] for k in keys if k in model})
         # the only temporaries are the free files the tier keeps; no stale block file
         assert _temporaries(root) == sorted(of.free_names())
-        assert {n for n in os.listdir(root) if n.startswith("block_")} == {
+        assert {n for n in names(root) if n.startswith("block_")} == {
             block_filename(k, p.name) for k in model for p in pools}
         assert of.held <= of.capacity
     _check(ft, pools, model)
@@ -102,13 +115,13 @@ def test_a_failed_write_into_a_free_file_is_never_served(tmp_path, rng, engine):
     root = tmp_path / "root"
     ft = _tier(root, pools, engine, fsync="data")
     of = ft.open_files
-    keys = random_keys(rng, 16)
+    keys = _keys_in(rng, sorted({block_subdir(k) for k in random_keys(rng, 64)})[:16], 16)
     first = _rows(rng, pools, 16)
     assert not any(ft.write(_items(keys, first)).values())
     second = _rows(rng, pools, 16)
     assert not any(ft.write(_items(keys, second)).values())  # 16 exchanges: 16 free files
     assert len(of.free_names()) == 16
-    others = random_keys(rng, 8)
+    others = _keys_in(rng, {block_subdir(k) for k in keys}, 8)  # each where a free file waits
     doomed = others[int(rng.integers(0, 8))]
     batchio.set_fault(batchio.WRITE, block_filename(doomed, "kv"), errno.ENOSPC)
     try:
@@ -117,7 +130,7 @@ def test_a_failed_write_into_a_free_file_is_never_served(tmp_path, rng, engine):
         batchio.clear_faults()
     assert {k for k, e in errs.items() if e} == {doomed}
     assert of.reused >= 8  # the new blocks went into free files
-    assert not (root / block_filename(doomed, "kv")).exists()
+    assert not (bpath(root, doomed, "kv")).exists()
     assert _temporaries(root) == sorted(of.free_names())
     _check(ft, pools, {k: {"kv": second["kv"][i]} for i, k in enumerate(keys)})
     ft.close()
@@ -136,7 +149,8 @@ def test_torn_free_file_left_by_a_crash_is_removed_not_served(tmp_path, rng, eng
     ft.write(_items(keys, data))
     free = ft.open_files.free_names()
     assert free
-    with open(root / free[0], "r+b") as f:  # a torn write of another block into it
+    (torn,) = [p for p in root.glob(f"*/{free[0]}")]
+    with open(torn, "r+b") as f:  # a torn write of another block into it
         f.seek(4096)
         f.write(rng.bytes(3000))
     # the crash: the tier is gone without closing (its descriptors die with the process)
@@ -183,8 +197,9 @@ def test_cache_evictions_recycle_files_for_later_offloads(tmp_path, rng):
     expected = {}
     with TierCache(cfg) as c:
         of = c.tiers["file"].open_files
+        subdir = block_subdir(int(rng.integers(0, 1 << 62)))
         for _ in range(4):
-            keys = random_keys(rng, 8)
+            keys = _keys_in(rng, {subdir}, 8, distinct=False)  # one subdirectory: its files recycle
             data = {"kv": rng.integers(0, 256, (8, 16384), dtype=np.uint8)}
             c.put(keys, data, tier="file")
             expected = {k: data["kv"][i].copy() for i, k in enumerate(keys)}

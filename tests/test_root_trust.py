@@ -15,7 +15,7 @@ import stat
 
 import numpy as np
 import pytest
-from conftest import random_keys
+from conftest import bpath, files, names, random_keys
 from helpers import assert_bytes, put_random
 from tiercache.cli import app
 from typer.testing import CliRunner
@@ -25,7 +25,7 @@ from tiercache.config import config_from_dict
 from tiercache.cuda import cuda_status
 from tiercache.errors import TransferError
 from tiercache.files.batchio import native_status
-from tiercache.files import FileTier, block_filename
+from tiercache.files import SUBDIRS, FileTier, block_filename, block_subdir
 
 runner = CliRunner()
 
@@ -86,13 +86,13 @@ def test_purge_never_deletes_through_a_symlinked_quarantine(flushed, outside):
     assert res.exit_code == 0, res.output
     assert "left alone" in res.output and "symlink" in res.output
     assert tree(outside) == before
-    assert not list(cfg.root.glob("block_*"))  # the root's own blocks went
+    assert not list(files(cfg.root, "block_*"))  # the root's own blocks went
 
 
 def test_quarantine_through_a_symlink_is_refused_not_followed(flushed, outside, rng):
     cfg, exp = flushed
     victim = next(iter(exp))
-    bad = cfg.root / block_filename(victim, "act")
+    bad = bpath(cfg.root, victim, "act")
     with open(bad, "r+b") as f:
         f.seek(4096)
         f.write(b"\x00\x01\x02")
@@ -162,10 +162,10 @@ def test_scan_survives_a_file_removed_while_it_looks(flushed, monkeypatch):
     gone = next(iter(exp))
     real = FileTier._check_file
 
-    def check_then_vanish(self, key, pool, entry):
-        out = real(self, key, pool, entry)
+    def check_then_vanish(self, key, pool, path):
+        out = real(self, key, pool, path)
         if key == gone:
-            os.unlink(self.root / entry.name)
+            os.unlink(path)
         return out
 
     monkeypatch.setattr(FileTier, "_check_file", check_then_vanish)
@@ -183,7 +183,7 @@ def test_non_canonical_names_do_not_shadow_valid_blocks(make_config, rng):
     (cfg.root / "block_00012_pool_kv.bin").write_bytes(b"junk")
     (cfg.root / "block_\u0661\u0662_pool_kv.bin").write_bytes(b"junk")
     (cfg.root / "block_12_pool_kv.bin\n").write_bytes(b"junk")
-    shutil.copy(cfg.root / block_filename(16, "kv"), cfg.root / "block_016_pool_kv.bin")
+    shutil.copy(bpath(cfg.root, 16, "kv"), cfg.root / "block_016_pool_kv.bin")
     with TierCache(cfg) as c:
         assert set(c.keys()) == {12, 16}
         assert_bytes(c, exp)
@@ -202,7 +202,7 @@ def test_odd_entries_under_our_names_are_left_alone(make_config, rng):
         c.flush()
     (cfg.root / ".tmp.somedir").mkdir()
     (cfg.root / ".tmp.userfile").write_text("mine")
-    (cfg.root / "block_25_pool_kv.bin").mkdir()
+    bpath(cfg.root, 25, "kv").mkdir()
     with TierCache(cfg) as c:
         assert (cfg.root / ".tmp.somedir").is_dir() and (cfg.root / ".tmp.userfile").read_text() == "mine"
         exp = put_random(c, [25], rng)
@@ -212,7 +212,7 @@ def test_odd_entries_under_our_names_are_left_alone(make_config, rng):
         assert_bytes(c, exp)
         c.evict([25])  # no raw IsADirectoryError: the directory is not ours
         assert 25 not in c
-    assert (cfg.root / "block_25_pool_kv.bin").is_dir()
+    assert bpath(cfg.root, 25, "kv").is_dir()
 
 
 # -- 6. purge decides what is ours by the header ---------------------------------------------------
@@ -228,10 +228,10 @@ def test_purge_deletes_only_files_with_tiercache_headers(flushed, rng, tmp_path)
     with TierCache(other) as c:
         c.put([31], np.ones((1, 64), np.uint8))
         c.flush()
-    shutil.copy(other.root / block_filename(31, "other"), cfg.root / block_filename(31, "other"))
+    shutil.copy(bpath(other.root, 31, "other"), bpath(cfg.root, 31, "other"))
     res = runner.invoke(app, ["purge", "--root", str(cfg.root), "--yes"])
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in cfg.root.glob("block_*")) == sorted(junk)
+    assert sorted(p.name for p in files(cfg.root, "block_*")) == sorted(junk)
 
 
 # -- 7. validation ---------------------------------------------------------------------------------
@@ -307,11 +307,11 @@ def test_get_into_a_read_only_array_is_an_array_mismatch(make_config, rng):
 def test_verify_finds_trailing_bytes_and_symlinked_blocks(flushed, outside):
     cfg, exp = flushed
     a, b = list(exp)[:2]
-    with open(cfg.root / block_filename(a, "kv"), "ab") as f:
+    with open(bpath(cfg.root, a, "kv"), "ab") as f:
         f.write(os.urandom(5000))
     copy = outside / "valid-copy.bin"
-    shutil.move(cfg.root / block_filename(b, "kv"), copy)
-    (cfg.root / block_filename(b, "kv")).symlink_to(copy)
+    shutil.move(bpath(cfg.root, b, "kv"), copy)
+    (bpath(cfg.root, b, "kv")).symlink_to(copy)
     res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--json"])
     assert res.exit_code == 1
     problems = {x["file"]: x["problem"] for x in json.loads(res.stdout)["bad"]}
@@ -330,9 +330,9 @@ def _symlink_block_8(c, cfg, rng, outside):
     exp = put_random(c, [8, 9], rng)
     c.offload([8, 9], to="file")
     name = block_filename(8, "kv")
-    shutil.copy(cfg.root / name, outside / "copy.bin")
-    (cfg.root / name).unlink()
-    (cfg.root / name).symlink_to(outside / "copy.bin")
+    shutil.copy(bpath(cfg.root, 8, "kv"), outside / "copy.bin")
+    bpath(cfg.root, 8, "kv").unlink()
+    bpath(cfg.root, 8, "kv").symlink_to(outside / "copy.bin")
     return exp, name
 
 
@@ -364,8 +364,8 @@ def test_a_held_block_replaced_by_a_symlink_is_neither_followed_nor_swapped(make
         assert_bytes(c, exp)
         new = put_random(c, [8], rng)
         c.offload([8], to="file")
-        assert (cfg.root / name).is_file() and not (cfg.root / name).is_symlink()
-        assert not [n for n in os.listdir(cfg.root) if n.startswith(".tmp.")]  # the link is not kept as a free file
+        assert bpath(cfg.root, 8, "kv").is_file() and not bpath(cfg.root, 8, "kv").is_symlink()
+        assert not [n for n in names(cfg.root) if n.startswith(".tmp.")]  # the link is not kept as a free file
         assert tree(outside) == before
         c.onboard([8])
         assert_bytes(c, {8: new[8], 9: exp[9]})
@@ -414,7 +414,7 @@ def test_purge_without_an_answer_exits_2_and_deletes_nothing(flushed):
     cfg, _ = flushed
     res = runner.invoke(app, ["purge", "--root", str(cfg.root)])  # no terminal, no input
     assert res.exit_code == 2 and "nothing deleted" in res.output
-    assert len(list(cfg.root.glob("block_*"))) == 8
+    assert len(list(files(cfg.root, "block_*"))) == 8
 
 
 @pytest.mark.skipif(cuda_status().available, reason="checks the no-GPU error")
@@ -507,3 +507,52 @@ def test_random_hostile_trees_never_reach_outside_the_root(make_config, tmp_path
             assert res.exception is None or isinstance(res.exception, SystemExit), (args, res.output)
             assert res.exit_code in (0, 1, 2) and "Traceback" not in res.output, (args, res.output)
         assert tree(outside) == before, f"trial {trial}: something outside the root changed"
+
+
+# -- 12. block subdirectories ----------------------------------------------------------------------
+def test_block_files_are_spread_over_subdirectories_by_key(make_config, rng):
+    cfg = make_config(host_slots=8)
+    keys = random_keys(rng, 40, "mixed")
+    with TierCache(cfg) as c:
+        put_random(c, keys, rng)
+        c.flush()
+    found = files(cfg.root, "block_*")
+    assert len(found) == 40 * len(cfg.pools) and not list(cfg.root.glob("block_*"))  # none flat
+    assert {p.parent.name for p in found} <= set(SUBDIRS) and len({p.parent.name for p in found}) > 10
+    for k in keys:  # every pool's file of a block in one subdirectory, the key's
+        assert {bpath(cfg.root, k, p.name).parent for p in cfg.pools} == {cfg.root / block_subdir(k)}
+
+
+def test_a_root_of_the_flat_layout_is_moved_into_subdirectories(make_config, rng):
+    """Roots written before subdirectories (every block file in the root itself) open with
+    every block, moved into place, bytes exact."""
+    cfg = make_config(host_slots=8)
+    keys = random_keys(rng, 12, "mixed")
+    with TierCache(cfg) as c:
+        exp = put_random(c, keys, rng)
+        c.flush()
+    for f in files(cfg.root, "block_*"):
+        f.rename(cfg.root / f.name)  # the flat layout
+    (cfg.root / ".tmp.block_3_pool_kv.bin.1.ab").write_bytes(b"left by a crash")
+    with TierCache(cfg) as c:
+        assert c.scan.migrated == 12 * len(cfg.pools) and c.scan.removed_tmp == 1
+        assert set(c.keys()) == set(keys)
+        assert_bytes(c, exp)
+    assert not list(cfg.root.glob("block_*")) and len(files(cfg.root, "block_*")) == 12 * len(cfg.pools)
+
+
+def test_a_symlink_in_place_of_a_block_subdirectory_is_refused_never_followed(make_config, rng, outside):
+    cfg = make_config(host_slots=8)
+    with TierCache(cfg) as c:
+        put_random(c, [1], rng)
+        c.flush()
+    victim = cfg.root / SUBDIRS[int(rng.integers(0, len(SUBDIRS)))]
+    shutil.rmtree(victim)
+    victim.symlink_to(outside, target_is_directory=True)
+    before = tree(outside)
+    with pytest.raises(RootError, match="symlink or not a directory"):
+        TierCache(cfg)
+    res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--json"])
+    assert res.exit_code == 1 and any(f"{victim} is a symlink" in b["problem"] for b in json.loads(res.stdout)["bad"])
+    runner.invoke(app, ["purge", "--root", str(cfg.root), "--yes"])
+    assert tree(outside) == before  # nothing through the link was read into, moved or deleted

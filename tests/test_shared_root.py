@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import random_blocks
+from conftest import bpath, names, random_blocks
 from shared_worker import POOLS, bytes_of
 
 from tiercache import CacheConfig, InvalidKeyError, PoolSpec, RootError, TierCache, TransferError
@@ -110,9 +110,9 @@ def test_a_failed_write_never_deletes_a_published_file(tmp_path, rng, io_engine,
         assert set(err.value.failed_keys) == set(ks[:2])
         fail_writes.disarm()
         for k in ks:
-            assert (root / block_filename(k, "p")).exists()
+            assert (bpath(root, k, "p")).exists()
         assert np.array_equal(a.get(ks).reshape(3, -1), data)
-        assert not [n for n in os.listdir(root) if n.startswith(".tmp.block")]
+        assert not [n for n in names(root) if n.startswith(".tmp.block")]
     finally:
         a.close()
         b.close()
@@ -162,17 +162,17 @@ def test_capacity_holds_for_the_root_and_spares_young_files(tmp_path, rng):
             c.file_index.sweep_interval_s = 0
             c.put(ks, random_blocks(rng, POOL, 4))
             c.flush(ks)
-        on_disk = {n for n in os.listdir(root) if n.startswith("block_")}
+        on_disk = {n for n in names(root) if n.startswith("block_")}
         assert len(on_disk) <= cap + 4           # the slack: one batch of the last writer
         a.file_index.after_write()                # a sweep with no write of its own
-        assert len({n for n in os.listdir(root) if n.startswith("block_")}) <= cap
+        assert len({n for n in names(root) if n.startswith("block_")}) <= cap
         assert a.stats()["counters"]["evicted_blocks"] + b.stats()["counters"]["evicted_blocks"] >= 24 - cap - 4
         ks = _keys(rng, 12)                       # min_age_s: nothing that young is deleted by policy
         young.file_index.sweep_interval_s = 0
         for i in range(0, 12, 4):
             young.put(ks[i:i + 4], random_blocks(rng, POOL, 4))
             young.flush(ks[i:i + 4])
-        assert len([n for n in os.listdir(tmp_path / "y") if n.startswith("block_")]) == 12
+        assert len([n for n in names(tmp_path / "y") if n.startswith("block_")]) == 12
     finally:
         for c in (a, b, young):
             c.close()
@@ -206,7 +206,7 @@ def test_sweeps_delete_the_least_recently_read_first(tmp_path, rng, monkeypatch)
         a.flush(ks)
         old = time.time() - 100
         for i, k in enumerate(ks):                # published in key order, 100 s ago and before
-            os.utime(root / block_filename(k, "p"), (old + i + 0.5, old + i))
+            os.utime(bpath(root, k, "p"), (old + i + 0.5, old + i))
         touched = []
         real = type(b.tiers["file"]).touch
         monkeypatch.setattr(type(b.tiers["file"]), "touch", lambda self, keys: (touched.extend(keys), real(self, keys)))
@@ -214,8 +214,8 @@ def test_sweeps_delete_the_least_recently_read_first(tmp_path, rng, monkeypatch)
         assert b.get(ks[:2]) is not None and sorted(touched) == sorted(ks[:2])  # once per key and min_age_s
         b.file_index._last_sweep = 0
         b.file_index.after_write()                # b's capacity of 4: the 2 least recently used go
-        assert {k for k in ks if (root / block_filename(k, "p")).exists()} == {ks[0], ks[1], ks[4], ks[5]}
-        path = root / block_filename(ks[4], "p")  # no read (no kernel atime update): touch alone
+        assert {k for k in ks if (bpath(root, k, "p")).exists()} == {ks[0], ks[1], ks[4], ks[5]}
+        path = bpath(root, ks[4], "p")  # no read (no kernel atime update): touch alone
         b.tiers["file"].touch([ks[4]])
         st = os.stat(path)
         assert st.st_mtime == old + 4 and st.st_atime > old + 50  # publication time kept, use time now
@@ -263,7 +263,7 @@ def test_purge_and_verify_while_processes_share_the_root(tmp_path, rng):
         c.put(ks, random_blocks(rng, POOL, 3))
         c.flush(ks)
         c.evict(ks, tier="host")
-        bad = root / block_filename(ks[0], "p")
+        bad = bpath(root, ks[0], "p")
         raw = bytearray(bad.read_bytes())
         raw[DATA_OFFSET] ^= 1
         bad.write_bytes(bytes(raw))
@@ -274,7 +274,7 @@ def test_purge_and_verify_while_processes_share_the_root(tmp_path, rng):
         assert res.exit_code == 2 and "shared mode" in res.output and "--force" in res.output
         res = run(app, ["purge", "--root", str(root), "--yes", "--force"])
         assert res.exit_code == 0, res.output
-        assert not [n for n in os.listdir(root) if n.startswith("block_")]
+        assert not [n for n in names(root) if n.startswith("block_")]
         with pytest.raises(TransferError):
             c.onboard([ks[1]], to="host")         # its files were purged: gone, not corrupt
         assert (root / ".tiercache-root").exists()
@@ -298,9 +298,8 @@ def _last_times(logs: Path, prefix: str) -> dict[bytes, float]:
 
 
 def _block_count(root: Path) -> int:
-    names = [n for n in os.listdir(root) if n.startswith("block_")]
     keys = {}
-    for n in names:
+    for n in names(root, "block_"):
         k = n.split("_pool_")[0]
         keys[k] = keys.get(k, 0) + 1
     return sum(1 for v in keys.values() if v == len(POOLS))
@@ -359,7 +358,7 @@ def test_processes_share_a_root_through_sigkills(tmp_path):
     with TierCache(CacheConfig(pools=POOLS, host_slots=8, file_slots=capacity, root=root, sharing="shared",
                                metrics_registry="none", metrics_snapshot_s=0, min_age_s=0.5)) as c:
         assert c.scan.quarantined == []
-        assert not [n for n in os.listdir(root) if n.startswith(".tmp.block")]  # every writer is dead
+        assert not [n for n in names(root) if n.startswith(".tmp.block")]  # every writer is dead
         for k in kept:
             assert k in c, f"flushed block {k.hex()} lost without an eviction"
             out = {p.name: np.zeros((1, p.block_nbytes), np.uint8) for p in POOLS}

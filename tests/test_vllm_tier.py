@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import require_integration
+from conftest import bpath, files, names, require_integration
 
 require_integration("vllm")
 
@@ -53,7 +53,7 @@ def engine(tmp_path, request):
 
 
 def _files(tier: TierCacheTier) -> list[str]:
-    return sorted(n for n in os.listdir(tier.root) if n.startswith("block_"))
+    return names(tier.root, "block_")
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_corrupt_file_fails_that_chunk_only_and_is_quarantined(engine, rng):
     engine.store(keys)
     engine.flush_primary()
     bad = keys[2]
-    path = engine.tier.root / f"block_x{bad.hex()}_pool_kv.bin"
+    path = bpath(engine.tier.root, bad, "kv")
     with open(path, "r+b") as f:  # one byte of data, same size: only the checksum can tell
         f.seek(4096 + int(rng.integers(0, engine.row_bytes)))
         b = f.read(1)
@@ -202,7 +202,7 @@ def test_file_deleted_behind_its_back_fails_that_chunk(engine, rng):
     keys = H.new_keys(rng, 3)
     engine.store(keys)
     engine.flush_primary()
-    os.unlink(engine.tier.root / f"block_x{keys[0].hex()}_pool_kv.bin")
+    os.unlink(bpath(engine.tier.root, keys[0], "kv"))
     tier = engine.tier
     tier.submit_load(TransferJob(1, keys, np.array([5, 6, 7]), True, ReqContext("r")))
     tier.drain_jobs()
@@ -215,8 +215,8 @@ def test_file_deleted_behind_its_back_fails_that_chunk(engine, rng):
 def test_transient_read_error_fails_the_chunk_and_leaves_its_file(engine, rng):
     keys = H.new_keys(rng, 2)
     engine.store(keys)
-    name = f"block_x{keys[1].hex()}_pool_kv.bin"
-    before = (engine.tier.root / name).read_bytes()
+    path = bpath(engine.tier.root, keys[1], "kv")
+    before = path.read_bytes()
     batchio.set_fault(batchio.READ, keys[1].hex(), 5, 1)  # EIO once
     try:
         engine.tier.submit_load(TransferJob(1, keys, np.array([0, 1]), True, ReqContext("r")))
@@ -225,7 +225,7 @@ def test_transient_read_error_fails_the_chunk_and_leaves_its_file(engine, rng):
     finally:
         batchio.clear_faults()
     assert not res.success and list(res.successful_keys) == [keys[0]]
-    assert (engine.tier.root / name).read_bytes() == before  # not deleted, not quarantined
+    assert path.read_bytes() == before  # not deleted, not quarantined
     assert not np.any(engine.rows[1])
 
 
@@ -244,7 +244,7 @@ def test_failed_store_leaves_no_file_and_reports_failure(engine, rng):
     assert not res.success
     assert engine.lookups(keys) == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
     assert f"block_x{keys[1].hex()}_pool_kv.bin" not in _files(engine.tier)
-    assert not [n for n in os.listdir(engine.tier.root) if n.startswith(".tmp.") and keys[1].hex() in n]
+    assert not [n for n in names(engine.tier.root, ".tmp.") if keys[1].hex() in n]
 
 
 def test_out_of_range_chunk_fails_the_job_not_the_step(engine, rng):
@@ -301,7 +301,7 @@ def test_capacity_is_held_under_churn_and_eviction_events_flow(tmp_path, rng):
             ev = list(tier.take_events())
             removed |= {k for e in ev if e.removed for k in e.keys}
             assert all(e.medium is Medium.STORAGE for e in ev)
-            on_disk = sum(os.path.getsize(tier.root / n) for n in os.listdir(tier.root) if n.startswith(("block_", ".tmp")))
+            on_disk = sum(os.path.getsize(f) for f in files(tier.root, "block_*") + files(tier.root, ".tmp.*"))
             assert on_disk <= cap_bytes
         held = [k for k in live if k not in removed]
         assert len(held) == len(tier.store) <= 40
@@ -355,11 +355,10 @@ def test_drain_and_shutdown_cut_no_transfer_short(engine, rng):
     engine.store(more, drain=False)
     root = engine.tier.root
     engine.tier.shutdown()
-    names = os.listdir(root)
-    assert not [n for n in names if n.startswith(".tmp.")]
+    assert not names(root, ".tmp.")
     from tiercache.files import verify_file
 
-    assert all(verify_file(root / n) is None for n in names if n.startswith("block_"))
+    assert all(verify_file(f) is None for f in files(root, "block_*"))
     engine.m.shutdown = lambda: engine.m.primary_tier.shutdown()  # the tier is already down
 
 
@@ -436,7 +435,7 @@ def test_kill9_during_stores_then_only_whole_chunks_are_served(tmp_path, seed, s
     try:
         eng = H.Engine(m)
         root = eng.tier.root
-        assert not [n for n in os.listdir(root) if n.startswith(".tmp.") and sharing == "exclusive"]
+        assert sharing == "shared" or not names(root, ".tmp.")
         held = len(eng.tier.store)
         assert held >= len(acked)  # every acknowledged chunk survived the kills
         got = eng.promote(acked)
@@ -492,7 +491,7 @@ class TestFsTierScenarios:
         t.submit_store(self.job(1, [self.key(1)], [0]))
         (r,) = self.drain(t)
         assert r.success and t.lookup(self.key(1), ReqContext("x")) is LookupResult.HIT
-        assert (t.root / f"block_x{self.key(1).hex()}_pool_kv.bin").is_file()
+        assert bpath(t.root, self.key(1), "kv").is_file()
 
     def test_store_then_load_roundtrip_keeps_the_files(self, tier):
         t, _ = tier

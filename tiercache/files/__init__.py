@@ -19,16 +19,17 @@ Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """
 
 from .batchio import IO_ENGINES, choose_engine, native_status, uring_status
-from .blockfile import DATA_OFFSET, block_filename, file_size
+from .blockfile import DATA_OFFSET, FANOUT, SUBDIRS, block_filename, block_relpath, block_subdir, file_size
 from .file_tier import FileTier, ScanResult
 from .openfiles import FREE_FILES
 from .iopath import IOPath, select_io_path
 from .rootdir import DIR_MODE, QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, is_root, lock_holder
 from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
-from .rootsurvey import STATS, RootSurvey, classify, is_own_block_file, survey, verify_file, write_stats
+from .rootsurvey import STATS, FileEntry, RootSurvey, classify, entry_path, is_own_block_file, survey, verify_file, write_stats
 
 __all__ = [
-    "DATA_OFFSET", "DIR_MODE", "FREE_FILES", "FileTier", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
+    "DATA_OFFSET", "DIR_MODE", "FANOUT", "FREE_FILES", "FileEntry", "FileTier", "SUBDIRS", "block_relpath",
+    "block_subdir", "entry_path", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
     "RootPath", "RootSurvey",
     "STATS", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
     "select_io_path", "survey", "verify_file", "write_stats", "BOOT_TAG", "tmp_abandoned", "tmp_name", "tmp_owner",

@@ -35,8 +35,8 @@ import numpy as np
 
 from tiercache.errors import ConfigError
 
-READ, WRITE, RENAME = 0, 1, 2
-DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT = 1, 2, 4, 8, 16, 32
+READ, WRITE, RENAME, HASHONLY = 0, 1, 2, 3
+DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH = 1, 2, 4, 8, 16, 32, 64
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file
 NOT_REGULAR = -1
 HEADER_BYTES = 4096
@@ -49,7 +49,27 @@ class _Batch(ctypes.Structure):
         ("name_off", ctypes.c_void_p), ("final_off", ctypes.c_void_p), ("flags", ctypes.c_void_p),
         ("head", ctypes.c_void_p), ("data", ctypes.c_void_p), ("data_len", ctypes.c_void_p),
         ("file_len", ctypes.c_void_p), ("err", ctypes.c_void_p), ("got", ctypes.c_void_p), ("fd", ctypes.c_void_p),
+        ("dirs", ctypes.c_void_p), ("hash", ctypes.c_void_p),
     ]
+
+
+def _xxh3_address() -> int | None:
+    """The address of ``XXH3_64bits`` in the ``xxhash`` package's extension (the same
+    function :func:`tiercache.files.blockfile.checksum` calls), or None where it is not
+    exported."""
+    try:
+        import xxhash._xxhash as ext
+
+        fn = ctypes.CDLL(ext.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
+    probe = b"tiercache"
+    import xxhash
+
+    if fn(probe, len(probe)) != xxhash.xxh3_64_intdigest(probe):
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 @functools.cache
@@ -70,7 +90,15 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.tc_pool_threads.argtypes = [ctypes.c_void_p]
     lib.tc_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.c_int]
     lib.tc_set_fault.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    lib.tc_set_hash.argtypes = [ctypes.c_void_p]
+    lib.tc_set_hash(_xxh3_address())
     return lib, "kernels/blockio.c built and loaded"
+
+
+def native_hash() -> bool:
+    """Whether the native engine computes XXH3-64 itself (``HASH`` reads, ``HASHONLY``
+    batches): the ``xxhash`` extension exports ``XXH3_64bits``."""
+    return _library()[0] is not None and _xxh3_address() is not None
 
 
 def native_status() -> tuple[bool, str]:
@@ -140,8 +168,10 @@ def clear_faults() -> None:
 
 class Ops:
     """One batch being built: per operation a name (and final name), flags, a header page,
-    a data pointer and lengths, and a descriptor (:attr:`fd`, -1: open the name; see
-    ``kernels/blockio.c`` on ``KEEP`` and ``EXCHANGE``). Header pages live in :attr:`heads`
+    a data pointer and lengths, a descriptor (:attr:`fd`, -1: open the name; see
+    ``kernels/blockio.c`` on ``KEEP`` and ``EXCHANGE``), the directory of its names
+    (:attr:`dirs`, a descriptor; unset: the batch's ``dir_fd``) and the XXH3-64 of its data
+    (:attr:`hash`: ``HASH`` reads, ``HASHONLY`` batches). Header pages live in :attr:`heads`
     (``uint8 [n, 4096]``, page-aligned)."""
 
     def __init__(self, n: int, heads: np.ndarray) -> None:
@@ -156,6 +186,8 @@ class Ops:
         self.err = np.zeros(n, np.int32)
         self.got = np.zeros(n, np.int64)
         self.fd = np.full(n, -1, np.int32)
+        self.dirs: np.ndarray | None = None
+        self.hash = np.zeros(n, np.uint64)
 
 
 def error_for(code: int, where: str) -> OSError:
@@ -205,9 +237,10 @@ class NativeIO:
         return buf[:n]
 
     def run(self, kind: int, dir_fd: int, ops: Ops) -> int:
-        """Run ``ops`` (kind :data:`READ`, :data:`WRITE` or :data:`RENAME`) in the root of
-        ``dir_fd``; fills ``ops.err``, ``ops.got`` and (``KEEP``) ``ops.fd``. Returns the
-        number that failed."""
+        """Run ``ops`` (kind :data:`READ`, :data:`WRITE`, :data:`RENAME` or :data:`HASHONLY`)
+        in the directory ``dir_fd`` (or each operation's :attr:`Ops.dirs`); fills
+        ``ops.err``, ``ops.got``, (``KEEP``) ``ops.fd`` and (``HASH``, ``HASHONLY``)
+        ``ops.hash``. Returns the number that failed."""
         if self._closed:
             raise RuntimeError("NativeIO is closed")
         n = ops.n
@@ -223,7 +256,8 @@ class NativeIO:
         b = _Batch(kind, dir_fd, ctypes.addressof(blob), offs.ctypes.data,
                    final_off.ctypes.data if final_off is not None else None, ops.flags.ctypes.data,
                    head_ptr.ctypes.data, ops.data.ctypes.data, ops.data_len.ctypes.data, ops.file_len.ctypes.data,
-                   ops.err.ctypes.data, ops.got.ctypes.data, ops.fd.ctypes.data)
+                   ops.err.ctypes.data, ops.got.ctypes.data, ops.fd.ctypes.data,
+                   ops.dirs.ctypes.data if ops.dirs is not None else None, ops.hash.ctypes.data)
         return self._lib.tc_run(self._pool, ctypes.byref(b), n)  # the GIL is released meanwhile
 
     def close(self) -> None:

@@ -37,6 +37,8 @@ from tiercache.files.batchio import (
     DIRECT,
     EXCHANGE,
     FDATASYNC,
+    HASH,
+    HASHONLY,
     KEEP,
     KEEP_DIRECT,
     NOT_REGULAR,
@@ -47,12 +49,12 @@ from tiercache.files.batchio import (
     NativeIO,
     Ops,
     error_for,
+    native_hash,
 )
 from tiercache.files.blockfile import (
     ALIGN,
     DATA_OFFSET,
     align_up,
-    block_filename,
     checksum,
     encode_header,
     file_size,
@@ -231,10 +233,20 @@ class GroupCommit:
         published = [i for i in ready if i not in bad]
         if published and self.fsync == "data+dir":
             try:
-                posix_io.fsync_dir(self.staged[published[0]][0][1])
+                fsync_dirs([item[1] for i in published for item in self.staged[i]])
             except OSError as exc:
                 self._delete([self.keys[i] for i in published])
                 self.failed.update({i: exc for i in published})
+
+
+def fsync_dirs(paths) -> None:
+    """fsync each distinct directory that holds one of ``paths`` (so renames in it are
+    durable): the block subdirectories a batch published into."""
+    seen: dict = {}
+    for p in paths:
+        seen.setdefault(p.dir_fd if p.dir_fd is not None else os.path.dirname(os.fspath(p)), p)
+    for p in seen.values():
+        posix_io.fsync_dir(p)
 
 
 def settle_futures(futures: list[Future]) -> Callable[[dict], None]:
@@ -283,6 +295,8 @@ class BlockBatches:
         self.block_meta = block_meta
         self._delete = delete
         self.open_files = open_files if open_files is not None and open_files.enabled else None
+        #: XXH3-64 of data in the C threads (reads: ``HASH``; writes: a ``HASHONLY`` batch first)
+        self.native_hash = native_hash()
         self._local = threading.local()
         self._root = str(directory.path)  # for messages
 
@@ -386,8 +400,12 @@ class BlockBatches:
             before_io(idx[0], deps, delay_s, None)
             files = self._layout(idx, items, skip, errors)
             ops = self._ops(files)
-            names = [block_filename(key, pool.name) for _, key, pool, _, _ in files]
+            paths = [self.dir.block_path(key, pool.name) for _, key, pool, _, _ in files]
+            names = [p.name for p in paths]
             ops.names = [n.encode() for n in names]
+            ops.dirs = np.fromiter((p.dir_fd for p in paths), np.int32, len(paths))
+            if self.verify and self.native_hash:
+                ops.flags |= HASH
             held = self._hold(names, ops)
             try:
                 self.native.run(READ, self.dir.fd, ops)
@@ -397,7 +415,7 @@ class BlockBatches:
                     try:
                         if i in errors:
                             raise CorruptBlockError("a sibling file failed")
-                        self._check_read(ops, j, key, pool, host)
+                        self._check_read(ops, j, key, pool, host, paths[j])
                         entry = OpenFiles.describe(kept) if kept is not None and kept >= 0 else None
                     except BaseException as exc:
                         errors.setdefault(i, exc)
@@ -441,16 +459,16 @@ class BlockBatches:
                 ops.flags[j] |= self._keep(ops, j)
         return held
 
-    def _check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray) -> None:
+    def _check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray, path) -> None:
         code = int(ops.err[j])
-        where = f"{self._root}/{ops.names[j].decode()}"
+        where = str(path)
         if code:
             exc = error_for(code, where)
             raise (CorruptBlockError(str(exc)) if code == NOT_REGULAR else exc)
         if ops.got[j] < DATA_OFFSET + pool.block_nbytes:
             raise CorruptBlockError(f"{where}: truncated ({int(ops.got[j])} bytes, expected {file_size(pool.block_nbytes)})")
         want = header_checksum(ops.heads[j], key, pool, where)
-        if self.verify and checksum(host) != want:
+        if self.verify and (int(ops.hash[j]) if ops.flags[j] & HASH else checksum(host)) != want:
             raise CorruptBlockError(f"{where}: data checksum mismatch")
 
     # -- writes ------------------------------------------------------------------------------
@@ -487,11 +505,15 @@ class BlockBatches:
             flags = (PUBLISH | (FDATASYNC if self.fsync != "none" else 0)) if publish else 0
             of = self.open_files
             reused: list[Entry | None] = [None] * len(files)
+            paths = [self.dir.block_path(key, pool.name) for _, key, pool, _, _ in files]
+            ops.dirs = np.fromiter((p.dir_fd for p in paths), np.int32, len(paths))
+            if self.native_hash:  # every file's XXH3-64 on the C threads, in parallel
+                self.native.run(HASHONLY, self.dir.fd, ops)
             for j, (i, key, pool, _, host) in enumerate(files):
-                final = block_filename(key, pool.name)
-                ops.heads[j] = np.frombuffer(encode_header(key, pool, checksum(host), self.block_meta.get(key)),
-                                             np.uint8)
-                free = of.take_free(int(ops.file_len[j])) if of is not None else None
+                final = paths[j].name
+                digest = int(ops.hash[j]) if self.native_hash else checksum(host)
+                ops.heads[j] = np.frombuffer(encode_header(key, pool, digest, self.block_meta.get(key)), np.uint8)
+                free = of.take_free(int(ops.file_len[j]), int(ops.dirs[j])) if of is not None else None
                 if free is not None:  # a free file of this size: written through its descriptor
                     ops.names.append(free[0].encode())
                     ops.fd[j] = free[1].fd
@@ -519,26 +541,26 @@ class BlockBatches:
                         of.discard(entries[j])
                         entries[j] = None
                     if i not in errors:
-                        errors[i] = error_for(int(ops.err[j]), str(self.dir.child(ops.finals[j].decode())))
+                        errors[i] = error_for(int(ops.err[j]), str(paths[j]))
                         io_failed.add(i)
                 elif publish and of is not None:
-                    drop = of.published(ops.finals[j].decode(), ops.names[j].decode(), entries[j], int(ops.got[j]))
+                    drop = of.published(ops.finals[j].decode(), ops.names[j].decode(), entries[j], int(ops.got[j]),
+                                        int(ops.dirs[j]))
                     if drop:
-                        self.dir.child(drop).unlink()
+                        paths[j].with_name(drop).unlink()
             if io_failed:  # a failed write leaves no file of its block (no stale or half-written one)
                 self._delete([items[i][0] for i in sorted(io_failed)])
             if publish:
                 ok = [i for i in idx if i not in errors]
                 if ok and self.fsync == "data+dir":
                     try:
-                        posix_io.fsync_dir(self.dir.child(ops.finals[0].decode()))
+                        fsync_dirs([paths[j] for j, (i, *_r) in enumerate(files) if i not in errors])
                     except OSError as exc:
                         self._delete([items[i][0] for i in ok])
                         errors.update({i: exc for i in ok})
             else:
                 for j, (i, *_rest) in enumerate(files):
-                    item = (self.dir.child(ops.names[j].decode()), self.dir.child(ops.finals[j].decode()),
-                            entries[j])
+                    item = (paths[j].with_name(ops.names[j].decode()), paths[j], entries[j])
                     if i in errors:
                         if not ops.err[j]:
                             self.discard(item)  # a sibling pool's file failed: drop this one too
@@ -576,6 +598,7 @@ class BlockBatches:
         ops = Ops(len(items), self.native.heads(0))
         ops.names = [it[0].name.encode() for it in items]
         ops.finals = [it[1].name.encode() for it in items]
+        ops.dirs = np.fromiter((it[1].dir_fd for it in items), np.int32, len(items))
         of = self.open_files
         if of is not None:
             for j, it in enumerate(items):
@@ -591,7 +614,7 @@ class BlockBatches:
                 continue
             out.append(None)
             if of is not None:
-                drop = of.published(final.name, tmp.name, entry, int(ops.got[j]))
+                drop = of.published(final.name, tmp.name, entry, int(ops.got[j]), final.dir_fd)
                 if drop:
-                    self.dir.child(drop).unlink()
+                    final.with_name(drop).unlink()
         return out

@@ -1,4 +1,15 @@
-"""The on-disk format of one block of one pool: ``block_{key}_pool_{pool}.bin``.
+"""The on-disk format of one block of one pool: ``<dd>/block_{key}_pool_{pool}.bin``.
+
+Block files live in :data:`FANOUT` subdirectories of the root, ``00`` to ``3f``: a block's
+is two lower-case hex digits of the XXH3-64 of its key's text (:func:`block_subdir`; every
+pool's file of a block is in the same one). One directory for every file serialized the
+file system's work on it: creating, renaming and removing files in one ext4 directory
+measured 0.8-1.05 GB/s for 256 KiB files from 32 threads where 8 or more directories gave
+1.4-1.6 (docs/performance.md, "Block files in subdirectories"). 64 leaves a file system's
+free-space and directory work spread over as many directories while each still holds
+recycled files to reuse (:mod:`tiercache.files.openfiles`: a free file is reused only in
+its own directory, since a rename between directories takes the file system's
+cross-directory lock).
 
 Layout (all offsets in bytes)::
 
@@ -43,6 +54,23 @@ TMP_PREFIX = ".tmp."
 #: marker and stats files' (``.tmp.own.<name>.<pid>``; ``.tmp.stats.<pid>`` from before)
 TMP_RE = re.compile(r"\.tmp\.(?:(block_[A-Za-z0-9_.-]+\.bin)\.[0-9]+\.[0-9a-f]+|own\.[A-Za-z0-9_.-]+\.[0-9]+|stats\.[0-9]+)",
                     re.ASCII)
+
+
+#: subdirectories of a root that hold its block files
+FANOUT = 64
+#: their names, ``00`` .. ``3f``
+SUBDIRS = tuple(f"{i:02x}" for i in range(FANOUT))
+
+
+def block_subdir(key: Key) -> str:
+    """The subdirectory of ``key``'s block files: ``XXH3-64(key text) % FANOUT`` as two
+    lower-case hex digits."""
+    return SUBDIRS[xxhash.xxh3_64_intdigest(key_text(key).encode()) % FANOUT]
+
+
+def block_relpath(key: Key, pool: str) -> str:
+    """``<dd>/block_{key}_pool_{pool}.bin``: a block file's path relative to its root."""
+    return f"{block_subdir(key)}/{block_filename(key, pool)}"
 
 
 def block_filename(key: Key, pool: str) -> str:

@@ -1,9 +1,11 @@
 """The file tier: one file per block and pool under a root directory that tiercache owns
-(marker, single-writer lock and the trust boundary: :mod:`tiercache.files.rootdir`). Blocks
-are written atomically (see :mod:`tiercache.files.posix_io`); when a cache reopens a root,
+(marker, single-writer lock and the trust boundary: :mod:`tiercache.files.rootdir`), in the
+root's 64 subdirectories (:func:`~tiercache.files.blockfile.block_subdir`). Blocks are written
+atomically (see :mod:`tiercache.files.posix_io`); when a cache reopens a root,
 :meth:`FileTier.scan` rebuilds the index from the files, removes leftover temporary files,
-and moves files that fail their header check into ``quarantine/``. Every operation goes
-through the root's directory descriptor and follows no symlink.
+moves files that fail their header check into ``quarantine/``, and moves block files of the
+flat layout of earlier versions (in the root itself) into their subdirectories. Every
+operation goes through a directory descriptor of the root and follows no symlink.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from tiercache.errors import CorruptBlockError
 from tiercache.files import kvikio_io, posix_io
 from tiercache.files.batchio import NativeIO, choose_engine
 from tiercache.files.blockbatch import BlockBatches, GroupCommit, before_io, python_rename_all, settle_futures
-from tiercache.files.blockfile import block_filename, file_size, parse_filename
+from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, file_size, parse_filename
 from tiercache.files.iopath import IOPath
 from tiercache.files.openfiles import FREE_FILES, OpenFiles
-from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootLock, RootPath, open_root
+from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, open_root
 from tiercache.files.rootsurvey import classify
 from tiercache.files.sharing import published, tmp_abandoned, tmp_name
 from tiercache.geometry import PoolSpec
@@ -36,6 +38,7 @@ from tiercache.memory import copy_sync
 
 log = logging.getLogger("tiercache")
 _VANISHED = "vanished"  # a file deleted between the listing and its check
+_SUBDIR_NAMES = frozenset(SUBDIRS)
 
 
 
@@ -50,6 +53,7 @@ class ScanResult:
         incomplete: keys with files for some pools but not all (left in place).
         extra: per block, the ``extra`` metadata its files were written with (if any).
         foreign: names in the root that tiercache did not write (left in place).
+        migrated: block files of the flat layout moved into their subdirectories.
     """
 
     blocks: list[tuple[Key, float]] = field(default_factory=list)
@@ -58,6 +62,7 @@ class ScanResult:
     incomplete: list[Key] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    migrated: int = 0
 
 
 class FileTier:
@@ -120,6 +125,7 @@ class FileTier:
         try:
             self._lock = RootLock(self.dir, shared=self.shared)
             self.dir.subdir(QUARANTINE)  # a symlink or file there is refused now, not followed later
+            self.dir.block_dirs(create=True)  # likewise, and their descriptors are held from here on
         except BaseException:
             if self._lock is not None:
                 self._lock.release()
@@ -154,17 +160,44 @@ class FileTier:
 
     # -- paths -------------------------------------------------------------------------
     def path(self, key: Key, pool: str) -> RootPath:
-        """The file of ``key`` in ``pool`` (relative to the root's descriptor)."""
-        return self.dir.child(block_filename(key, pool))
+        """The file of ``key`` in ``pool`` (relative to its subdirectory's descriptor)."""
+        return self.dir.block_path(key, pool)
+
+    def dir_of(self, key: Key) -> RootDir:
+        """The subdirectory of ``key``'s files."""
+        return self.dir.subdir(block_subdir(key), create=True)
+
+    def _listing(self, result: ScanResult | None = None) -> list[tuple[RootDir, os.DirEntry]]:
+        """Every entry of the block subdirectories, with its directory; the root's own
+        entries come first (flat-layout block files there are moved into their subdirectories
+        when ``result`` is given, which counts them)."""
+        out: list[tuple[RootDir, os.DirEntry]] = []
+        with self.dir.scandir() as entries:
+            top = list(entries)
+        for entry in top:
+            kind = classify(entry.name)
+            if kind == "block" and result is not None and entry.is_file(follow_symlinks=False):
+                parsed = parse_filename(entry.name)
+                if parsed is not None and parsed[1] in self.pools:
+                    try:
+                        self.dir.child(entry.name).rename(self.path(*parsed))
+                        result.migrated += 1
+                        continue
+                    except FileNotFoundError:  # another process moved it
+                        continue
+            if kind in ("temporary", "block") or (kind == "foreign" and entry.name not in _SUBDIR_NAMES):
+                out.append((self.dir, entry))
+        for d in self.dir.block_dirs():
+            with d.scandir() as entries:
+                out.extend((d, e) for e in entries)
+        return out
 
     # -- index rebuild -----------------------------------------------------------------
     def scan(self) -> ScanResult:
         """Rebuild the list of complete blocks from the files in the root (see class doc)."""
         result = ScanResult()
-        found: dict[Key, dict[str, os.DirEntry]] = {}
-        with self.dir.scandir() as entries:
-            listing = list(entries)
-        for entry in listing:
+        found: dict[Key, dict[str, RootPath]] = {}
+        for d, entry in self._listing(result):
             kind = classify(entry.name)
             try:
                 regular = entry.is_file(follow_symlinks=False)
@@ -173,17 +206,18 @@ class FileTier:
             if kind == "temporary" and regular:
                 # exclusive: left by a writer that died (this process holds the lock); shared: only
                 # provably abandoned ones (sharing.tmp_abandoned), never a live writer's
-                if (not self.shared or self._abandoned(entry)) and self.dir.child(entry.name).unlink():
+                if (not self.shared or self._abandoned(entry)) and d.child(entry.name).unlink():
                     result.removed_tmp += 1
                 continue
             if kind == "own":
                 continue
             parsed = parse_filename(entry.name)
-            if parsed is None or parsed[1] not in self.pools or not regular:
-                result.foreign.append(entry.name)
+            if (parsed is None or parsed[1] not in self.pools or not regular or d is self.dir
+                    or d.path.name != block_subdir(parsed[0])):
+                result.foreign.append(entry.name if d is self.dir else f"{d.path.name}/{entry.name}")
                 continue
-            found.setdefault(parsed[0], {})[parsed[1]] = entry
-        checks = [(key, pool, entry) for key, by_pool in found.items() for pool, entry in by_pool.items()]
+            found.setdefault(parsed[0], {})[parsed[1]] = d.child(entry.name)
+        checks = [(key, pool, path) for key, by_pool in found.items() for pool, path in by_pool.items()]
         checked = dict(zip(((k, p) for k, p, _ in checks),
                            self._executor.map(lambda c: self._check_file(*c), checks)))
         bad = {kp: reason for kp, (reason, _) in checked.items()}
@@ -193,15 +227,15 @@ class FileTier:
                 continue
             reasons = [bad[(key, p)] for p in by_pool if bad[(key, p)]]
             if reasons:
-                for pool, entry in by_pool.items():
-                    self._quarantine(self.dir.child(entry.name), bad[(key, pool)] or "another pool's file of this block is bad")
-                    result.quarantined.append((entry.name, bad[(key, pool)] or "sibling bad"))
+                for pool, path in by_pool.items():
+                    self._quarantine(path, bad[(key, pool)] or "another pool's file of this block is bad")
+                    result.quarantined.append((path.name, bad[(key, pool)] or "sibling bad"))
                 continue
             if set(by_pool) != set(self.pools):
                 result.incomplete.append(key)
                 continue
             try:
-                mtime = max(e.stat(follow_symlinks=False).st_mtime for e in by_pool.values())
+                mtime = max(p.lstat_strict().st_mtime for p in by_pool.values())
             except FileNotFoundError:  # removed while we looked (not by a tiercache writer: we hold the lock)
                 result.incomplete.append(key)
                 continue
@@ -229,13 +263,11 @@ class FileTier:
         blocks left on disk."""
         found: dict[Key, dict[str, tuple[float, float]]] = {}
         now = time.time()
-        with self.dir.scandir() as entries:
-            listing = list(entries)
-        for entry in listing:
+        for d, entry in self._listing():
             kind = classify(entry.name)
             if kind == "temporary":
                 if entry.is_file(follow_symlinks=False) and self._abandoned(entry):
-                    self.dir.child(entry.name).unlink()
+                    d.child(entry.name).unlink()
                 continue
             parsed = parse_filename(entry.name) if kind == "block" else None
             if parsed is None or parsed[1] not in self.pools:
@@ -263,11 +295,11 @@ class FileTier:
         pool = next(iter(self.pools))
         now_ns = time.time_ns()
         for k in keys:
-            name = block_filename(k, pool)
+            path = self.path(k, pool)
             try:
-                st = os.stat(name, dir_fd=self.dir.fd, follow_symlinks=False)
+                st = os.stat(path.name, dir_fd=path.dir_fd, follow_symlinks=False)
                 if stat.S_ISREG(st.st_mode):
-                    os.utime(name, ns=(now_ns, st.st_mtime_ns), dir_fd=self.dir.fd, follow_symlinks=False)
+                    os.utime(path.name, ns=(now_ns, st.st_mtime_ns), dir_fd=path.dir_fd, follow_symlinks=False)
             except (FileNotFoundError, PermissionError):  # gone, or another user's file: no refresh
                 pass
 
@@ -278,7 +310,7 @@ class FileTier:
         pool = next(iter(self.pools))
         name = block_filename(key, pool)
         try:
-            fd = self.dir.child(name).open(os.O_RDONLY)
+            fd = self.path(key, pool).open(os.O_RDONLY)
         except (OSError, NotRegularFileError):
             return {}
         try:
@@ -297,11 +329,12 @@ class FileTier:
         if self.shared:
             return []
         if self.open_files is not None and self.open_files.recycle:
-            names = [block_filename(k, p) for k in keys for p in self.pools]
-            kept = self.open_files.recycle_names(names, [tmp_name(n) for n in names])
-            for name, ok in zip(names, kept):
+            paths = [self.path(k, p) for k in keys for p in self.pools]
+            kept = self.open_files.recycle_names([p.name for p in paths], [tmp_name(p.name) for p in paths],
+                                                 [p.dir_fd for p in paths])
+            for path, ok in zip(paths, kept):
                 if not ok:
-                    self._unlink(name)
+                    self._unlink(path)
             return list(keys)
         self.delete(keys)
         return list(keys)
@@ -318,26 +351,26 @@ class FileTier:
         if not self.shared:
             self.delete(keys)
 
-    def _check_file(self, key: Key, pool: str, entry: os.DirEntry) -> tuple[str | None, dict]:
+    def _check_file(self, key: Key, pool: str, path: RootPath) -> tuple[str | None, dict]:
         """``(why the file is bad or None, its header's extra metadata)``."""
         want = file_size(self.pools[pool].block_nbytes)
         try:
-            fd = self.dir.child(entry.name).open(os.O_RDONLY)
+            fd = path.open(os.O_RDONLY)
             try:
-                header = posix_io.read_header(fd, key, self.pools[pool], entry.name)
+                header = posix_io.read_header(fd, key, self.pools[pool], path.name)
                 size = os.fstat(fd).st_size
             finally:
                 os.close(fd)
         except CorruptBlockError as exc:
             return str(exc), {}
         except NotRegularFileError:
-            return f"{entry.name}: not a regular file", {}
+            return f"{path.name}: not a regular file", {}
         except FileNotFoundError:  # deleted meanwhile (a shared root's other process): not bad
             return _VANISHED, {}
         except OSError as exc:
-            return f"{entry.name}: unreadable ({exc.strerror})", {}
+            return f"{path.name}: unreadable ({exc.strerror})", {}
         if size != want:
-            return f"{entry.name}: {size} bytes, expected {want} (trailing bytes)", {}
+            return f"{path.name}: {size} bytes, expected {want} (trailing bytes)", {}
         return None, header.extra
 
     def _forget(self, names) -> None:
@@ -521,12 +554,12 @@ class FileTier:
         name is left in place, with a warning)."""
         for key in keys:
             for pool in self.pools:
-                self._unlink(block_filename(key, pool))
+                self._unlink(self.path(key, pool))
 
-    def _unlink(self, name: str) -> None:
-        self._forget([name])
+    def _unlink(self, path: RootPath) -> None:
+        self._forget([path.name])
         try:
-            self.dir.child(name).unlink()
+            path.unlink()
         except NotRegularFileError as exc:
             log.warning("tiercache: %s", exc)
 

@@ -16,7 +16,9 @@ random reads over 16384 files run at 0.9 of one file's speed when fio keeps ever
   the new file with ``renameat2(RENAME_EXCHANGE)``, so the replaced file survives under the
   temporary name instead of being freed; an evicted block's file is renamed to a temporary
   name instead of unlinked (:meth:`OpenFiles.recycle`). Such a free file, already allocated at
-  the pool's file size, takes a later write of any block of that size: ``pwritev`` into its
+  the pool's file size, takes a later write of any block of that size whose file goes in the
+  same subdirectory of the root (a rename between directories would take the file system's
+  cross-directory rename lock): ``pwritev`` into its
   open descriptor (no create, no extent allocation, no ``ftruncate``), then the usual sync
   and rename. The new bytes are published only by that rename, after the sync, so a crash
   mid-write leaves a torn *temporary* file, never a torn block file (``scan`` removes
@@ -101,11 +103,14 @@ class OpenFiles:
     """The open descriptors of one file tier's block files, and its free files.
 
     Args:
-        dir_fd: the root's directory descriptor (free files are renamed and deleted in it).
+        dir_fd: the root's directory descriptor (the default directory of names).
         capacity: descriptors this cache may hold (published and free files together); 0
             turns it off. Bounded by the process-wide :func:`budget`.
         recycle: keep replaced and evicted files for reuse (exclusive roots only).
-        free_files: free files kept per file size.
+        free_files: free files kept per file size (all subdirectories together).
+
+    Published files are held by name (block names are unique in a root); free files by file
+    size and directory descriptor (a free file is renamed and reused in its own directory).
 
     Thread-safe. A descriptor is *counted* (against ``capacity`` and the budget) from its
     reservation (:meth:`reserve`, before the batch that opens it runs: a batch keeps a file
@@ -119,7 +124,8 @@ class OpenFiles:
         self.recycle = recycle and self.capacity > 0
         self.free_files = free_files
         self._open: dict[str, Entry] = {}
-        self._free: dict[int, list[tuple[str, Entry]]] = {}  # by file size
+        self._free: dict[tuple[int, int], list[tuple[str, Entry]]] = {}  # by (file size, directory)
+        self._free_count: dict[int, int] = {}  # by file size
         self._held = 0
         self._lock = threading.Lock()
         #: counts for tests and reports: batches' uses of a held descriptor, free files taken
@@ -136,7 +142,7 @@ class OpenFiles:
         return self._held
 
     def free_names(self) -> list[str]:
-        """The temporary names of the free files kept now."""
+        """The temporary names of the free files kept now (in whichever directory)."""
         with self._lock:
             return [name for lst in self._free.values() for name, _ in lst]
 
@@ -219,16 +225,18 @@ class OpenFiles:
         _close(close)
 
     # -- writes ------------------------------------------------------------------------------
-    def take_free(self, size: int) -> tuple[str, Entry] | None:
-        """A free file of ``size`` bytes that no batch reads: its temporary name and entry,
-        with the writer's reference taken; or None. (A write from an unaligned buffer uses an
-        O_DIRECT one buffered: ``kernels/blockio.c``, ``TC_KEEP_DIRECT``.)"""
+    def take_free(self, size: int, dir_fd: int | None = None) -> tuple[str, Entry] | None:
+        """A free file of ``size`` bytes in directory ``dir_fd`` (default: the root) that no
+        batch reads: its temporary name and entry, with the writer's reference taken; or None.
+        (A write from an unaligned buffer uses an O_DIRECT one buffered: ``kernels/blockio.c``,
+        ``TC_KEEP_DIRECT``.)"""
         with self._lock:
-            free = self._free.get(size)
+            free = self._free.get((size, self.dir_fd if dir_fd is None else dir_fd))
             for k in range(len(free) - 1, -1, -1) if free else ():
                 name, e = free[k]
                 if e.refs == 0:
                     del free[k]
+                    self._free_count[size] -= 1
                     e.refs = 1
                     self.reused += 1
                     return name, e
@@ -243,12 +251,14 @@ class OpenFiles:
             e = self._open.get(final)
             return e is not None and e.writable and self._free_room(e)
 
-    def published(self, final: str, tmp: str, entry: Entry | None, ino: int) -> str | None:
-        """A new file of ``final`` was published from ``tmp``. ``entry`` is its descriptor,
-        with the writer's reference (a free file the write reused, or a reserved one it kept),
-        or None. ``ino`` is the inode an exchange left under ``tmp`` (0: none): the replaced
-        file's descriptor becomes a free file under ``tmp`` when that is its file. Returns the
-        temporary name to delete (an exchanged file that is not kept), or None."""
+    def published(self, final: str, tmp: str, entry: Entry | None, ino: int, dir_fd: int | None = None) -> str | None:
+        """A new file of ``final`` was published from ``tmp`` (both in directory ``dir_fd``,
+        default the root). ``entry`` is its descriptor, with the writer's reference (a free
+        file the write reused, or a reserved one it kept), or None. ``ino`` is the inode an
+        exchange left under ``tmp`` (0: none): the replaced file's descriptor becomes a free
+        file under ``tmp`` when that is its file. Returns the temporary name to delete (an
+        exchanged file that is not kept), or None."""
+        dir_fd = self.dir_fd if dir_fd is None else dir_fd
         close: list[Entry] = []
         drop = None
         with self._lock:
@@ -258,8 +268,7 @@ class OpenFiles:
                 self._open[final] = entry
             if ino:
                 if old is not None and old.ino == ino and old.writable and self._free_room(old):
-                    self._free.setdefault(old.size, []).append((tmp, old))
-                    self.recycled += 1
+                    self._add_free(old, dir_fd, tmp)
                     old = None
                 else:
                     drop = tmp
@@ -279,13 +288,13 @@ class OpenFiles:
             self._retire(entry, close)
         _close(close)
 
-    def recycle_names(self, names: list[str], tmp_names: list[str]) -> list[bool]:
+    def recycle_names(self, names: list[str], tmp_names: list[str], dir_fds: list[int] | None = None) -> list[bool]:
         """Evicted block files: rename each whose descriptor is held (writable, unused, the
-        same inode still under the name, room in its free list) to its temporary name and
-        keep it free. Per name, whether it was recycled (the others are the caller's to
-        delete)."""
+        same inode still under the name, room in its free list) to its temporary name in its
+        directory (``dir_fds``, default the root's) and keep it free. Per name, whether it was
+        recycled (the others are the caller's to delete)."""
         out = []
-        for name, tmp in zip(names, tmp_names):
+        for name, tmp, dir_fd in zip(names, tmp_names, dir_fds or [self.dir_fd] * len(names)):
             with self._lock:
                 e = self._open.get(name)
                 ok = self.recycle and e is not None and e.writable and e.refs == 0 and self._free_room(e)
@@ -296,18 +305,17 @@ class OpenFiles:
                 out.append(False)
                 continue
             try:
-                st = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 same = st.st_ino == e.ino and stat.S_ISREG(st.st_mode)
                 if same:
-                    os.rename(name, tmp, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+                    os.rename(name, tmp, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except OSError:
                 same = False
             close: list[Entry] = []
             with self._lock:
                 e.refs = 0
                 if same:
-                    self._free.setdefault(e.size, []).append((tmp, e))
-                    self.recycled += 1
+                    self._add_free(e, dir_fd, tmp)
                 else:
                     self._retire(e, close)
             _close(close)
@@ -318,21 +326,27 @@ class OpenFiles:
         """Close every descriptor and delete the free files (the tier is closing)."""
         with self._lock:
             entries = list(self._open.values())
-            free = [f for lst in self._free.values() for f in lst]
+            free = [(d, name, e) for (_, d), lst in self._free.items() for name, e in lst]
             self._open.clear()
             self._free.clear()
+            self._free_count.clear()
             held, self._held = self._held, 0
-        for name, _ in free:
+        for d, name, _ in free:
             try:
-                os.unlink(name, dir_fd=self.dir_fd)
+                os.unlink(name, dir_fd=d)
             except OSError:
                 pass
-        _close(entries + [e for _, e in free])
+        _close(entries + [e for _, _, e in free])
         _give_budget(held)
 
     # -- internals (under the lock) ----------------------------------------------------------
     def _free_room(self, e: Entry) -> bool:
-        return len(self._free.get(e.size, ())) < self.free_files
+        return self._free_count.get(e.size, 0) < self.free_files
+
+    def _add_free(self, e: Entry, dir_fd: int, tmp: str) -> None:
+        self._free.setdefault((e.size, dir_fd), []).append((tmp, e))
+        self._free_count[e.size] = self._free_count.get(e.size, 0) + 1
+        self.recycled += 1
 
     def _retire(self, e: Entry, close: list) -> None:
         e.dead = True

@@ -13,7 +13,10 @@ and trusted; what is *inside* the root is not. A :class:`RootDir` holds a direct
 of the root, and every operation on its contents (open, create, rename, unlink, stat, listing,
 the ``quarantine/`` folder) goes through that descriptor (``openat``-style ``dir_fd``) with
 ``O_NOFOLLOW``, on plain names without a ``/``: a symbolic link, a directory or a device node
-planted under one of tiercache's names is refused, never followed out of the root. By default
+planted under one of tiercache's names is refused, never followed out of the root. The block
+files' subdirectories (``00`` .. ``3f``, :data:`~tiercache.files.blockfile.SUBDIRS`) are
+opened the same way, with ``O_NOFOLLOW | O_DIRECTORY``, and their descriptors held: a symlink
+in place of one refuses its blocks, never leads out. By default
 the root must also belong to this user and be writable by nobody else (``check_root_owner``):
 block checksums (XXH3-64) detect corruption, not forgery, so whoever can write the root can
 plant blocks.
@@ -26,11 +29,13 @@ import fcntl
 import json
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
 from tiercache.errors import RootError
-from tiercache.files.blockfile import FORMAT_VERSION
+from tiercache.files.blockfile import FORMAT_VERSION, SUBDIRS, block_filename, block_subdir
+from tiercache.keys import Key
 
 MARKER = ".tiercache-root"
 LOCK = ".tiercache-root.lock"
@@ -109,6 +114,14 @@ class RootPath(os.PathLike):
         except FileNotFoundError:
             return None
 
+    def lstat_strict(self) -> os.stat_result:
+        """The name's own status (a symlink is not followed).
+
+        Raises:
+            FileNotFoundError: the name is gone.
+        """
+        return os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+
     def is_file(self) -> bool:
         """A regular file (not a symlink to one)."""
         st = self.lstat()
@@ -159,6 +172,7 @@ class RootDir:
     def __init__(self, path: os.PathLike | str, check_owner: bool = True) -> None:
         self.path = Path(path)
         self._subdirs: dict[str, RootDir] = {}
+        self._subdir_lock = threading.Lock()
         self.fd = -1
         try:
             self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -192,26 +206,48 @@ class RootDir:
         Raises:
             RootError: ``name`` exists but is a symlink or not a directory.
         """
-        if name in self._subdirs:
-            return self._subdirs[name]
-        if create:
+        sub = self._subdirs.get(name)
+        if sub is not None:
+            return sub
+        with self._subdir_lock:
+            if name in self._subdirs:
+                return self._subdirs[name]
+            if create:
+                try:
+                    os.mkdir(name, DIR_MODE, dir_fd=self.fd)
+                except FileExistsError:
+                    pass
             try:
-                os.mkdir(name, DIR_MODE, dir_fd=self.fd)
-            except FileExistsError:
-                pass
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=self.fd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise RootError(f"{self.path / name} is a symlink or not a directory; tiercache keeps its own "
-                                f"files there: remove it") from None
-            raise
-        sub = RootDir.__new__(RootDir)
-        sub.path, sub.fd, sub._subdirs = self.path / name, fd, {}
-        self._subdirs[name] = sub
-        return sub
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=self.fd)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise RootError(f"{self.path / name} is a symlink or not a directory; tiercache keeps its own "
+                                    f"files there: remove it") from None
+                raise
+            sub = RootDir.__new__(RootDir)
+            sub.path, sub.fd, sub._subdirs, sub._subdir_lock = self.path / name, fd, {}, threading.Lock()
+            self._subdirs[name] = sub
+            return sub
+
+    def block_dirs(self, create: bool = False) -> list[RootDir]:
+        """The block files' subdirectories that exist (all of them, created mode 0700 where
+        missing, with ``create``), opened as :meth:`subdir` opens them.
+
+        Raises:
+            RootError: one of them is a symlink or not a directory.
+        """
+        return [d for d in (self.subdir(name, create) for name in SUBDIRS) if d is not None]
+
+    def block_path(self, key: Key, pool: str) -> RootPath:
+        """The file of ``key`` in ``pool``: ``<subdir>/block_{key}_pool_{pool}.bin`` (the
+        subdirectory created if missing).
+
+        Raises:
+            RootError: the subdirectory is a symlink or not a directory.
+        """
+        return self.subdir(block_subdir(key), create=True).child(block_filename(key, pool))
 
     def close(self) -> None:
         for sub in self._subdirs.values():

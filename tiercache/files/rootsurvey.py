@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.errors import CorruptBlockError, RootError
-from tiercache.files.blockfile import DATA_OFFSET, checksum, decode_header, file_size, is_temporary_name, parse_filename
+from tiercache.files.blockfile import (
+    DATA_OFFSET,
+    SUBDIRS,
+    block_subdir,
+    checksum,
+    decode_header,
+    file_size,
+    is_temporary_name,
+    parse_filename,
+)
 from tiercache.files.rootdir import (
     LOCK,
     MARKER,
@@ -37,13 +46,25 @@ STATS = ".tiercache-root.stats.json"
 @dataclass
 class FileEntry:
     """One file in a root: its name, size (bytes) and modification time (seconds since epoch);
-    ``key`` and ``pool`` for block files."""
+    ``key`` and ``pool`` for block files; ``dir``: the block subdirectory it is in (``""``:
+    the root itself, as block files of the flat layout of earlier versions are)."""
 
     name: str
     size: int
     mtime: float
     key: Key | None = None
     pool: str | None = None
+    dir: str = ""
+
+    @property
+    def relpath(self) -> str:
+        """The path relative to the root."""
+        return f"{self.dir}/{self.name}" if self.dir else self.name
+
+
+def entry_path(root: RootDir, e: FileEntry) -> RootPath:
+    """The file of a surveyed entry, through the root's (or its subdirectory's) descriptor."""
+    return (root.subdir(e.dir) if e.dir else root).child(e.name)
 
 
 @dataclass
@@ -79,7 +100,7 @@ class RootSurvey:
             "root": str(self.root), "tiercache_root": self.marked, "locked_by_pid": self.lock_holder,
             "block_files": total(self.blocks), "blocks": len({e.key for e in self.blocks}),
             "pools": self.by_pool(), "temporary": total(self.temporary), "quarantined": total(self.quarantined),
-            "foreign": [e.name for e in self.foreign], "problems": self.problems, "live_stats": self.stats,
+            "foreign": [e.relpath for e in self.foreign], "problems": self.problems, "live_stats": self.stats,
         }
 
 
@@ -107,9 +128,21 @@ def _entries(d: RootDir) -> list[tuple[os.DirEntry, os.stat_result | None]]:
     return out
 
 
-def _file_entry(e: os.DirEntry, st: os.stat_result) -> FileEntry:
+def _file_entry(e: os.DirEntry, st: os.stat_result, sub: str = "") -> FileEntry:
     parsed = parse_filename(e.name)
-    return FileEntry(e.name, st.st_size, st.st_mtime, *(parsed or (None, None)))
+    return FileEntry(e.name, st.st_size, st.st_mtime, *(parsed or (None, None)), dir=sub)
+
+
+def _add(sv: RootSurvey, e: os.DirEntry, st: os.stat_result, sub: str) -> None:
+    """File one entry of the root (``sub`` ``""``) or of a block subdirectory under its kind."""
+    kind = classify(e.name)
+    if kind == "own" and not sub:
+        return
+    misplaced = kind == "block" and sub and block_subdir(parse_filename(e.name)[0]) != sub
+    if kind in ("foreign", "own") or misplaced or not stat.S_ISREG(st.st_mode):
+        sv.foreign.append(FileEntry(e.name, 0, 0.0, dir=sub))
+        return
+    getattr(sv, "blocks" if kind == "block" else "temporary").append(_file_entry(e, st, sub))
 
 
 def survey(root: Path) -> RootSurvey:
@@ -126,15 +159,18 @@ def survey(root: Path) -> RootSurvey:
     with d:
         sv = RootSurvey(root, is_root(root), lock_holder(root) if is_root(root) else None)
         for e, st in _entries(d):
-            if st is None:
+            if st is not None and not (e.name in _SUBDIRS and stat.S_ISDIR(st.st_mode)):
+                _add(sv, e, st, "")
+        for name in SUBDIRS:
+            try:
+                sub = d.subdir(name)
+            except RootError as exc:  # a symlink in place of a block subdirectory: not looked into
+                sv.problems.append(str(exc))
+                sv.foreign.append(FileEntry(name, 0, 0.0))
                 continue
-            kind = classify(e.name)
-            if kind == "own":
-                continue
-            if kind == "foreign" or not stat.S_ISREG(st.st_mode):
-                sv.foreign.append(FileEntry(e.name, 0, 0.0))
-                continue
-            getattr(sv, "blocks" if kind == "block" else "temporary").append(_file_entry(e, st))
+            for e, st in _entries(sub) if sub is not None else ():
+                if st is not None:
+                    _add(sv, e, st, name)
         try:
             q = d.subdir(QUARANTINE)
         except RootError as exc:
@@ -148,6 +184,9 @@ def survey(root: Path) -> RootSurvey:
             sv.stats = None
     sv.blocks.sort(key=lambda e: e.name)
     return sv
+
+
+_SUBDIRS = frozenset(SUBDIRS)
 
 
 def _read_regular(p: RootPath, limit: int = 1 << 20) -> bytes:

@@ -20,7 +20,7 @@ import secrets
 import socket
 import stat
 
-from tiercache.files.blockfile import TMP_PREFIX, block_filename, file_size
+from tiercache.files.blockfile import TMP_PREFIX, file_size
 from tiercache.files.rootdir import RootDir
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key
@@ -88,8 +88,9 @@ def published(root: RootDir, key: Key, pools: dict[str, PoolSpec]) -> float | No
     opened or followed."""
     newest = 0.0
     for name, pool in pools.items():
+        path = root.block_path(key, name)
         try:
-            st = os.stat(block_filename(key, name), dir_fd=root.fd, follow_symlinks=False)
+            st = os.stat(path.name, dir_fd=path.dir_fd, follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if not stat.S_ISREG(st.st_mode) or st.st_size != file_size(pool.block_nbytes):
