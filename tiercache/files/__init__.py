@@ -20,6 +20,7 @@ Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 
 from .batchio import IO_ENGINES, choose_engine, native_status, uring_status
 from .blockfile import DATA_OFFSET, FANOUT, SUBDIRS, block_filename, block_relpath, block_subdir, file_size
+from .blockbatch import when_all_settled
 from .file_tier import FileTier, ScanResult
 from .openfiles import FREE_FILES
 from .iopath import IOPath, select_io_path
@@ -29,7 +30,7 @@ from .rootsurvey import STATS, FileEntry, RootSurvey, classify, entry_path, is_o
 
 __all__ = [
     "DATA_OFFSET", "DIR_MODE", "FANOUT", "FREE_FILES", "FileEntry", "FileTier", "SUBDIRS", "block_relpath",
-    "block_subdir", "entry_path", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
+    "block_subdir", "entry_path", "when_all_settled", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
     "RootPath", "RootSurvey",
     "STATS", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
     "select_io_path", "survey", "verify_file", "write_stats", "BOOT_TAG", "tmp_abandoned", "tmp_name", "tmp_owner",

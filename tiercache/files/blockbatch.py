@@ -158,6 +158,31 @@ class BlockFuture:
         self._outcome.on_settled(lambda: fn(self))
 
 
+def when_all_settled(futures: list, fn: Callable[[], None]) -> None:
+    """Call ``fn()`` once, when every one of ``futures`` is settled (in the thread that
+    settles the last): one callback per chunk of blocks (:class:`BlockFuture` s of a chunk
+    share an :class:`Outcome`), one per future otherwise (:class:`concurrent.futures.Future`)."""
+    groups = {id(f._outcome): f._outcome for f in futures if isinstance(f, BlockFuture)}
+    others = [f for f in futures if not isinstance(f, BlockFuture)]
+    left = [len(groups) + len(others)]
+    if not left[0]:
+        fn()
+        return
+    lock = threading.Lock()
+
+    def one(*_) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    for o in groups.values():
+        o.on_settled(one)
+    for f in others:
+        f.add_done_callback(one)
+
+
 class GroupCommit:
     """The group commit of one write request: tasks stage blocks (``staged[i]``: block
     ``i``'s ``[(temporary, final)]`` files, or :meth:`fail`); when the last of ``tasks``

@@ -100,6 +100,7 @@ from tiercache.errors import ConfigError, TierCacheError
 from tiercache.serving import KeyState, RowStore
 
 log = logging.getLogger("tiercache")
+_PRESENT, _PENDING = KeyState.PRESENT, KeyState.PENDING
 
 #: config keys and their defaults (``root`` has none)
 DEFAULTS: dict[str, Any] = {
@@ -226,10 +227,9 @@ class TierCacheTier(SecondaryTierManager):
         """HIT / MISS from memory, RETRY while the chunk's store (or a shared root's probe) is
         in flight; never waits on the disk."""
         state = self.store.state(key)
-        if state is KeyState.PRESENT:
-            self.store.touch((key,))  # about to be promoted: last in line for eviction
+        if state is _PRESENT:
             return LookupResult.HIT
-        return LookupResult.RETRY if state is KeyState.PENDING else LookupResult.MISS
+        return LookupResult.RETRY if state is _PENDING else LookupResult.MISS
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.store.touch(keys)

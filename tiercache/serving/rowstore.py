@@ -53,7 +53,7 @@ from tiercache.errors import (
     SlotRangeError,
     TierFullError,
 )
-from tiercache.files import FREE_FILES, IO_ENGINES, FileTier, IOPath, file_size, write_stats
+from tiercache.files import FREE_FILES, IO_ENGINES, FileTier, IOPath, file_size, when_all_settled, write_stats
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
 from tiercache.placement import TierSlots
@@ -127,7 +127,6 @@ class _Job:
     result: RowJobResult
     items: list[tuple[bytes, int]]  # (key, row) of the keys that went to the disk
     start: float
-    left: int = 0
     futures: list = field(default_factory=list)
 
 
@@ -306,16 +305,18 @@ class RowStore:
         ``PRESENT`` or ``ABSENT``, and an absent key is not looked for again for
         ``negative_ttl_s``). A key that is not a valid content key is ``ABSENT``.
         """
+        if self._done:  # results of finished jobs first (a store that just finished is PRESENT)
+            with self._lock:
+                self._apply()
+        # no lock: membership tests of dicts are atomic, and a key enters _storing before the
+        # index and leaves it after the index is settled (submit_store, _settle)
+        if key in self._storing:
+            return KeyState.PENDING
+        if key in self.index.slot_of:
+            return KeyState.PRESENT
+        if not self.shared or not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BYTES_KEY:
+            return KeyState.ABSENT
         with self._lock:
-            self._apply()
-            if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BYTES_KEY:
-                return KeyState.ABSENT
-            if key in self._storing:
-                return KeyState.PENDING
-            if key in self.index:
-                return KeyState.PRESENT
-            if not self.shared:
-                return KeyState.ABSENT
             if self._absent.get(key, 0.0) > time.monotonic():
                 return KeyState.ABSENT
             if key not in self._probing:
@@ -382,9 +383,9 @@ class RowStore:
             new = new[:room]
             self.counters["dropped_stores"] += len(result.failed)
             job = _Job(result, new, time.monotonic())
-            self.index.add([k for k, _ in new])
-            for k, _ in new:
+            for k, _ in new:  # before the index: a lock-free state() sees PENDING, never PRESENT too early
                 self._storing[k] = job
+            self.index.add([k for k, _ in new])
             for k, _ in new:  # a key evicted earlier whose files may not be gone yet
                 e = self._evicting.get(k)
                 if e is not None and e not in deps:
@@ -443,17 +444,7 @@ class RowStore:
             return
         futures = self.ft.submit(kind, self._items(job.items), deps=deps)
         job.futures = [f for _, f in futures]
-        job.left = len(futures)
-        for f in job.futures:
-            f.add_done_callback(lambda _f, job=job: self._block_done(job))
-
-    def _block_done(self, job: _Job) -> None:
-        """In an I/O thread: one file of ``job`` settled; the last one finishes the job."""
-        with self._cv:
-            job.left -= 1
-            last = job.left == 0
-        if last:
-            self._finish(job)
+        when_all_settled(job.futures, lambda: self._finish(job))
 
     def _finish(self, job: _Job) -> None:
         """The job's files are all settled (in the thread that settled the last one): a
@@ -537,11 +528,11 @@ class RowStore:
         res = job.result
         n_ok = len(job.items) - sum(1 for k, _ in job.items if k in res.failed)
         if res.kind == "store":
+            failed = [k for k, _ in job.items if k in res.failed]
+            self.index.remove(failed)  # before they leave _storing (see state())
             for k, _ in job.items:
                 if self._storing.get(k) is job:
                     del self._storing[k]
-            failed = [k for k, _ in job.items if k in res.failed]
-            self.index.remove(failed)
             self.counters["stored_blocks"] += n_ok
             if n_ok and self.shared:
                 self._sweep_wanted = True
