@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_keys
+from conftest import bpath, random_keys
 from helpers import assert_bytes, put_random
 
 from tiercache import ArrayMismatchError, TierCache
@@ -130,10 +130,10 @@ def test_device_reads_never_follow_a_symlinked_block_file(make_config, rng, tmp_
         c.put(keys, data)
         exp = {k: {p: data[p][i].get() for p in data} for i, k in enumerate(keys)}
         c.offload(keys, to="file")  # device -> file straight (no host tier)
-        name = block_filename(21, "kv")
-        shutil.copy(cfg.root / name, outside / "copy.bin")
-        os.unlink(cfg.root / name)
-        (cfg.root / name).symlink_to(outside / "copy.bin")
+        name, path = block_filename(21, "kv"), bpath(cfg.root, 21, "kv")
+        shutil.copy(path, outside / "copy.bin")
+        os.unlink(path)
+        path.symlink_to(outside / "copy.bin")
         before = (outside / "copy.bin").read_bytes()
         with pytest.raises(TransferError, match="not a regular file"):
             c.onboard(keys, to="device")
