@@ -34,7 +34,7 @@
  * completes it, a TC_HASHONLY batch on the calling thread (a chunk's files are few, and chunks
  * run on threads of their own: a hand-off to the pool measured slower for 64 KiB blocks).
  *
- * Two backends run reads and writes (renames and hashes always run on the threads):
+ * Two backends run reads and writes (renames always run on the threads):
  *
  *   io_uring  the calling thread drives a ring of its own (created on first use, closed when
  *             the thread exits): every file's open, vectored read or write and flush are
