@@ -137,6 +137,44 @@ def test_a_failed_write_into_a_free_file_is_never_served(tmp_path, rng, engine):
 
 
 @pytest.mark.parametrize("engine", NATIVE)
+@pytest.mark.parametrize("lost", [False, True])
+def test_free_files_move_to_the_subdirectory_that_writes(tmp_path, rng, engine, lost):
+    """Overwrites leave free files in some subdirectories; writes into other subdirectories
+    take them (renamed across). With ``lost`` the free files were deleted behind the tier's
+    back: the renames fail and the writes make new files. Either way every block reads back
+    exact, now and after a reopen, and no temporary is left but the free files."""
+    pools = (PoolSpec("kv", (8192,), "uint8"),)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, engine, fsync="none")
+    of = ft.open_files
+    dirs = sorted({block_subdir(k) for k in random_keys(rng, 256)})
+    rng.shuffle(dirs)
+    keys = _keys_in(rng, dirs[:8], 8)
+    ft.write(_items(keys, _rows(rng, pools, 8)))
+    data = _rows(rng, pools, 8)
+    assert not any(ft.write(_items(keys, data)).values())
+    model = {k: {"kv": data["kv"][i]} for i, k in enumerate(keys)}
+    assert len(of.free_names()) == 8
+    if lost:
+        for name in of.free_names():
+            (path,) = root.glob(f"*/{name}")
+            path.unlink()
+    reused = of.reused
+    others = _keys_in(rng, dirs[8:], 8)  # none where a free file waits
+    more = _rows(rng, pools, 8)
+    assert not any(ft.write(_items(others, more)).values())
+    model.update({k: {"kv": more["kv"][i]} for i, k in enumerate(others)})
+    assert of.reused - reused == (0 if lost else 8)
+    assert _temporaries(root) == sorted(of.free_names())
+    _check(ft, pools, model)
+    ft.close()
+    ft = _tier(root, pools, engine, fsync="none")
+    assert {k for k, _ in ft.scan().blocks} == set(model)
+    _check(ft, pools, model)
+    ft.close()
+
+
+@pytest.mark.parametrize("engine", NATIVE)
 def test_torn_free_file_left_by_a_crash_is_removed_not_served(tmp_path, rng, engine):
     """A process dies while a free file holds half-written bytes: the next open removes it
     as a temporary and serves only published blocks."""

@@ -38,6 +38,7 @@ limit (capped at 2**20), as serving engines such as vLLM do at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -226,20 +227,46 @@ class OpenFiles:
 
     # -- writes ------------------------------------------------------------------------------
     def take_free(self, size: int, dir_fd: int | None = None) -> tuple[str, Entry] | None:
-        """A free file of ``size`` bytes in directory ``dir_fd`` (default: the root) that no
+        """A free file of ``size`` bytes, in directory ``dir_fd`` (default: the root), that no
         batch reads: its temporary name and entry, with the writer's reference taken; or None.
-        (A write from an unaligned buffer uses an O_DIRECT one buffered: ``kernels/blockio.c``,
-        ``TC_KEEP_DIRECT``.)"""
+        A free file of that size in another subdirectory is renamed into ``dir_fd`` when
+        ``dir_fd`` has none (one rename costs less than allocating a new file's blocks; without
+        it, writes spread over the subdirectories would find a free file of their own
+        directory far less often than a flat root does). (A write from an unaligned buffer
+        uses an O_DIRECT one buffered: ``kernels/blockio.c``, ``TC_KEEP_DIRECT``.)"""
+        dir_fd = self.dir_fd if dir_fd is None else dir_fd
         with self._lock:
-            free = self._free.get((size, self.dir_fd if dir_fd is None else dir_fd))
-            for k in range(len(free) - 1, -1, -1) if free else ():
-                name, e = free[k]
-                if e.refs == 0:
-                    del free[k]
-                    self._free_count[size] -= 1
-                    e.refs = 1
-                    self.reused += 1
-                    return name, e
+            found = self._take_free(size, dir_fd)
+            if found is None:
+                for (sz, d) in self._free:
+                    if sz == size and d != dir_fd and (found := self._take_free(size, d)) is not None:
+                        break
+                else:
+                    return None
+            else:
+                self.reused += 1
+                return found[0], found[1]
+        name, e, src = found
+        try:
+            os.rename(name, name, src_dir_fd=src, dst_dir_fd=dir_fd)
+        except OSError:  # not reusable where it is wanted: deleted and closed
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=src)
+            self.discard(e)
+            return None
+        with self._lock:
+            self.reused += 1
+        return name, e
+
+    def _take_free(self, size: int, dir_fd: int) -> tuple[str, Entry, int] | None:
+        free = self._free.get((size, dir_fd))
+        for k in range(len(free) - 1, -1, -1) if free else ():
+            name, e = free[k]
+            if e.refs == 0:
+                del free[k]
+                self._free_count[size] -= 1
+                e.refs = 1
+                return name, e, dir_fd
         return None
 
     def exchange(self, final: str) -> bool:
