@@ -137,13 +137,20 @@ def test_a_failed_write_into_a_free_file_is_never_served(tmp_path, rng, engine):
 
 
 @pytest.mark.parametrize("engine", NATIVE)
-@pytest.mark.parametrize("lost", [False, True])
-def test_free_files_move_to_the_subdirectory_that_writes(tmp_path, rng, engine, lost):
+@pytest.mark.parametrize("mode", ["move", "lost", "small"])
+def test_free_files_move_to_the_subdirectory_that_writes(tmp_path, rng, engine, mode, monkeypatch):
     """Overwrites leave free files in some subdirectories; writes into other subdirectories
-    take them (renamed across). With ``lost`` the free files were deleted behind the tier's
-    back: the renames fail and the writes make new files. Either way every block reads back
-    exact, now and after a reopen, and no temporary is left but the free files."""
+    take them (renamed across) when the files are large enough (``small``: they are not, and
+    the writes make new files). With ``lost`` the free files were deleted behind the tier's
+    back: the renames fail and the writes make new files. Every block reads back exact, now
+    and after a reopen, and no temporary is left but the free files."""
+    from tiercache.files import openfiles
+
     pools = (PoolSpec("kv", (8192,), "uint8"),)
+    if mode != "small":
+        monkeypatch.setattr(openfiles, "MOVE_MIN_BYTES", 4096 + 8192)
+    assert (openfiles.MOVE_MIN_BYTES <= 4096 + 8192) == (mode != "small")
+    lost = mode == "lost"
     root = tmp_path / "root"
     ft = _tier(root, pools, engine, fsync="none")
     of = ft.open_files
@@ -164,7 +171,7 @@ def test_free_files_move_to_the_subdirectory_that_writes(tmp_path, rng, engine, 
     more = _rows(rng, pools, 8)
     assert not any(ft.write(_items(others, more)).values())
     model.update({k: {"kv": more["kv"][i]} for i, k in enumerate(others)})
-    assert of.reused - reused == (0 if lost else 8)
+    assert of.reused - reused == (8 if mode == "move" else 0)
     assert _temporaries(root) == sorted(of.free_names())
     _check(ft, pools, model)
     ft.close()

@@ -50,6 +50,13 @@ log = logging.getLogger("tiercache")
 
 #: free files kept per file size (beyond it, replaced and evicted files are deleted)
 FREE_FILES = 256
+#: free files of at least this many bytes move (one rename) to a subdirectory that has none of
+#: their size; smaller ones stay where they are and the write makes a new file. Measured on an
+#: H100 machine's disk (docs/performance.md, "Subdirectories"), overwrites of 2 MiB blocks
+#: spread over 64 subdirectories: 0.72-0.87 of fio without moves, 1.03-1.24 with; random 64 KiB
+#: overwrites fell from 0.35-0.41 to 0.26-0.30 of fio with moves (a cross-directory rename
+#: costs about what allocating a small file does, and the free list refills where it is used).
+MOVE_MIN_BYTES = 1 << 20
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _budget_lock = threading.Lock()
 _budget = {"cap": None, "used": 0}
@@ -229,20 +236,22 @@ class OpenFiles:
     def take_free(self, size: int, dir_fd: int | None = None) -> tuple[str, Entry] | None:
         """A free file of ``size`` bytes, in directory ``dir_fd`` (default: the root), that no
         batch reads: its temporary name and entry, with the writer's reference taken; or None.
-        A free file of that size in another subdirectory is renamed into ``dir_fd`` when
-        ``dir_fd`` has none (one rename costs less than allocating a new file's blocks; without
-        it, writes spread over the subdirectories would find a free file of their own
-        directory far less often than a flat root does). (A write from an unaligned buffer
+        A free file of that size (at least :data:`MOVE_MIN_BYTES`) in another subdirectory is
+        renamed into ``dir_fd`` when ``dir_fd`` has none: one rename costs less than allocating
+        a large file's blocks, and writes spread over the subdirectories find a free file of
+        their own directory far less often than a flat root does. (A write from an unaligned buffer
         uses an O_DIRECT one buffered: ``kernels/blockio.c``, ``TC_KEEP_DIRECT``.)"""
         dir_fd = self.dir_fd if dir_fd is None else dir_fd
         with self._lock:
             found = self._take_free(size, dir_fd)
-            if found is None:
+            if found is None and size >= MOVE_MIN_BYTES:
                 for (sz, d) in self._free:
                     if sz == size and d != dir_fd and (found := self._take_free(size, d)) is not None:
                         break
                 else:
                     return None
+            elif found is None:
+                return None
             else:
                 self.reused += 1
                 return found[0], found[1]
