@@ -54,14 +54,20 @@ def resolve_root(root: Path | None, config: Path | None) -> Path:
         fail(str(exc))
 
 
-def not_a_root(root: Path) -> str:
-    """Why ``root`` is not a tiercache root, naming the roots directly inside it (``tiercache
-    bench --keep`` leaves its files in ``ROOT/bench-<time>-<pid>/``)."""
+def roots_inside(root: Path) -> list[Path]:
+    """The tiercache roots directly inside ``root`` (sorted): ``tiercache bench --keep`` leaves
+    its files in ``ROOT/bench-<time>-<pid>/``, and vLLM's ``TierCacheTier`` keeps one root per
+    model and rank in ``ROOT/<model>_<digest>_r<rank>/``."""
     from tiercache.files import is_root
 
     try:
-        inside = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink() and is_root(p))
+        return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and is_root(p))
     except OSError:
-        inside = []
-    hint = f"; tiercache roots inside it: {', '.join(str(root / n) for n in inside[:5])}" if inside else ""
+        return []
+
+
+def not_a_root(root: Path) -> str:
+    """Why ``root`` is not a tiercache root, naming the roots directly inside it."""
+    inside = roots_inside(root)
+    hint = f"; tiercache roots inside it: {', '.join(str(p) for p in inside[:5])}" if inside else ""
     return f"{str(root)!r} is not a tiercache root (no .tiercache-root marker){hint}"

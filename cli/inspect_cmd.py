@@ -16,7 +16,7 @@ from tiercache.cuda import cuda_status
 from tiercache.errors import TierCacheError
 from tiercache.files import select_io_path, survey
 
-from .common import DEFAULT_CONFIG, fail, human_bytes
+from .common import DEFAULT_CONFIG, fail, human_bytes, roots_inside
 
 
 def inspect(
@@ -50,6 +50,8 @@ def inspect(
         except OSError as exc:
             fail(f"cannot read {root}: {exc}")
         out["root"] = sv.as_dict()
+        if not out["root"]["tiercache_root"]:
+            out["root"]["roots_inside"] = [str(p) for p in roots_inside(root)]
     else:
         out["root"] = {"root": str(root), "missing": True}
     if as_json:
@@ -84,6 +86,8 @@ def _print(out: dict) -> None:
         return
     con.print(f"root {r['root']}: {'tiercache root' if r['tiercache_root'] else '[red]not a tiercache root (no marker)[/red]'}"
               f"{', in use by pid ' + r['locked_by_pid'] if r['locked_by_pid'] else ', not in use'}")
+    if r.get("roots_inside"):
+        con.print("tiercache roots inside it (inspect each with --root): " + ", ".join(r["roots_inside"]))
     t = Table(title="file tier contents", title_justify="left")
     for col in ("what", "files", "bytes"):
         t.add_column(col)

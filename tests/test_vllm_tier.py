@@ -384,6 +384,44 @@ def test_metrics_reach_vllms_stats(engine, rng):
 
 
 # -- several processes ---------------------------------------------------------------------------
+def test_the_cli_inspects_verifies_and_purges_a_root_vllm_wrote(tmp_path, rng):
+    """``tiercache inspect | verify | purge`` on the root a TierCacheTier wrote: its blocks are
+    counted, a flipped byte is found, purge deletes every block and leaves vLLM's config.json;
+    given the configured directory, each command names the per-rank root inside it."""
+    from typer.testing import CliRunner
+
+    from tiercache.cli import app
+
+    run = CliRunner().invoke
+    keys = H.new_keys(rng, int(rng.integers(5, 15)))
+    spec, m = H.build({"root": str(tmp_path / "kv")})
+    eng = H.Engine(m)
+    eng.store(keys)
+    root = eng.tier.root
+    m.shutdown()
+    res = run(app, ["inspect", "--root", str(root), "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)["root"]
+    assert r["tiercache_root"] and r["blocks"] == len(keys) and r["pools"]["kv"]["files"] == len(keys)
+    res = run(app, ["inspect", "--root", str(tmp_path / "kv"), "--json"])
+    assert json.loads(res.stdout)["root"]["roots_inside"] == [str(root)]
+    res = run(app, ["verify", "--root", str(tmp_path / "kv")])
+    assert res.exit_code == 2 and str(root) in res.output
+    res = run(app, ["verify", "--root", str(root), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["checked"] == len(keys)
+    bad = bpath(root, keys[int(rng.integers(0, len(keys)))], "kv")
+    with open(bad, "r+b") as f:
+        f.seek(4096 + int(rng.integers(0, 64 << 10)))
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x5A]))
+    res = run(app, ["verify", "--root", str(root), "--json"])
+    assert res.exit_code == 1 and [x["file"] for x in json.loads(res.stdout)["bad"]] == [bad.name]
+    res = run(app, ["purge", "--root", str(root), "--yes"])
+    assert res.exit_code == 0, res.output
+    assert files(root, "block_*") == [] and (root.parent / root.name.rsplit("_r", 1)[0] / "config.json").exists()
+
+
 def test_two_instances_share_one_root(tmp_path, rng):
     """While this instance holds a shared root, another vLLM process stores chunks in it; this
     one finds them (RETRY while a background probe looks, then HIT) and promotes every byte."""
