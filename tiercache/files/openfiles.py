@@ -51,11 +51,11 @@ log = logging.getLogger("tiercache")
 #: free files kept per file size (beyond it, replaced and evicted files are deleted)
 FREE_FILES = 256
 #: free files of at least this many bytes move (one rename) to a subdirectory that has none of
-#: their size; smaller ones stay where they are and the write makes a new file. Measured on an
-#: H100 machine's disk (docs/performance.md, "Subdirectories"), overwrites of 2 MiB blocks
-#: spread over 64 subdirectories: 0.72-0.87 of fio without moves, 1.03-1.24 with; random 64 KiB
-#: overwrites fell from 0.35-0.41 to 0.26-0.30 of fio with moves (a cross-directory rename
-#: costs about what allocating a small file does, and the free list refills where it is used).
+#: their size; smaller ones stay where they are and the write makes a new file. Measured on the
+#: H100 machines (docs/performance.md, "The file tier against fio after the subdirectories"):
+#: 2 MiB overwrites spread over 64 subdirectories reached a median 0.71-0.87 of fio without
+#: moves and 1.06-1.20 with them; 64 KiB random overwrites 0.23-0.30 of fio with moves, where a
+#: cross-directory rename costs about what allocating a small file does.
 MOVE_MIN_BYTES = 1 << 20
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _budget_lock = threading.Lock()
@@ -244,17 +244,15 @@ class OpenFiles:
         dir_fd = self.dir_fd if dir_fd is None else dir_fd
         with self._lock:
             found = self._take_free(size, dir_fd)
-            if found is None and size >= MOVE_MIN_BYTES:
-                for (sz, d) in self._free:
-                    if sz == size and d != dir_fd and (found := self._take_free(size, d)) is not None:
-                        break
-                else:
-                    return None
-            elif found is None:
-                return None
-            else:
+            if found is not None:
                 self.reused += 1
                 return found[0], found[1]
+            if size < MOVE_MIN_BYTES:
+                return None
+            found = next((f for sz, d in self._free if sz == size and d != dir_fd
+                          and (f := self._take_free(size, d)) is not None), None)
+            if found is None:
+                return None
         name, e, src = found
         try:
             os.rename(name, name, src_dir_fd=src, dst_dir_fd=dir_fd)
