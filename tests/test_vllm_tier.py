@@ -153,6 +153,21 @@ def test_reopened_root_serves_what_an_earlier_instance_stored(tmp_path, rng):
         m.shutdown()
 
 
+@pytest.mark.parametrize("engine", [{"sharing": "exclusive"}, {"sharing": "shared"}], indirect=True)
+def test_state_of_a_key_that_is_not_a_content_key_is_absent(engine, rng):
+    """RowStore.state answers ABSENT, without raising or probing, for anything that is not a
+    content key (1..64 bytes), on either kind of root; a stored key is still PRESENT."""
+    from tiercache.serving import KeyState
+
+    keys = H.new_keys(rng, 2)
+    engine.store(keys)
+    store = engine.tier.store
+    for bad in ([1], {"k": 1}, "text", 7, b"", rng.bytes(65), None):
+        assert store.state(bad) is KeyState.ABSENT, bad
+    assert store.state(keys[0]) is KeyState.PRESENT
+    assert not store._probing
+
+
 def test_kv_cache_groups_are_distinct_chunks(engine, rng):
     h = rng.bytes(32)
     k0, k1 = make_offload_key(h, 0), make_offload_key(h, 1)

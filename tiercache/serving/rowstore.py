@@ -305,6 +305,8 @@ class RowStore:
         ``PRESENT`` or ``ABSENT``, and an absent key is not looked for again for
         ``negative_ttl_s``). A key that is not a valid content key is ``ABSENT``.
         """
+        if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BYTES_KEY:
+            return KeyState.ABSENT
         if self._done:  # results of finished jobs first (a store that just finished is PRESENT)
             with self._lock:
                 self._apply()
@@ -314,7 +316,7 @@ class RowStore:
             return KeyState.PENDING
         if key in self.index.slot_of:
             return KeyState.PRESENT
-        if not self.shared or not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BYTES_KEY:
+        if not self.shared:
             return KeyState.ABSENT
         with self._lock:
             if self._absent.get(key, 0.0) > time.monotonic():
