@@ -40,7 +40,7 @@ def verify(
         rd = RootDir(root, check_owner=False)
         if quarantine:  # shared mode: beside the processes using the root (moving a bad file is safe)
             lock = RootLock(rd, shared=lock_holder(root) == "shared")
-            qdir = rd.subdir(QUARANTINE, create=True)
+            rd.subdir(QUARANTINE, create=True)  # a symlink there is refused before anything moves
     except RootError as exc:
         fail(str(exc))
     try:
@@ -59,26 +59,27 @@ def verify(
                 if problem:
                     bad.append((path.name, problem, path))
                 progress.advance(task)
-        moved = 0
+        moved, unmoved = 0, []
         if quarantine and bad:
             for name, _, path in bad:
                 if path is None:
                     continue
                 try:
-                    path.rename(qdir.child(path.name))
-                    moved += 1
-                except FileNotFoundError:
-                    pass
+                    moved += rd.quarantine(path) is not None
+                except OSError as exc:
+                    unmoved.append(f"{path.name}: not moved to quarantine/ ({exc.strerror or exc})")
     finally:
         if lock is not None:
             lock.release()
         rd.close()
     if as_json:
         typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p, _ in bad],
-                               "quarantined": moved}, indent=2))
+                               "quarantined": moved, "not_quarantined": unmoved}, indent=2))
     else:
         for _, problem, _ in bad:
             typer.echo(f"BAD {problem}")
+        for line in unmoved:
+            typer.echo(f"LEFT {line}")
         typer.echo(f"checked {len(files)} block file(s) in {root}: {len(bad)} bad"
                    + (f", {moved} moved to quarantine/" if moved else ""))
     if bad:

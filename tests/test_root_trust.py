@@ -105,6 +105,29 @@ def test_quarantine_through_a_symlink_is_refused_not_followed(flushed, outside, 
     assert tree(outside) == before and bad.is_file()
 
 
+def test_quarantine_never_replaces_what_is_already_there(flushed, rng):
+    """A second bad entry under a name already in quarantine/ (a directory in place of a
+    block file, where a file of that name was quarantined before) gets a suffixed name; the
+    earlier evidence stays, and verify reports instead of failing."""
+    cfg, exp = flushed
+    victim = bpath(cfg.root, list(exp)[int(rng.integers(len(exp)))], "kv")
+    with open(victim, "r+b") as f:
+        f.seek(4096)
+        f.write(rng.bytes(16))
+    first = victim.read_bytes()
+    res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--quarantine"])
+    assert res.exit_code == 1 and "1 moved to quarantine/" in res.output, res.output
+    for n in (1, 2):
+        victim.mkdir()
+        (victim / "inner").write_text(str(n))
+        res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--quarantine", "--json"])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output  # a finding, not a crash
+        assert json.loads(res.stdout)["quarantined"] >= 1 and not victim.exists()
+    q = cfg.root / "quarantine"
+    assert (q / victim.name).read_bytes() == first
+    assert [(q / f"{victim.name}.{n}" / "inner").read_text() for n in (1, 2)] == ["1", "2"]
+
+
 # -- 2. symlinked lock ----------------------------------------------------------------------------
 def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(flushed, outside):
     cfg, _ = flushed

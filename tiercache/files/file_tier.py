@@ -381,10 +381,7 @@ class FileTier:
 
     def _quarantine(self, path: RootPath, reason: str) -> bool:
         self._forget([path.name])
-        qdir = self.dir.subdir(QUARANTINE, create=True)
-        try:
-            path.rename(qdir.child(path.name))
-        except FileNotFoundError:
+        if self.dir.quarantine(path) is None:
             return False
         log.warning("tiercache: quarantined %s: %s", path.name, reason)
         return True

@@ -249,6 +249,27 @@ class RootDir:
         """
         return self.subdir(block_subdir(key), create=True).child(block_filename(key, pool))
 
+    def quarantine(self, path: RootPath) -> str | None:
+        """Move ``path`` (a file, symlink or directory in this root or one of its
+        subdirectories) into ``quarantine/``, under its own name or, when that is taken,
+        ``name.1``, ``name.2``...: an earlier quarantined entry is evidence too and is never
+        replaced. Returns the name it got there, or None when ``path`` was already gone.
+
+        Raises:
+            RootError: ``quarantine/`` is a symlink or not a directory.
+            OSError: the move itself failed (e.g. permissions).
+        """
+        qdir = self.subdir(QUARANTINE, create=True)
+        name, n = path.name, 0
+        while qdir.child(name).lstat() is not None:
+            n += 1
+            name = f"{path.name}.{n}"
+        try:
+            path.rename(qdir.child(name))
+        except FileNotFoundError:
+            return None
+        return name
+
     def close(self) -> None:
         for sub in self._subdirs.values():
             sub.close()
