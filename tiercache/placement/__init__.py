@@ -2,6 +2,8 @@
 
 - :mod:`.policy`: :class:`Placement`: key -> slot per tier, LRU order, pins, victim choice
   (pure bookkeeping, no I/O);
+- :mod:`.compactslots`: :class:`CompactSlots`: the same for the file tier (millions of blocks)
+  in arrays;
 - :mod:`.mover`: :class:`BlockMover`: copies keyed blocks between tiers through the transfer
   engine, making room by spilling least recently used blocks down;
 - :mod:`.fileindex`: :class:`FileIndex`: the file tier's index rebuilt from a root at open, and
@@ -10,10 +12,11 @@
 Depends on :mod:`tiercache.transfer` and :mod:`tiercache.files`.
 """
 
+from .compactslots import CompactSlots
 from .fileindex import FileIndex
 from .mover import BlockMover
 from .policy import TIER_ORDER, Placement, TierSlots
 
 __all__ = [
-    "BlockMover", "FileIndex", "Placement", "TIER_ORDER", "TierSlots",
+    "BlockMover", "CompactSlots", "FileIndex", "Placement", "TIER_ORDER", "TierSlots",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from tiercache.errors import KeyNotFoundError, PinnedBlockError, SlotRangeError, TierFullError
 from tiercache.keys import Key, format_keys, key_text
+from tiercache.placement.compactslots import CompactSlots
 
 TIER_ORDER = ("device", "host", "file")
 
@@ -89,6 +90,10 @@ class TierSlots:
                 heapq.heappush(self._heap, s)
                 self._free += 1
 
+    def keys(self) -> list[Key]:
+        """Every key of the tier."""
+        return list(self.slot_of)
+
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark ``keys`` most recently used."""
         for k in keys:
@@ -104,7 +109,7 @@ class Placement:
     """
 
     def __init__(self, capacities: dict[str, int]) -> None:
-        self.tiers = {name: TierSlots(name, n) for name, n in capacities.items()}
+        self.tiers = {name: (CompactSlots if name == "file" else TierSlots)(name, n) for name, n in capacities.items()}
         self.pins: dict[Key, int] = {}
 
     @property
@@ -144,7 +149,7 @@ class Placement:
         """Every stored key."""
         out: set[Key] = set()
         for ts in self.tiers.values():
-            out.update(ts.slot_of)
+            out.update(ts.keys())
         return out
 
     def has_copy_below(self, key: Key, tier: str) -> bool:

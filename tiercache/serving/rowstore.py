@@ -56,7 +56,7 @@ from tiercache.errors import (
 from tiercache.files import FREE_FILES, IO_ENGINES, FileTier, IOPath, file_size, when_all_settled, write_stats
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
-from tiercache.placement import TierSlots
+from tiercache.placement import CompactSlots
 from tiercache.transfer import LATENCY_BUCKETS_S, TransferStats
 
 log = logging.getLogger("tiercache")
@@ -203,7 +203,7 @@ class RowStore:
         self._lock = threading.RLock()
         self._cv = threading.Condition(threading.Lock())  # completions -> drain()
         self._done: collections.deque = collections.deque()  # filled by I/O threads
-        self.index = TierSlots("file", self.capacity_blocks)
+        self.index = CompactSlots("file", self.capacity_blocks)
         self._storing: dict[bytes, _Job] = {}
         self._pins: collections.Counter = collections.Counter()
         self._evicting: dict[bytes, _Eviction] = {}

@@ -1,0 +1,92 @@
+"""CompactSlots (the file tier's slots in arrays) against TierSlots (dicts), operation by
+operation on random keys: the same membership, slots held, least recently used order and
+free counts, through merges of the sorted array and compactions of the key arena."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import random_keys
+
+from tiercache.errors import SlotRangeError, TierFullError
+from tiercache.placement import CompactSlots, TierSlots
+from tiercache.placement import compactslots
+
+
+def _pick(rng, pool, m):
+    return [pool[i] for i in rng.choice(len(pool), size=min(m, len(pool)), replace=False)]
+
+
+@pytest.mark.parametrize("num_slots", [1, 7, 300, 5000])
+def test_compact_slots_behave_as_tier_slots(rng, monkeypatch, num_slots):
+    monkeypatch.setattr(compactslots, "ARENA_SLACK", 256)  # compact the key arena often
+    monkeypatch.setattr(compactslots, "MERGE_MIN", 64)  # merge the recent keys often
+    a, b = CompactSlots("file", num_slots), TierSlots("file", num_slots)
+    pool = random_keys(rng, 2 * num_slots + 3, "mixed") + [0, b"\x00", b"\x00" * 64]
+    for step in range(400):
+        op = rng.random()
+        if op < 0.4:
+            new = [k for k in _pick(rng, pool, int(rng.integers(1, 60))) if k not in b][: b.free_count]
+            slots = a.add(new)
+            b.add(new)
+            assert [a.slot_of[k] for k in new] == slots and all(a.key_at[s] == k for k, s in zip(new, slots))
+        elif op < 0.6:
+            gone = _pick(rng, pool, int(rng.integers(1, 60)))
+            a.remove(gone)
+            b.remove(gone)
+        elif op < 0.8:
+            used = _pick(rng, pool, int(rng.integers(1, 60)))
+            a.touch(used)
+            b.touch(used)
+        else:
+            m = int(rng.integers(0, len(b) + 1))
+            assert [k for _, k in zip(range(m), a.lru)] == [k for _, k in zip(range(m), b.lru)], step
+        assert len(a) == len(b) and a.free_count == b.free_count
+        for k in _pick(rng, pool, 20):
+            assert (k in a) == (k in b) and (a.slot_of.get(k, -1) >= 0) == (k in b)
+    assert list(a.lru) == list(b.lru)
+    held = [a.slot_of[k] for k in b.slot_of]
+    assert len(set(held)) == len(held) and all(0 <= s < num_slots for s in held)
+    assert sorted(held) == a.used_slots().tolist()
+    assert set(a.keys()) == set(b.slot_of)
+
+
+def test_compact_slots_errors_name_the_slot_and_the_tier(rng):
+    a = CompactSlots("file", 4)
+    keys = random_keys(rng, 5, "mixed")
+    a.claim(keys[:2], [3, 1])
+    assert a.slot_of[keys[0]] == 3 and 1 in a.key_at and 0 not in a.key_at
+    with pytest.raises(SlotRangeError, match="file slot 4 outside"):
+        a.claim([keys[2]], [4])
+    with pytest.raises(SlotRangeError, match="file slot 1 already holds"):
+        a.claim([keys[2]], [1])
+    assert sorted(a.add(keys[2:4])) == [0, 2]  # the slots skipped by claim are free
+    with pytest.raises(TierFullError, match="1 slots wanted, 0 free"):
+        a.add(keys[4:])
+    with pytest.raises(KeyError):
+        a.slot_of[keys[4]]
+
+
+def test_lookups_from_another_thread_see_no_torn_state(rng):
+    """``key in slots`` runs without a lock (vLLM's lookups); while one thread adds, removes
+    and merges, a reader asking about keys that never leave gets True every time."""
+    import threading
+
+    a = CompactSlots("file", 20000)
+    stay = random_keys(rng, 500, "bytes")
+    a.add(stay)
+    churn = random_keys(rng, 15000, "mixed")
+    wrong, stop = [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            wrong.extend(k for k in stay if k not in a)
+
+    t = threading.Thread(target=read)
+    t.start()
+    for i in range(0, len(churn), 500):
+        a.add(churn[i:i + 500])
+        a.remove(churn[max(0, i - 1000):i - 500])
+    stop.set()
+    t.join()
+    assert not wrong and np.all([k in a for k in stay])

@@ -1,0 +1,331 @@
+"""The slots of a large tier (the file tier: millions of blocks) in arrays, not dicts.
+
+:class:`CompactSlots` answers what :class:`~tiercache.placement.policy.TierSlots` answers
+(key -> slot, slot -> key, least recently used order, free slots) at about 40 bytes per
+block plus the key's own bytes, where ``TierSlots``' three dicts cost about 400 bytes, and it
+loads a saved index (:meth:`CompactSlots.load`) with a few vectorized passes instead of one
+Python call per block.
+
+Per slot it keeps the key (``klen`` 255 for an int key held in ``kval``; 1..64 for a bytes
+key whose bytes sit in an arena at offset ``kval``; 0 for a free slot), a 64-bit hash and the
+tick of its last use. Lookups find a key's slot in two levels, a small dict of keys added
+since the last merge and a sorted array of ``(hash, slot)``; an entry of the sorted array is
+only a hint, confirmed by comparing the key stored at its slot, so removals leave it in place
+until the next merge. The least recently used order is the order of ticks: victims come from
+a cached list of the oldest slots (every later use has a larger tick, so that list stays the
+true oldest until it runs out), refreshed with one partial sort.
+
+Reads from other threads (``key in slots``) need no lock: the sorted array and its slots are
+swapped as one tuple, and dict lookups are atomic.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import xxhash
+
+from tiercache.errors import SlotRangeError, TierFullError
+from tiercache.keys import Key, key_text
+
+INT_KEY = 255  # klen of a slot holding an int key
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: multiplying by it is a bijection on 64-bit ints
+_CANDIDATES = 1024  # oldest slots cached per refresh (at least)
+ARENA_SLACK = 1 << 20  # bytes of removed keys' bytes tolerated in the arena (beyond half of it)
+MERGE_MIN = 4096  # recent keys kept in the dict before a merge (at least; else 1/8 of the sorted array)
+
+
+def key_hash(key: Key) -> int:
+    """64-bit hash of a key: a bijective mix of an int key, XXH3-64 of a bytes key."""
+    if isinstance(key, int):
+        return (key * _GOLDEN) & _MASK64
+    return xxhash.xxh3_64_intdigest(key)
+
+
+class _SlotOf:
+    """``slots.slot_of``: the mapping key -> slot."""
+
+    __slots__ = ("_s",)
+
+    def __init__(self, s: CompactSlots) -> None:
+        self._s = s
+
+    def __getitem__(self, key: Key) -> int:
+        slot = self._s.find(key)
+        if slot < 0:
+            raise KeyError(key)
+        return slot
+
+    def get(self, key: Key, default=None):
+        slot = self._s.find(key)
+        return default if slot < 0 else slot
+
+    def __contains__(self, key: Key) -> bool:
+        return self._s.find(key) >= 0
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._s.keys())
+
+    def __len__(self) -> int:
+        return len(self._s)
+
+
+class _KeyAt:
+    """``slots.key_at``: the mapping slot -> key."""
+
+    __slots__ = ("_s",)
+
+    def __init__(self, s: CompactSlots) -> None:
+        self._s = s
+
+    def __contains__(self, slot: int) -> bool:
+        return 0 <= slot < self._s.num_slots and bool(self._s._klen[slot])
+
+    def __getitem__(self, slot: int) -> Key:
+        if slot not in self:
+            raise KeyError(slot)
+        return self._s.key_of(slot)
+
+
+class CompactSlots:
+    """Slots of one tier: key -> slot, slot -> key, LRU order, free slots, in arrays.
+
+    The interface of :class:`~tiercache.placement.policy.TierSlots` (``add``, ``claim``,
+    ``remove``, ``touch``, ``slot_of``, ``key_at``, ``lru``, ``free_count``), for a tier of
+    any size. Free slots are reused most recently freed first, then never used ones, lowest
+    first.
+
+    Args:
+        name: the tier's name (in error messages).
+        num_slots: slots of the tier (``>= 0``); memory is committed only for slots used.
+    """
+
+    def __init__(self, name: str, num_slots: int) -> None:
+        self.name = name
+        self.num_slots = num_slots
+        n = max(num_slots, 1)
+        self._klen = np.zeros(n, np.uint8)
+        #: (kval, arena): an int key, or the offset of a bytes key's bytes in the arena; swapped
+        #: as one when the arena is compacted, so a reader never pairs new offsets with an old arena
+        self._kv: tuple[np.ndarray, bytearray] = (np.zeros(n, np.int64), bytearray())
+        self._hash = np.zeros(n, np.uint64)
+        self._tick = np.zeros(n, np.uint64)
+        self._arena_dead = 0
+        self._base: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.uint64), np.zeros(0, np.int64))
+        self._delta: dict[Key, int] = {}
+        self._next = 0  # slots at or above were never used
+        self._freed = array("q")  # slots freed below _next
+        self._used = 0
+        self._clock = 1
+        self._cand: tuple[np.ndarray, np.ndarray] | None = None  # oldest slots, their ticks then
+        self.slot_of = _SlotOf(self)
+        self.key_at = _KeyAt(self)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def _holds(self, slot: int, key: Key) -> bool:
+        n = int(self._klen[slot])
+        if n == 0:
+            return False
+        kval, arena = self._kv
+        if n == INT_KEY:
+            return isinstance(key, int) and int(kval[slot]) == key
+        if not isinstance(key, bytes) or len(key) != n:
+            return False
+        off = int(kval[slot])
+        return arena[off:off + n] == key
+
+    def find(self, key: Key) -> int:
+        """``key``'s slot, or -1."""
+        slot = self._delta.get(key)
+        if slot is not None:
+            return slot
+        bh, bs = self._base
+        if not len(bh):
+            return -1
+        h = np.uint64(key_hash(key))
+        i = int(bh.searchsorted(h))
+        while i < len(bh) and bh[i] == h:
+            slot = int(bs[i])
+            if self._holds(slot, key):
+                return slot
+            i += 1
+        return -1
+
+    def key_of(self, slot: int) -> Key:
+        """The key in ``slot`` (which must hold one)."""
+        n = int(self._klen[slot])
+        kval, arena = self._kv
+        if n == INT_KEY:
+            return int(kval[slot])
+        off = int(kval[slot])
+        return bytes(arena[off:off + n])
+
+    def __contains__(self, key: Key) -> bool:
+        return self.find(key) >= 0
+
+    def __len__(self) -> int:
+        return self._used
+
+    @property
+    def free_count(self) -> int:
+        return self.num_slots - self._used
+
+    def used_slots(self) -> np.ndarray:
+        """The slots holding a key (``int64``, ascending)."""
+        return np.flatnonzero(self._klen[: self._next])
+
+    def keys(self) -> list[Key]:
+        """Every key, in slot order."""
+        return [self.key_of(int(s)) for s in self.used_slots()]
+
+    # -- changes ---------------------------------------------------------------------------
+    def _store(self, key: Key, slot: int) -> None:
+        kval, arena = self._kv
+        if isinstance(key, int):
+            kval[slot] = key
+            self._klen[slot] = INT_KEY
+        else:
+            kval[slot] = len(arena)
+            arena += key
+            self._klen[slot] = len(key)
+        self._hash[slot] = key_hash(key)
+        self._tick[slot] = self._clock
+        self._clock += 1
+        self._delta[key] = slot
+        self._used += 1
+        if len(self._delta) > max(MERGE_MIN, len(self._base[0]) // 8):
+            self._merge()
+
+    def _merge(self) -> None:
+        """Fold the dict of recent keys into the sorted array (one sort of every used slot's
+        hash)."""
+        used = self.used_slots()
+        h = self._hash[used]
+        order = np.argsort(h, kind="stable")
+        self._base = (h[order], used[order])
+        self._delta = {}
+
+    def add(self, keys: list[Key]) -> list[int]:
+        """Give each key (not yet in this tier) a free slot; the caller made room.
+
+        Raises:
+            TierFullError: fewer free slots than keys.
+        """
+        if len(keys) > self.free_count:
+            raise TierFullError(f"{self.name} tier: {len(keys)} slots wanted, {self.free_count} free")
+        slots = []
+        for k in keys:
+            if self._freed:
+                s = self._freed.pop()
+            else:
+                s = self._next
+                self._next += 1
+            self._store(k, s)
+            slots.append(s)
+        return slots
+
+    def claim(self, keys: list[Key], slots: list[int]) -> None:
+        """Put each key in the given slot.
+
+        Raises:
+            SlotRangeError: a slot out of ``[0, num_slots)``, repeated, or holding a key.
+        """
+        for s in slots:
+            if not 0 <= s < self.num_slots:
+                raise SlotRangeError(f"{self.name} slot {s} outside [0, {self.num_slots})")
+        if len(set(slots)) != len(slots):
+            dup = next(s for i, s in enumerate(slots) if s in slots[:i])
+            raise SlotRangeError(f"{self.name} slot {dup} appears twice")
+        for s in slots:
+            if self._klen[s]:
+                raise SlotRangeError(f"{self.name} slot {s} already holds key {key_text(self.key_of(s))}")
+        taken = set(slots)
+        if any(s < self._next for s in taken):
+            self._freed = array("q", [f for f in self._freed if f not in taken])
+        for s in sorted(taken):
+            while self._next < s:  # slots skipped over are free
+                self._freed.append(self._next)
+                self._next += 1
+            if self._next == s:
+                self._next += 1
+        for k, s in zip(keys, slots):
+            self._store(k, s)
+
+    def remove(self, keys: Iterable[Key]) -> None:
+        """Free the slots of ``keys`` (keys not in this tier are ignored)."""
+        for k in keys:
+            s = self.find(k)
+            if s < 0:
+                continue
+            self._delta.pop(k, None)
+            n = int(self._klen[s])
+            if n != INT_KEY:
+                self._arena_dead += n
+            self._klen[s] = 0
+            self._freed.append(s)
+            self._used -= 1
+        if self._arena_dead > max(ARENA_SLACK, len(self._kv[1]) // 2):
+            self._compact_arena()
+
+    def _compact_arena(self) -> None:
+        """Copy the bytes keys still held into a new arena (vectorized)."""
+        used = self.used_slots()
+        lens = self._klen[used]
+        byt = used[lens != INT_KEY]
+        n = self._klen[byt].astype(np.int64)
+        kval, arena = self._kv
+        starts = np.concatenate(([0], np.cumsum(n)[:-1])) if len(n) else n
+        idx = np.repeat(kval[byt] - starts, n) + np.arange(int(n.sum()))
+        new = kval.copy()
+        new[byt] = starts
+        self._kv = (new, bytearray(np.frombuffer(arena, np.uint8)[idx].tobytes()))
+        self._arena_dead = 0
+
+    def touch(self, keys: Iterable[Key]) -> None:
+        """Mark ``keys`` most recently used."""
+        for k in keys:
+            s = self.find(k)
+            if s >= 0:
+                self._tick[s] = self._clock
+                self._clock += 1
+
+    # -- least recently used order ---------------------------------------------------------
+    @property
+    def lru(self) -> Iterator[Key]:
+        """Keys, least recently used first (lazily: victims take the first few)."""
+        return (self.key_of(s) for s in self.lru_slots())
+
+    def lru_slots(self) -> Iterator[int]:
+        """Used slots, least recently used first: the cached oldest, then chunks of the
+        rest, each found with one partial sort of the ticks above the last chunk's."""
+        cmax = -1
+        if self._cand is not None:
+            slots, ticks = self._cand
+            live = (self._klen[slots] != 0) & (self._tick[slots] == ticks)
+            if not live.all():  # evicted or used since: they are no longer among the oldest
+                slots, ticks = slots[live], ticks[live]
+                self._cand = (slots, ticks) if len(slots) else None
+            if len(slots):
+                cmax = int(ticks[-1])
+                yield from slots.tolist()
+        while True:
+            used = self.used_slots()
+            ticks = self._tick[used]
+            if cmax >= 0:  # every slot not yielded yet has a later tick (ticks only grow)
+                later = ticks > cmax
+                used, ticks = used[later], ticks[later]
+            if not len(used):
+                return
+            k = min(len(used), max(_CANDIDATES, len(used) // 64))
+            if k < len(used):
+                part = np.argpartition(ticks, k - 1)[:k]
+                used, ticks = used[part], ticks[part]
+            order = np.argsort(ticks, kind="stable")
+            used, ticks = used[order], ticks[order]
+            if cmax < 0:  # the oldest of all: cached for the next victims
+                self._cand = (used, ticks)
+            yield from used.tolist()
+            cmax = int(ticks[-1])
