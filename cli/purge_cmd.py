@@ -18,6 +18,7 @@ from rich.progress import Progress
 from tiercache.errors import InvalidKeyError, RootError
 from tiercache.config import CacheConfig
 from tiercache.files import (
+    INDEX,
     QUARANTINE,
     RootDir,
     RootLock,
@@ -130,6 +131,8 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
         if not ok:
             fail("nothing deleted: purge asks before deleting (add --yes to skip the question)")
     removed, freed = 0, 0
+    if not pools and wanted_keys is None and cutoff is None:  # nothing left for the saved index to list
+        rd.child(INDEX).unlink()
     with Progress(transient=True, disable=len(targets) < 1000) as progress:
         task = progress.add_task("purging", total=len(targets))
         for t, size in zip(targets, sizes):

@@ -189,3 +189,9 @@ def fail_writes(monkeypatch):
     faults = _WriteFaults(monkeypatch)
     yield faults
     faults.disarm()
+
+
+def drop_index(root) -> None:
+    """Delete a root's saved index, so that the next open scans every file (what a root
+    written before the index, or one whose index is unusable, gets)."""
+    (Path(root) / ".tiercache-index").unlink(missing_ok=True)

@@ -42,6 +42,7 @@ def test_sigkill_at_random_moments(tmp_path, rng):
         child.wait()
         acked = {int(k) for line in ack.read_text().splitlines() if line.strip() for k in line.split()}
         with TierCache(cfg) as cache:
+            assert cache.wait_reconciled(60)  # the index saved last, reconciled with the directory
             stored = set(cache.keys("file"))
             missing = acked - stored
             assert not missing, f"kill {i}: acknowledged blocks lost: {sorted(missing)[:5]}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import bpath, files, random_keys
+from conftest import bpath, drop_index, files, random_keys
 from helpers import assert_bytes, put_random
 
 from tiercache import CacheConfig, ConfigError, PoolSpec, RootError, TierCache
@@ -125,6 +125,7 @@ def test_permissions(make_config, rng):
     # a corrupt file gets quarantined into a 0700 directory
     with open(found[0], "r+b") as f:
         f.write(b"junk")
+    drop_index(cfg.root)
     with TierCache(cfg) as c:
         assert c.scan.quarantined
     assert stat.S_IMODE((cfg.root / "quarantine").stat().st_mode) == 0o700

@@ -15,7 +15,7 @@ import stat
 
 import numpy as np
 import pytest
-from conftest import bpath, files, names, random_keys
+from conftest import bpath, drop_index, files, names, random_keys
 from helpers import assert_bytes, put_random
 from tiercache.cli import app
 from typer.testing import CliRunner
@@ -192,6 +192,7 @@ def test_scan_survives_a_file_removed_while_it_looks(flushed, monkeypatch):
         return out
 
     monkeypatch.setattr(FileTier, "_check_file", check_then_vanish)
+    drop_index(cfg.root)
     with TierCache(cfg) as c:
         assert gone not in c and gone in c.scan.incomplete
         assert_bytes(c, {k: v for k, v in exp.items() if k != gone})
@@ -207,6 +208,7 @@ def test_non_canonical_names_do_not_shadow_valid_blocks(make_config, rng):
     (cfg.root / "block_\u0661\u0662_pool_kv.bin").write_bytes(b"junk")
     (cfg.root / "block_12_pool_kv.bin\n").write_bytes(b"junk")
     shutil.copy(bpath(cfg.root, 16, "kv"), cfg.root / "block_016_pool_kv.bin")
+    drop_index(cfg.root)
     with TierCache(cfg) as c:
         assert set(c.keys()) == {12, 16}
         assert_bytes(c, exp)
@@ -341,6 +343,7 @@ def test_verify_finds_trailing_bytes_and_symlinked_blocks(flushed, outside):
     assert "trailing bytes" in problems[block_filename(a, "kv")]
     assert "not a regular file" in problems[block_filename(b, "kv")]
     before = tree(outside)
+    drop_index(cfg.root)
     with TierCache(cfg) as c:
         assert a not in c and b not in c  # neither is served
         assert_bytes(c, {k: v for k, v in exp.items() if k not in (a, b)})
@@ -557,6 +560,7 @@ def test_a_root_of_the_flat_layout_is_moved_into_subdirectories(make_config, rng
     for f in files(cfg.root, "block_*"):
         f.rename(cfg.root / f.name)  # the flat layout
     (cfg.root / ".tmp.block_3_pool_kv.bin.1.ab").write_bytes(b"left by a crash")
+    drop_index(cfg.root)  # roots of the flat layout were written before the index
     with TierCache(cfg) as c:
         assert c.scan.migrated == 12 * len(cfg.pools) and c.scan.removed_tmp == 1
         assert set(c.keys()) == set(keys)

@@ -69,6 +69,7 @@ def test_a_miss_finds_what_another_process_published(tmp_path, rng):
     root = tmp_path / "r"
     a = TierCache(_cfg(root))
     b = TierCache(_cfg(root, negative_ttl_s=0.3))
+    assert b.wait_reconciled(30)  # b's view of the root is settled before a publishes
     try:
         ks = _keys(rng, 6)
         data = random_blocks(rng, POOL, 6)
@@ -98,6 +99,7 @@ def test_a_failed_write_never_deletes_a_published_file(tmp_path, rng, io_engine,
     root = tmp_path / "r"
     a = TierCache(_cfg(root, io_engine=io_engine))
     b = TierCache(_cfg(root, io_engine=io_engine))
+    assert b.wait_reconciled(30)  # b's view of the root is settled before a publishes
     try:
         ks = _keys(rng, 3)
         data = random_blocks(rng, POOL, 3)
@@ -357,6 +359,7 @@ def test_processes_share_a_root_through_sigkills(tmp_path):
     time.sleep(0.6)  # past min_age_s of the workers' last files
     with TierCache(CacheConfig(pools=POOLS, host_slots=8, file_slots=capacity, root=root, sharing="shared",
                                metrics_registry="none", metrics_snapshot_s=0, min_age_s=0.5)) as c:
+        assert c.wait_reconciled(60)  # the saved index, reconciled with the directory
         assert c.scan.quarantined == []
         assert not [n for n in names(root) if n.startswith(".tmp.block")]  # every writer is dead
         for k in kept:

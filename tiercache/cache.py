@@ -31,7 +31,7 @@ from tiercache.errors import (
     TierUnavailableError,
     TransferError,
 )
-from tiercache.files import FileTier, IOPath, select_io_path, write_stats
+from tiercache.files import FileTier, IOPath, block_subdir_index, select_io_path, write_stats
 from tiercache.keys import Key, format_keys, normalize_keys
 from tiercache.memory import MemoryTier, make_device_tier, make_host_tier
 from tiercache.placement import TIER_ORDER, BlockMover, FileIndex, Placement
@@ -114,7 +114,8 @@ class TierCache:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
         # the engine allocates its own device blocks: tiercache never places keys there
         self.placement = Placement({name: self._capacity(name) for name in self.tiers
-                                    if not (name == "device" and device_pools is not None)})
+                                    if not (name == "device" and device_pools is not None)},
+                                   file_group=block_subdir_index)
         self.engine = TransferEngine(
             self.tiers, config.pools, config.device_id, streams_per_direction=config.streams_per_direction,
             copy_kernel_sms=config.copy_kernel_sms, memcpy_min_bytes=config.memcpy_min_bytes,
@@ -126,6 +127,7 @@ class TierCache:
         self.mover = BlockMover(self.tiers, self.placement, self.engine, config.pools, self.counters)
         self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters)
         self.file_index.negative_ttl_s = config.negative_ttl_s
+        self.file_index.checkpoint_interval_s = config.index_checkpoint_s
         self.mover.after_file_write = self.file_index.after_write
         self.mover.after_file_read = self.file_index.after_read
         self.file_index.make_room = lambda n, protect: self.mover.make_room("file", n, protect)
@@ -213,6 +215,11 @@ class TierCache:
             raise ClosedError("this TierCache is closed")
         if self._snapshot_at is not None and time.monotonic() >= self._snapshot_at:
             self._write_stats_snapshot()
+        fi = self.file_index
+        if fi.reconciling:
+            fi.apply_reconciled()
+        if time.monotonic() >= fi.checkpoint_at:
+            fi.checkpoint()
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
@@ -585,6 +592,7 @@ class TierCache:
                 self.mover.copy_into(todo, "file", set(todo))
             self.counters["flushed_blocks"] += len(todo)
             self._write_stats_snapshot()
+            self.file_index.checkpoint()
             return len(todo)
 
     def evict(self, keys, tier: str | None = None) -> None:
@@ -746,6 +754,19 @@ class TierCache:
         self.engine.make_stream_wait(stream, jobs)
 
     # -- stats & lifecycle ----------------------------------------------------------------
+    def wait_reconciled(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no limit) for the reconciliation of the root's
+        saved index with its directory (started at open for the subdirectories changed since
+        the index was saved: files the index does not know adopted, entries whose files are
+        gone dropped; see :attr:`scan`) and apply it. Returns True when none is running.
+
+        Raises:
+            ClosedError: after :meth:`close`.
+        """
+        with self._lock:
+            self._check_open()
+            return self.file_index.apply_reconciled(timeout)
+
     def stats(self, block: bool = True) -> dict:
         """A JSON-ready snapshot: I/O path (and why), per-tier slots used/free and bytes,
         counters (puts, onboards, offloads, spills, evictions, lookup/onboard hits and misses
@@ -824,7 +845,8 @@ class TierCache:
             self.engine.shutdown()
             ft = self.tiers.get("file")
             if ft is not None:
-                ft.close()
+                self.file_index.stop()
+                ft.close(before_unlock=self.file_index.checkpoint)
             self.tiers.clear()
 
     def _write_stats_snapshot(self) -> None:

@@ -22,6 +22,7 @@ library's ``tomllib``)::
     min_age_s = 30.0               # shared: files younger than this are not evicted by policy
     negative_ttl_s = 1.0           # shared: a key found in no file is not looked for again this long
     tmp_max_age_s = 900.0          # shared: temporary files older than this are abandoned
+    index_checkpoint_s = 60.0      # save the root's index this often (at the next call), on flush and close
 
     [metrics]                      # Prometheus metrics (tiercache.metrics, README "Metrics")
     enabled = true                 # count transfers (latency histograms) and export them
@@ -69,7 +70,7 @@ MAX_IO_THREADS = 256
 _TIER_KEYS = {"device_slots", "host_slots", "file_slots", "host_huge_pages"}
 _FILE_KEYS = {"root", "io_mode", "fsync", "verify_checksums", "io_threads", "io_engine", "capacity_bytes", "direct_io",
               "kvikio_task_size", "kvikio_gds_threshold", "check_root_owner", "sharing", "min_age_s",
-              "negative_ttl_s", "tmp_max_age_s", "open_files"}
+              "negative_ttl_s", "tmp_max_age_s", "open_files", "index_checkpoint_s"}
 SHARING_MODES = ("exclusive", "shared")
 _KV_KEYS = {"num_layers", "kv_factor", "num_kv_heads", "tokens_per_block", "head_dim", "layout"}
 _TRANSFER_KEYS = {"streams_per_direction", "copy_kernel_sms", "memcpy_min_bytes", "batch_min_bytes", "batch_streams",
@@ -152,6 +153,9 @@ class CacheConfig:
         tmp_max_age_s: shared mode: a temporary file of another machine or boot is abandoned
             (removed) once older than this; on this machine a dead writer's are removed at once;
             60..604800, default 900.
+        index_checkpoint_s: the root's saved index (``.tiercache-index``, what the next open
+            starts from instead of reading every file) is saved on ``flush``, on close and at
+            the first call this many seconds after the last save; 1..86400, default 60.
         kvikio_task_size: bytes per kvikio task (None: kvikio's default, 4 MiB).
         kvikio_gds_threshold: I/O smaller than this skips cuFile in kvikio (None: default).
         device_id: CUDA device ordinal of the device tier.
@@ -229,6 +233,7 @@ class CacheConfig:
     negative_ttl_s: float = 1.0
     tmp_max_age_s: float = 900.0
     open_files: int = -1
+    index_checkpoint_s: float = 60.0
     kvikio_task_size: int | None = None
     kvikio_gds_threshold: int | None = None
     device_id: int = 0
@@ -282,7 +287,8 @@ class CacheConfig:
         _check_choice("io_engine", self.io_engine, IO_ENGINES)
         _check_choice("metrics_registry", self.metrics_registry, METRICS_REGISTRIES)
         _check_choice("sharing", self.sharing, SHARING_MODES)
-        for key, lo, hi in (("min_age_s", 0, 86400), ("negative_ttl_s", 0, 3600), ("tmp_max_age_s", 60, 604800)):
+        for key, lo, hi in (("min_age_s", 0, 86400), ("negative_ttl_s", 0, 3600), ("tmp_max_age_s", 60, 604800),
+                             ("index_checkpoint_s", 1, 86400)):
             _check_seconds(key, getattr(self, key), lo, hi)
         if not isinstance(self.metrics_name, str) or not _METRICS_NAME.fullmatch(self.metrics_name):
             raise ConfigError(f"metrics_name = {self.metrics_name!r} must be up to 64 characters of A-Z a-z 0-9 _ . : -")
@@ -372,6 +378,7 @@ class CacheConfig:
             "negative_ttl_s": self.negative_ttl_s,
             "tmp_max_age_s": self.tmp_max_age_s,
             "open_files": self.open_files,
+            "index_checkpoint_s": self.index_checkpoint_s,
             "streams_per_direction": self.streams_per_direction,
             "copy_kernel_sms": self.copy_kernel_sms,
             "memcpy_min_bytes": self.memcpy_min_bytes,

@@ -19,19 +19,20 @@ Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """
 
 from .batchio import IO_ENGINES, choose_engine, native_status, uring_status
-from .blockfile import DATA_OFFSET, FANOUT, SUBDIRS, block_filename, block_relpath, block_subdir, file_size
+from .blockfile import DATA_OFFSET, FANOUT, SUBDIRS, block_filename, block_relpath, block_subdir, block_subdir_index, file_size
 from .blockbatch import when_all_settled
 from .file_tier import FileTier, ScanResult
 from .openfiles import FREE_FILES
 from .iopath import IOPath, select_io_path
-from .rootdir import DIR_MODE, QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, is_root, lock_holder
+from .rootdir import DIR_MODE, INDEX, QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, is_root, lock_holder
 from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
+from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, load_index, save_index
 from .rootsurvey import STATS, FileEntry, RootSurvey, classify, entry_path, is_own_block_file, survey, verify_file, write_stats
 
 __all__ = [
     "DATA_OFFSET", "DIR_MODE", "FANOUT", "FREE_FILES", "FileEntry", "FileTier", "SUBDIRS", "block_relpath",
-    "block_subdir", "entry_path", "when_all_settled", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
+    "block_subdir", "block_subdir_index", "entry_path", "when_all_settled", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
     "RootPath", "RootSurvey",
-    "STATS", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
+    "INDEX", "STATS", "IndexUnusable", "SavedIndex", "changed_dirs", "dir_times", "load_index", "save_index", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
     "select_io_path", "survey", "verify_file", "write_stats", "BOOT_TAG", "tmp_abandoned", "tmp_name", "tmp_owner",
 ]

@@ -62,10 +62,15 @@ FANOUT = 64
 SUBDIRS = tuple(f"{i:02x}" for i in range(FANOUT))
 
 
+def block_subdir_index(key: Key) -> int:
+    """The number of ``key``'s subdirectory: ``XXH3-64(key text) % FANOUT``."""
+    return xxhash.xxh3_64_intdigest(key_text(key).encode()) % FANOUT
+
+
 def block_subdir(key: Key) -> str:
-    """The subdirectory of ``key``'s block files: ``XXH3-64(key text) % FANOUT`` as two
-    lower-case hex digits."""
-    return SUBDIRS[xxhash.xxh3_64_intdigest(key_text(key).encode()) % FANOUT]
+    """The subdirectory of ``key``'s block files: :func:`block_subdir_index` as two lower-case
+    hex digits."""
+    return SUBDIRS[block_subdir_index(key)]
 
 
 def block_relpath(key: Key, pool: str) -> str:

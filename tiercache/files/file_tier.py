@@ -31,7 +31,7 @@ from tiercache.files.iopath import IOPath
 from tiercache.files.openfiles import FREE_FILES, OpenFiles
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, open_root
 from tiercache.files.rootsurvey import classify
-from tiercache.files.sharing import published, tmp_abandoned, tmp_name
+from tiercache.files.sharing import published, tmp_abandoned, tmp_name, tmp_owner
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
 from tiercache.memory import copy_sync
@@ -54,6 +54,13 @@ class ScanResult:
         extra: per block, the ``extra`` metadata its files were written with (if any).
         foreign: names in the root that tiercache did not write (left in place).
         migrated: block files of the flat layout moved into their subdirectories.
+        known: (a scan of some subdirectories against an index) blocks with a file of every
+            pool that the index already knew: their headers are not read (every read checks
+            them).
+        from_index: the cache opened from the root's saved index (see
+            :mod:`tiercache.files.indexfile`); the other fields then count what the
+            reconciliation of the changed subdirectories found (adopted blocks are in ``blocks``).
+        dropped: keys of the index whose files were gone (reconciliation).
     """
 
     blocks: list[tuple[Key, float]] = field(default_factory=list)
@@ -63,6 +70,9 @@ class ScanResult:
     foreign: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     migrated: int = 0
+    known: list[Key] = field(default_factory=list)
+    from_index: bool = False
+    dropped: list[Key] = field(default_factory=list)
 
 
 class FileTier:
@@ -167,11 +177,18 @@ class FileTier:
         """The subdirectory of ``key``'s files."""
         return self.dir.subdir(block_subdir(key), create=True)
 
-    def _listing(self, result: ScanResult | None = None) -> list[tuple[RootDir, os.DirEntry]]:
-        """Every entry of the block subdirectories, with its directory; the root's own
-        entries come first (flat-layout block files there are moved into their subdirectories
-        when ``result`` is given, which counts them)."""
+    def _listing(self, result: ScanResult | None = None, dirs: list[str] | None = None
+                 ) -> list[tuple[RootDir, os.DirEntry]]:
+        """Every entry of the block subdirectories (or of ``dirs``), with its directory; the
+        root's own entries come first when ``dirs`` is None (flat-layout block files there
+        are moved into their subdirectories when ``result`` is given, which counts them)."""
         out: list[tuple[RootDir, os.DirEntry]] = []
+        if dirs is not None:
+            for name in dirs:
+                d = self.dir.subdir(name, create=True)
+                with d.scandir() as entries:
+                    out.extend((d, e) for e in entries)
+            return out
         with self.dir.scandir() as entries:
             top = list(entries)
         for entry in top:
@@ -193,11 +210,18 @@ class FileTier:
         return out
 
     # -- index rebuild -----------------------------------------------------------------
-    def scan(self) -> ScanResult:
-        """Rebuild the list of complete blocks from the files in the root (see class doc)."""
+    def scan(self, dirs: list[str] | None = None, known: Callable[[Key], bool] | None = None) -> ScanResult:
+        """Rebuild the list of complete blocks from the files in the root (see class doc).
+
+        Args:
+            dirs: only these block subdirectories (a reconciliation with the saved index,
+                while the cache runs): this process's own temporary files are left alone.
+            known: ``known(key)`` is True for keys the index holds: a complete set of their
+                files is listed in ``known`` without reading headers.
+        """
         result = ScanResult()
         found: dict[Key, dict[str, RootPath]] = {}
-        for d, entry in self._listing(result):
+        for d, entry in self._listing(result, dirs):
             kind = classify(entry.name)
             try:
                 regular = entry.is_file(follow_symlinks=False)
@@ -206,6 +230,8 @@ class FileTier:
             if kind == "temporary" and regular:
                 # exclusive: left by a writer that died (this process holds the lock); shared: only
                 # provably abandoned ones (sharing.tmp_abandoned), never a live writer's
+                if dirs is not None and (tmp_owner(entry.name) or (0,))[0] == os.getpid():
+                    continue  # this process's write in flight, or a free file it holds
                 if (not self.shared or self._abandoned(entry)) and d.child(entry.name).unlink():
                     result.removed_tmp += 1
                 continue
@@ -217,6 +243,10 @@ class FileTier:
                 result.foreign.append(entry.name if d is self.dir else f"{d.path.name}/{entry.name}")
                 continue
             found.setdefault(parsed[0], {})[parsed[1]] = d.child(entry.name)
+        if known is not None:
+            for key in [k for k, by_pool in found.items() if len(by_pool) == len(self.pools) and known(k)]:
+                del found[key]
+                result.known.append(key)
         checks = [(key, pool, path) for key, by_pool in found.items() for pool, path in by_pool.items()]
         checked = dict(zip(((k, p) for k, p, _ in checks),
                            self._executor.map(lambda c: self._check_file(*c), checks)))
@@ -245,6 +275,23 @@ class FileTier:
                 result.extra[key] = extra
         result.blocks.sort(key=lambda kv: kv[1])
         return result
+
+    def remove_top_temporaries(self) -> int:
+        """Remove the temporary files in the root itself (left by a process killed while it
+        saved the index or stats): all of them on an exclusive root, abandoned ones on a
+        shared root. Returns how many were removed. (The full :meth:`scan` does this too.)"""
+        with self.dir.scandir() as it:
+            entries = [e for e in it if classify(e.name) == "temporary"]
+        removed = 0
+        for e in entries:
+            try:
+                if not e.is_file(follow_symlinks=False):
+                    continue
+            except OSError:
+                continue
+            if (not self.shared or self._abandoned(e)) and self.dir.child(e.name).unlink():
+                removed += 1
+        return removed
 
     def _abandoned(self, entry: os.DirEntry) -> bool:
         try:
@@ -564,12 +611,18 @@ class FileTier:
         """A short name of the files of ``key``, for messages."""
         return f"block_{key_text(key)}_pool_*.bin"
 
-    def close(self) -> None:
-        """Stop the I/O threads (after the running ones finish) and release the root's lock."""
+    def close(self, before_unlock: Callable[[], None] | None = None) -> None:
+        """Stop the I/O threads (after the running ones finish), close held files (deleting
+        free files), call ``before_unlock`` (the index checkpoint: nothing of this process
+        changes the root any more) and release the root's lock."""
         self._executor.shutdown(wait=True)
         if self._native is not None:
             self._native.close()
         if self.open_files is not None:
             self.open_files.close()
-        self._lock.release()
+        try:
+            if before_unlock is not None:
+                before_unlock()
+        finally:
+            self._lock.release()
         self.dir.close()

@@ -39,6 +39,7 @@ from tiercache.keys import Key
 
 MARKER = ".tiercache-root"
 LOCK = ".tiercache-root.lock"
+INDEX = ".tiercache-index"  # the saved index (files/indexfile.py)
 QUARANTINE = "quarantine"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -328,9 +329,9 @@ def check_marker(root: RootDir) -> None:
         raise RootError(f"file-tier root {str(root.path)!r} has format {fmt!r}; this tiercache reads {FORMAT_VERSION}")
 
 
-def write_atomic(root: RootDir, name: str, data: bytes) -> None:
+def write_atomic(root: RootDir, name: str, data: bytes, fsync: bool = False) -> None:
     """Create or replace ``name`` in ``root`` with ``data``: a new temporary file (``O_EXCL``,
-    no symlink followed), then a rename over ``name``.
+    no symlink followed; with ``fsync`` flushed to the device), then a rename over ``name``.
 
     Raises:
         OSError: the temporary file is removed and ``name`` is untouched.
@@ -339,7 +340,11 @@ def write_atomic(root: RootDir, name: str, data: bytes) -> None:
     fd = tmp.open(os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC)
     try:
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fdatasync(fd)
         finally:
             os.close(fd)
         tmp.rename(root.child(name))

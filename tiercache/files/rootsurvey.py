@@ -28,6 +28,7 @@ from tiercache.files.blockfile import (
     parse_filename,
 )
 from tiercache.files.rootdir import (
+    INDEX,
     LOCK,
     MARKER,
     QUARANTINE,
@@ -110,7 +111,7 @@ def classify(name: str) -> str:
     callers check that the name is a regular file."""
     if is_temporary_name(name):
         return "temporary"
-    if name in (MARKER, LOCK, STATS, QUARANTINE):
+    if name in (MARKER, LOCK, STATS, QUARANTINE, INDEX):
         return "own"
     return "block" if parse_filename(name) is not None else "foreign"
 

@@ -22,7 +22,7 @@ swapped as one tuple, and dict lookups are atomic.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import xxhash
@@ -101,13 +101,17 @@ class CompactSlots:
     Args:
         name: the tier's name (in error messages).
         num_slots: slots of the tier (``>= 0``); memory is committed only for slots used.
+        group: ``group(key)`` in ``[0, 256)``, kept per slot (the file tier: the key's block
+            subdirectory, so that a reconciliation finds a subdirectory's keys): :meth:`in_group`.
     """
 
-    def __init__(self, name: str, num_slots: int) -> None:
+    def __init__(self, name: str, num_slots: int, group: Callable[[Key], int] | None = None) -> None:
         self.name = name
         self.num_slots = num_slots
+        self.group = group
         n = max(num_slots, 1)
         self._klen = np.zeros(n, np.uint8)
+        self._group = np.zeros(n, np.uint8)
         #: (kval, arena): an int key, or the offset of a bytes key's bytes in the arena; swapped
         #: as one when the arena is compacted, so a reader never pairs new offsets with an old arena
         self._kv: tuple[np.ndarray, bytearray] = (np.zeros(n, np.int64), bytearray())
@@ -177,6 +181,17 @@ class CompactSlots:
         """The slots holding a key (``int64``, ascending)."""
         return np.flatnonzero(self._klen[: self._next])
 
+    def in_group(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The used slots of ``group``, their ticks and their keys' hashes now (``int64``,
+        ``uint64``, ``uint64``)."""
+        used = self.used_slots()
+        used = used[self._group[used] == group]
+        return used, self._tick[used], self._hash[used]
+
+    def tick_of(self, slot: int) -> int:
+        """The tick of ``slot``'s last use (a write or a touch)."""
+        return int(self._tick[slot])
+
     def keys(self) -> list[Key]:
         """Every key, in slot order."""
         return [self.key_of(int(s)) for s in self.used_slots()]
@@ -192,6 +207,8 @@ class CompactSlots:
             arena += key
             self._klen[slot] = len(key)
         self._hash[slot] = key_hash(key)
+        if self.group is not None:
+            self._group[slot] = self.group(key)
         self._tick[slot] = self._clock
         self._clock += 1
         self._delta[key] = slot
@@ -291,6 +308,45 @@ class CompactSlots:
             if s >= 0:
                 self._tick[s] = self._clock
                 self._clock += 1
+
+    # -- saving and loading ----------------------------------------------------------------
+    def export(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bytes, int]:
+        """The used slots' ``(klen u8, kval i64, hash u64, tick u64, group u8, arena, next
+        tick)``, in slot order, with a compacted arena (offsets into it): what :meth:`load`
+        takes."""
+        used = self.used_slots()
+        klen = self._klen[used]
+        kval, arena = self._kv
+        kval = kval[used]
+        byt = klen != INT_KEY
+        n = klen[byt].astype(np.int64)
+        starts = np.concatenate(([0], np.cumsum(n)[:-1])) if len(n) else n
+        idx = np.repeat(kval[byt] - starts, n) + np.arange(int(n.sum()))
+        packed = np.frombuffer(arena, np.uint8)[idx].tobytes() if len(idx) else b""
+        kval[byt] = starts
+        return klen, kval, self._hash[used], self._tick[used], self._group[used], packed, self._clock
+
+    def load(self, klen: np.ndarray, kval: np.ndarray, hashes: np.ndarray, ticks: np.ndarray, groups: np.ndarray,
+             arena: bytes, clock: int) -> None:
+        """Fill an empty instance with what :meth:`export` returned (at most ``num_slots``
+        entries), in slots ``0 .. n-1``, with vectorized copies and one sort.
+
+        Raises:
+            TierFullError: more entries than slots.
+        """
+        n = len(klen)
+        if n > self.num_slots:
+            raise TierFullError(f"{self.name} tier: {n} saved blocks, {self.num_slots} slots")
+        assert self._used == 0 and self._next == 0, "load into an empty CompactSlots"
+        self._klen[:n] = klen
+        self._kv[0][:n] = kval
+        self._kv[1][:] = arena
+        self._hash[:n] = hashes
+        self._tick[:n] = ticks
+        self._group[:n] = groups
+        self._next = self._used = n
+        self._clock = max(int(clock), int(ticks.max()) + 1 if n else 1)
+        self._merge()
 
     # -- least recently used order ---------------------------------------------------------
     @property

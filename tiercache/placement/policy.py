@@ -106,10 +106,12 @@ class Placement:
 
     Args:
         capacities: slots per tier name, for the tiers that exist, top to bottom.
+        file_group: the file tier's :class:`CompactSlots` ``group`` (the key's block subdirectory).
     """
 
-    def __init__(self, capacities: dict[str, int]) -> None:
-        self.tiers = {name: (CompactSlots if name == "file" else TierSlots)(name, n) for name, n in capacities.items()}
+    def __init__(self, capacities: dict[str, int], file_group=None) -> None:
+        self.tiers = {name: CompactSlots(name, n, file_group) if name == "file" else TierSlots(name, n)
+                      for name, n in capacities.items()}
         self.pins: dict[Key, int] = {}
 
     @property

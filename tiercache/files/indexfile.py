@@ -1,0 +1,179 @@
+"""The root's saved index: ``<root>/.tiercache-index``, so that a root of millions of block
+files opens without reading every header.
+
+The directory stays the truth: the index is a checkpoint of which blocks the root held
+(their keys, use order and partial-block positions) plus, per block subdirectory, its
+modification time when the checkpoint was taken. A subdirectory whose time has not moved
+since holds the same names (every create, rename and unlink in a directory moves its time);
+one whose time moved is listed again and reconciled with the index in the background
+(:class:`~tiercache.placement.fileindex.FileIndex`). Bytes are never taken from the index:
+every read checks the file's header and XXH3-64, so a stale or lying index can only make a
+block missing, never serve wrong bytes.
+
+Format (one file, replaced atomically: a temporary file, then a rename):
+
+- 8-byte magic ``TCINDEX\\0``, u32 format version, u32 metadata length, u64 XXH3-64 of the
+  metadata, the metadata (JSON), then the body;
+- metadata: the root's identity (device and inode of the root directory), the pools (name
+  and file size), the block count ``n``, the arena length, the next tick, the body's
+  XXH3-64, the subdirectories' times (ns) and the wall time they were read, the positions of
+  partial host blocks;
+- body: ``klen u8[n]``, ``kval i64[n]``, ``hash u64[n]``, ``tick u64[n]``, ``group u8[n]``
+  (the block's subdirectory) and the key arena (see
+  :class:`~tiercache.placement.compactslots.CompactSlots`).
+
+A file that is truncated, corrupt, of another format version, of another root or of other
+pools is refused with its reason; the caller rebuilds from the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from tiercache.files.blockfile import SUBDIRS, file_size
+from tiercache.files.rootdir import INDEX, RootDir, write_atomic
+from tiercache.geometry import PoolSpec
+
+MAGIC = b"TCINDEX\0"
+INDEX_FORMAT = 1
+_HEAD = struct.Struct("<8sIIQ")
+#: a subdirectory's time is trusted only if it was this much older than the wall clock when
+#: read: file times come from the kernel's coarse clock, so a change in the same tick as the
+#: reading would leave the time unchanged
+TIME_MARGIN_NS = 50_000_000
+
+
+class IndexUnusable(Exception):
+    """The saved index cannot be used (the message says why); the root is scanned instead."""
+
+
+@dataclass
+class SavedIndex:
+    """A root's saved index: per block its key (``klen``, ``kval``, ``arena``), hash, tick
+    and subdirectory number (``group``), in arrays of one length ``n``; ``clock`` the next tick; ``positions`` per key text
+    the positions mask of a partial host block; ``dir_times`` per subdirectory its
+    modification time (ns) when the index was taken, ``None`` where it cannot be trusted."""
+
+    klen: np.ndarray
+    kval: np.ndarray
+    hash: np.ndarray
+    tick: np.ndarray
+    group: np.ndarray
+    arena: bytes
+    clock: int
+    positions: dict[str, int] = field(default_factory=dict)
+    dir_times: dict[str, int | None] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.klen)
+
+
+def root_identity(rd: RootDir) -> list[int]:
+    """The root directory's device and inode: an index copied from another root does not match."""
+    st = os.fstat(rd.fd)
+    return [st.st_dev, st.st_ino]
+
+
+def pools_signature(pools) -> list[list]:
+    """Each pool's name, dtype, block shape and file size: an index of other pools does not match."""
+    return [[p.name, str(p.dtype), list(p.block_shape), file_size(p.block_nbytes)] for p in pools]
+
+
+def dir_times(rd: RootDir) -> dict[str, int | None]:
+    """Each block subdirectory's modification time (ns), ``None`` for one changed within
+    :data:`TIME_MARGIN_NS` of now (see there) or missing."""
+    now = time.time_ns()
+    out: dict[str, int | None] = {}
+    for name in SUBDIRS:
+        st = rd.child(name).lstat()
+        out[name] = st.st_mtime_ns if st is not None and st.st_mtime_ns < now - TIME_MARGIN_NS else None
+    return out
+
+
+def changed_dirs(rd: RootDir, saved: dict[str, int | None]) -> list[str]:
+    """The subdirectories whose time differs from ``saved`` (or was not trusted then)."""
+    out = []
+    for name in SUBDIRS:
+        st = rd.child(name).lstat()
+        if saved.get(name) is None or st is None or st.st_mtime_ns != saved[name]:
+            out.append(name)
+    return out
+
+
+def save_index(rd: RootDir, pools: tuple[PoolSpec, ...], index: SavedIndex, fsync: bool = False) -> int:
+    """Write ``index`` as the root's saved index (atomically). Returns the bytes written.
+
+    Raises:
+        OSError: the write failed (the previous index, if any, is untouched).
+    """
+    body = b"".join([np.ascontiguousarray(index.klen, np.uint8).tobytes(),
+                     np.ascontiguousarray(index.kval, np.int64).tobytes(),
+                     np.ascontiguousarray(index.hash, np.uint64).tobytes(),
+                     np.ascontiguousarray(index.tick, np.uint64).tobytes(),
+                     np.ascontiguousarray(index.group, np.uint8).tobytes(), bytes(index.arena)])
+    meta = json.dumps({
+        "root": root_identity(rd), "pools": pools_signature(pools), "count": len(index),
+        "arena": len(index.arena), "clock": index.clock, "body_xxh3": xxhash.xxh3_64_intdigest(body),
+        "dir_times": index.dir_times, "positions": index.positions, "written": time.time(),
+    }, separators=(",", ":")).encode()
+    data = _HEAD.pack(MAGIC, INDEX_FORMAT, len(meta), xxhash.xxh3_64_intdigest(meta)) + meta + body
+    write_atomic(rd, INDEX, data, fsync=fsync)
+    return len(data)
+
+
+def load_index(rd: RootDir, pools: tuple[PoolSpec, ...]) -> SavedIndex | None:
+    """The root's saved index, or None when it has none.
+
+    Raises:
+        IndexUnusable: truncated, corrupt, another format version, another root, other pools,
+            or not a regular file (the reason in the message).
+    """
+    p = rd.child(INDEX)
+    if p.lstat() is None:
+        return None
+    try:
+        fd = p.open(os.O_RDONLY)
+    except OSError as exc:
+        raise IndexUnusable(f"cannot be opened ({exc.strerror or exc})") from None
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    finally:
+        os.close(fd)
+    if len(data) < _HEAD.size:
+        raise IndexUnusable(f"truncated ({len(data)} bytes)")
+    magic, version, meta_len, meta_hash = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise IndexUnusable(f"not a tiercache index (magic {magic!r})")
+    if version != INDEX_FORMAT:
+        raise IndexUnusable(f"format {version}; this tiercache writes {INDEX_FORMAT}")
+    meta_raw = data[_HEAD.size:_HEAD.size + meta_len]
+    if len(meta_raw) != meta_len or xxhash.xxh3_64_intdigest(meta_raw) != meta_hash:
+        raise IndexUnusable("metadata truncated or corrupt")
+    meta = json.loads(meta_raw)
+    if meta["root"] != root_identity(rd):
+        raise IndexUnusable("written for another root directory")
+    if meta["pools"] != pools_signature(pools):
+        raise IndexUnusable(f"written for pools {meta['pools']}, not {pools_signature(pools)}")
+    body = memoryview(data)[_HEAD.size + meta_len:]
+    n, arena_len = int(meta["count"]), int(meta["arena"])
+    if len(body) != 26 * n + arena_len or xxhash.xxh3_64_intdigest(body) != meta["body_xxh3"]:
+        raise IndexUnusable("body truncated or corrupt")
+    klen = np.frombuffer(body, np.uint8, n, 0)
+    kval = np.frombuffer(body, np.int64, n, n)
+    index = SavedIndex(klen, kval, np.frombuffer(body, np.uint64, n, 9 * n),
+                       np.frombuffer(body, np.uint64, n, 17 * n), np.frombuffer(body, np.uint8, n, 25 * n),
+                       bytes(body[26 * n:]), int(meta["clock"]),
+                       {str(k): int(v) for k, v in meta["positions"].items()}, meta["dir_times"])
+    byt = klen != 255
+    if ((klen == 0) | (klen > 64) & byt).any() or (index.group >= len(SUBDIRS)).any() or (byt.any() and int((kval[byt] + klen[byt]).max()) > arena_len) \
+            or (byt.any() and int(kval[byt].min()) < 0) or ((~byt).any() and int(kval[~byt].min()) < 0):
+        raise IndexUnusable("entries out of range")
+    return index
