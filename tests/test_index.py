@@ -1,0 +1,115 @@
+"""The root's saved index (``.tiercache-index``): open from it, reconcile with the directory,
+rebuild from the directory when it cannot be used."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+from conftest import bpath, random_keys
+from helpers import assert_bytes, put_random
+
+from tiercache import TierCache
+from tiercache.errors import TransferError
+
+INDEX = ".tiercache-index"
+
+
+@pytest.fixture
+def saved(make_config, rng):
+    """A closed root of 12 flushed blocks with its index; ``(config, {key: {pool: bytes}})``."""
+    cfg = make_config(host_slots=4, file_slots=64)
+    with TierCache(cfg) as c:
+        exp = put_random(c, random_keys(rng, 12, "mixed"), rng)
+        c.flush()
+    return cfg, exp
+
+
+def test_open_from_the_index_reads_no_header(saved, monkeypatch):
+    cfg, exp = saved
+    from tiercache.files import FileTier
+
+    monkeypatch.setattr(FileTier, "_check_file", lambda *a: pytest.fail("a header was read at open"))
+    with TierCache(cfg) as c:
+        assert c.scan.from_index and set(c.keys()) == set(exp)
+        assert c.wait_reconciled(30)
+    monkeypatch.undo()
+    with TierCache(cfg) as c:
+        assert_bytes(c, exp)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "old format", "foreign", "garbage", "empty"])
+def test_an_unusable_index_is_rebuilt_from_the_directory_with_one_log_line(saved, damage, rng, caplog, tmp_path,
+                                                                          make_config):
+    cfg, exp = saved
+    p = cfg.root / INDEX
+    data = bytearray(p.read_bytes())
+    if damage == "corrupt":
+        data[int(rng.integers(8, len(data)))] ^= 0x40
+    elif damage == "truncated":
+        data = data[: int(rng.integers(1, len(data)))]
+    elif damage == "old format":
+        data[8:12] = (0).to_bytes(4, "little")
+    elif damage == "foreign":  # another root's index (same pools)
+        other = make_config(pools=cfg.pools, root=tmp_path / "other")
+        with TierCache(other) as c:
+            put_random(c, [1], rng)
+            c.flush()
+        data = bytearray((other.root / INDEX).read_bytes())
+    elif damage == "garbage":
+        data = bytearray(rng.bytes(len(data)))
+    else:
+        data = bytearray()
+    p.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="tiercache"):
+        with TierCache(cfg) as c:
+            assert not c.scan.from_index and set(c.keys()) == set(exp)
+            assert_bytes(c, exp)
+    lines = [r.getMessage() for r in caplog.records if "index of" in r.getMessage()]
+    assert len(lines) == 1 and "rebuilt from the directory" in lines[0], lines
+    with TierCache(cfg) as c:  # saved again: the next open uses it
+        assert c.scan.from_index and set(c.keys()) == set(exp)
+
+
+def test_files_changed_behind_the_index_while_closed_are_reconciled(saved, rng, make_config, tmp_path):
+    cfg, exp = saved
+    keys = list(exp)
+    gone, planted = keys[0], keys[1]
+    for pool in cfg.pools:  # removed behind its back
+        os.unlink(bpath(cfg.root, gone, pool.name))
+    donor = make_config(pools=cfg.pools, root=tmp_path / "donor")
+    with TierCache(donor) as c:  # a block written elsewhere, copied in
+        new = put_random(c, random_keys(rng, 1, "bytes"), rng)
+        c.flush()
+    (nk,) = new
+    for pool in cfg.pools:
+        shutil.copy(bpath(donor.root, nk, pool.name), bpath(cfg.root, nk, pool.name))
+    with open(bpath(cfg.root, planted, cfg.pools[0].name), "r+b") as f:  # damaged in place
+        f.seek(4096)
+        f.write(bytes(b ^ 0xFF for b in f.read(8)))
+    with TierCache(cfg) as c:
+        assert c.wait_reconciled(30)
+        assert gone not in c and nk in c and c.scan.dropped == [gone] and [k for k, _ in c.scan.blocks] == [nk]
+        assert_bytes(c, {nk: new[nk]})
+        with pytest.raises(TransferError) as ei:  # the index still lists it: its read catches it
+            c.get([planted], pool=cfg.pools[0].name)
+        assert ei.value.failed_keys == [planted] and planted not in c
+        assert_bytes(c, {k: v for k, v in exp.items() if k not in (gone, planted)})
+
+
+def test_a_block_written_after_the_last_checkpoint_survives_a_kill(saved, rng):
+    """The index on disk is the last checkpoint; a block acknowledged after it (and before a
+    crash: no close, no flush of the index) is adopted by the next open's reconciliation."""
+    cfg, exp = saved
+    c = TierCache(cfg)
+    more = put_random(c, random_keys(rng, 3, "int"), rng)
+    c.offload(list(more), to="file")
+    saved_index = (cfg.root / INDEX).read_bytes()
+    c.close()
+    (cfg.root / INDEX).write_bytes(saved_index)  # as if killed before the close saved it
+    with TierCache(cfg) as c:
+        assert c.wait_reconciled(30)
+        assert set(more) <= set(c.keys())
+        assert_bytes(c, {**exp, **more})
