@@ -12,6 +12,7 @@
 - :mod:`.rootdir`: the root's marker and single-writer lock;
 - :mod:`.sharing`: shared roots: boot-tagged temporary names, abandoned temporaries, published
   blocks;
+- :mod:`.indexfile`: the root's saved index (what an open starts from instead of every header);
 - :mod:`.rootsurvey`: a read-only survey of a root (for ``inspect``, ``verify``, ``purge``);
 - :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, I/O threads.
 
