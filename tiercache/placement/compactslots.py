@@ -45,6 +45,23 @@ def key_hash(key: Key) -> int:
     return xxhash.xxh3_64_intdigest(key)
 
 
+def check_claim(name: str, num_slots: int, slots: list[int], key_at) -> None:
+    """Check engine-chosen ``slots`` of tier ``name`` before they are claimed.
+
+    Raises:
+        SlotRangeError: a slot out of ``[0, num_slots)``, repeated, or holding a key (named).
+    """
+    for s in slots:
+        if not 0 <= s < num_slots:
+            raise SlotRangeError(f"{name} slot {s} outside [0, {num_slots})")
+    if len(set(slots)) != len(slots):
+        dup = next(s for i, s in enumerate(slots) if s in slots[:i])
+        raise SlotRangeError(f"{name} slot {dup} appears twice")
+    for s in slots:
+        if s in key_at:
+            raise SlotRangeError(f"{name} slot {s} already holds key {key_text(key_at[s])}")
+
+
 class _SlotOf:
     """``slots.slot_of``: the mapping key -> slot."""
 
@@ -250,15 +267,7 @@ class CompactSlots:
         Raises:
             SlotRangeError: a slot out of ``[0, num_slots)``, repeated, or holding a key.
         """
-        for s in slots:
-            if not 0 <= s < self.num_slots:
-                raise SlotRangeError(f"{self.name} slot {s} outside [0, {self.num_slots})")
-        if len(set(slots)) != len(slots):
-            dup = next(s for i, s in enumerate(slots) if s in slots[:i])
-            raise SlotRangeError(f"{self.name} slot {dup} appears twice")
-        for s in slots:
-            if self._klen[s]:
-                raise SlotRangeError(f"{self.name} slot {s} already holds key {key_text(self.key_of(s))}")
+        check_claim(self.name, self.num_slots, slots, self.key_at)
         taken = set(slots)
         if any(s < self._next for s in taken):
             self._freed = array("q", [f for f in self._freed if f not in taken])

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from tiercache.errors import KeyNotFoundError, PinnedBlockError, SlotRangeError, TierFullError
 from tiercache.keys import Key, format_keys, key_text
-from tiercache.placement.compactslots import CompactSlots
+from tiercache.placement.compactslots import CompactSlots, check_claim
 
 TIER_ORDER = ("device", "host", "file")
 
@@ -68,15 +68,7 @@ class TierSlots:
         Raises:
             SlotRangeError: a slot out of ``[0, num_slots)``, repeated, or holding a key.
         """
-        for s in slots:
-            if not 0 <= s < self.num_slots:
-                raise SlotRangeError(f"{self.name} slot {s} outside [0, {self.num_slots})")
-        if len(set(slots)) != len(slots):
-            dup = next(s for i, s in enumerate(slots) if s in slots[:i])
-            raise SlotRangeError(f"{self.name} slot {dup} appears twice")
-        for s in slots:
-            if s in self.key_at:
-                raise SlotRangeError(f"{self.name} slot {s} already holds key {key_text(self.key_at[s])}")
+        check_claim(self.name, self.num_slots, slots, self.key_at)
         for k, s in zip(keys, slots):
             self._take(k, s)
 
