@@ -10,7 +10,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from tiercache.errors import KeyNotFoundError, PinnedBlockError, SlotRangeError, TierFullError
+from tiercache.errors import KeyNotFoundError, PinnedBlockError, TierFullError
 from tiercache.keys import Key, format_keys, key_text
 from tiercache.placement.compactslots import CompactSlots, check_claim
 
