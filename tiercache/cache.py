@@ -846,7 +846,7 @@ class TierCache:
             ft = self.tiers.get("file")
             if ft is not None:
                 self.file_index.stop()
-                ft.close(before_unlock=self.file_index.checkpoint)
+                ft.close(before_unlock=lambda: self.file_index.checkpoint(closing=True))
             self.tiers.clear()
 
     def _write_stats_snapshot(self) -> None:

@@ -152,10 +152,41 @@ def encode_header(key: Key, pool: PoolSpec, data_checksum: int, extra: dict | No
         ).encode()
     else:  # the same JSON, from the pool's cached text (no json.dumps per block)
         meta = _meta_head(key, pool) + f"{data_checksum:016x}".encode() + b'"}'
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(meta), xxhash.xxh3_64_intdigest(meta)) + meta
+    head = pack_metadata(MAGIC, FORMAT_VERSION, meta)
     if len(head) > DATA_OFFSET:
         raise CorruptBlockError(f"block header of {len(head)} bytes exceeds {DATA_OFFSET}")
     return head + bytes(DATA_OFFSET - len(head))
+
+
+def pack_metadata(magic: bytes, version: int, meta: bytes) -> bytes:
+    """The prefix :func:`checked_metadata` reads, followed by ``meta``."""
+    return _PREFIX.pack(magic, version, len(meta), xxhash.xxh3_64_intdigest(meta)) + meta
+
+
+def checked_metadata(buf, magic: bytes, version: int, limit: int, what: str) -> tuple[int, bytes, int]:
+    """The prefix shared by tiercache's checksummed files (block files, the saved index):
+    8-byte magic, u32 format version, u32 metadata length, u64 XXH3-64 of the metadata, then
+    the metadata, ending within the first ``limit`` bytes. Returns ``(version, metadata,
+    offset just past it)``.
+
+    Raises:
+        ValueError: truncated, another magic (``what`` names the expected file), another
+            version, a length out of range, or metadata that does not match its hash.
+    """
+    if len(buf) < _PREFIX.size:
+        raise ValueError(f"header truncated ({len(buf)} bytes)")
+    got, got_version, meta_len, meta_hash = _PREFIX.unpack_from(buf)
+    if got != magic:
+        raise ValueError(f"not a tiercache {what} (bad magic {got!r})")
+    if got_version != version:
+        raise ValueError(f"format version {got_version}, this tiercache reads {version}")
+    end = _PREFIX.size + meta_len
+    if end > min(len(buf), limit):
+        raise ValueError(f"header metadata length {meta_len} out of range")
+    meta = bytes(buf[_PREFIX.size:end])
+    if xxhash.xxh3_64_intdigest(meta) != meta_hash:
+        raise ValueError("header metadata checksum mismatch (torn or corrupt header)")
+    return got_version, meta, end
 
 
 def decode_header(buf: bytes, where: str = "block file") -> BlockHeader:
@@ -165,19 +196,10 @@ def decode_header(buf: bytes, where: str = "block file") -> BlockHeader:
         CorruptBlockError: short read, wrong magic, unknown version, metadata that does not
             match its hash or is not the expected JSON.
     """
-    if len(buf) < _PREFIX.size:
-        raise CorruptBlockError(f"{where}: header truncated ({len(buf)} bytes)")
-    magic, version, meta_len, meta_hash = _PREFIX.unpack_from(buf)
-    if magic != MAGIC:
-        raise CorruptBlockError(f"{where}: not a tiercache block file (bad magic {magic!r})")
-    if version != FORMAT_VERSION:
-        raise CorruptBlockError(f"{where}: format version {version}, this tiercache reads {FORMAT_VERSION}")
-    end = _PREFIX.size + meta_len
-    if end > min(len(buf), DATA_OFFSET):
-        raise CorruptBlockError(f"{where}: header metadata length {meta_len} out of range")
-    meta = bytes(buf[_PREFIX.size:end])
-    if xxhash.xxh3_64_intdigest(meta) != meta_hash:
-        raise CorruptBlockError(f"{where}: header metadata checksum mismatch (torn or corrupt header)")
+    try:
+        version, meta, _ = checked_metadata(buf, MAGIC, FORMAT_VERSION, DATA_OFFSET, "block file")
+    except ValueError as exc:
+        raise CorruptBlockError(f"{where}: {exc}") from None
     try:
         d = json.loads(meta)
         return BlockHeader(

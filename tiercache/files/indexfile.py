@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
-from tiercache.files.blockfile import SUBDIRS, file_size
+from tiercache.files.blockfile import SUBDIRS, checked_metadata, file_size, pack_metadata
 from tiercache.files.rootdir import INDEX, RootDir, write_atomic
 from tiercache.geometry import PoolSpec
 
 MAGIC = b"TCINDEX\0"
 INDEX_FORMAT = 1
-_HEAD = struct.Struct("<8sIIQ")
 #: a subdirectory's time is trusted only if it was this much older than the wall clock when
 #: read: file times come from the kernel's coarse clock, so a change in the same tick as the
 #: reading would leave the time unchanged
@@ -123,7 +121,7 @@ def save_index(rd: RootDir, pools: tuple[PoolSpec, ...], index: SavedIndex, fsyn
         "arena": len(index.arena), "clock": index.clock, "body_xxh3": xxhash.xxh3_64_intdigest(body),
         "dir_times": index.dir_times, "positions": index.positions, "written": time.time(),
     }, separators=(",", ":")).encode()
-    data = _HEAD.pack(MAGIC, INDEX_FORMAT, len(meta), xxhash.xxh3_64_intdigest(meta)) + meta + body
+    data = pack_metadata(MAGIC, INDEX_FORMAT, meta) + body
     write_atomic(rd, INDEX, data, fsync=fsync)
     return len(data)
 
@@ -147,22 +145,16 @@ def load_index(rd: RootDir, pools: tuple[PoolSpec, ...]) -> SavedIndex | None:
             data = f.read()
     finally:
         os.close(fd)
-    if len(data) < _HEAD.size:
-        raise IndexUnusable(f"truncated ({len(data)} bytes)")
-    magic, version, meta_len, meta_hash = _HEAD.unpack_from(data)
-    if magic != MAGIC:
-        raise IndexUnusable(f"not a tiercache index (magic {magic!r})")
-    if version != INDEX_FORMAT:
-        raise IndexUnusable(f"format {version}; this tiercache writes {INDEX_FORMAT}")
-    meta_raw = data[_HEAD.size:_HEAD.size + meta_len]
-    if len(meta_raw) != meta_len or xxhash.xxh3_64_intdigest(meta_raw) != meta_hash:
-        raise IndexUnusable("metadata truncated or corrupt")
+    try:
+        _, meta_raw, body_at = checked_metadata(data, MAGIC, INDEX_FORMAT, len(data), "index")
+    except ValueError as exc:
+        raise IndexUnusable(str(exc)) from None
     meta = json.loads(meta_raw)
     if meta["root"] != root_identity(rd):
         raise IndexUnusable("written for another root directory")
     if meta["pools"] != pools_signature(pools):
         raise IndexUnusable(f"written for pools {meta['pools']}, not {pools_signature(pools)}")
-    body = memoryview(data)[_HEAD.size + meta_len:]
+    body = memoryview(data)[body_at:]
     n, arena_len = int(meta["count"]), int(meta["arena"])
     if len(body) != 26 * n + arena_len or xxhash.xxh3_64_intdigest(body) != meta["body_xxh3"]:
         raise IndexUnusable("body truncated or corrupt")

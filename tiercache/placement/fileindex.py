@@ -134,16 +134,24 @@ class FileIndex:
         return scan
 
     # -- the saved index -------------------------------------------------------------------
-    def checkpoint(self) -> None:
-        """Save the file tier's index in the root (:mod:`tiercache.files.indexfile`). Call
-        with nothing of this process in flight on the root (between the cache's calls, or at
-        close), so that the subdirectories' times and the index agree. A failure is logged;
-        the previous index stays (the directory is the truth either way)."""
+    def checkpoint(self, closing: bool = False) -> None:
+        """Save the file tier's index in the root (:mod:`tiercache.files.indexfile`), between
+        the cache's calls or at close. A failure is logged; the previous index stays (the
+        directory is the truth either way).
+
+        The subdirectories' times are saved as trusted (the next open lists none whose time
+        has not moved) only by the close of an exclusive root (``closing``): only then is the
+        listing of every subdirectory exactly the index's blocks. While the cache runs, free
+        files (:mod:`tiercache.files.openfiles`) hold temporary names, and on a shared root
+        other processes' files are not in this index: a checkpoint then marks every
+        subdirectory for the next open's reconciliation, which removes what a crash left."""
         ft = self.file_tier
         if ft is None:
             return
         self.apply_reconciled()
         times = dir_times(ft.dir)  # before the entries: a later change moves a time
+        if not closing or self.shared:
+            times = dict.fromkeys(times)
         for d in self._untrusted:  # not reconciled (yet): the next open lists them again
             times[d] = None
         ts = self.placement.tiers["file"]
