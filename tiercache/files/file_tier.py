@@ -56,7 +56,8 @@ class ScanResult:
         migrated: block files of the flat layout moved into their subdirectories.
         known: (a scan of some subdirectories against an index) blocks with a file of every
             pool that the index already knew: their headers are not read (every read checks
-            them).
+            them). The cache's :attr:`~tiercache.TierCache.scan` leaves it empty (a key per
+            block would outlive the reconciliation).
         from_index: the cache opened from the root's saved index (see
             :mod:`tiercache.files.indexfile`); the other fields then count what the
             reconciliation of the changed subdirectories found (adopted blocks are in ``blocks``).

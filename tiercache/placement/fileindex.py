@@ -256,7 +256,7 @@ class FileIndex:
         sc = self.scan
         sc.blocks, sc.quarantined = adopt, scan.quarantined
         sc.removed_tmp += scan.removed_tmp
-        sc.incomplete, sc.foreign, sc.dropped, sc.known = scan.incomplete, scan.foreign, dropped, scan.known
+        sc.incomplete, sc.foreign, sc.dropped = scan.incomplete, scan.foreign, dropped  # not known: a key per block
         if adopt or dropped or scan.quarantined or scan.removed_tmp:
             log.warning("tiercache: reconciled the index of %s: %d block(s) adopted, %d dropped (files gone), "
                         "%d temporary file(s) removed, %d file(s) quarantined", ft.root, len(adopt), len(dropped),
