@@ -23,18 +23,17 @@ from tiercache.files import (
     RootDir,
     RootLock,
     entry_path,
-    is_own_block_file,
     is_root,
     lock_holder,
     survey,
     tmp_abandoned,
 )
-
-
-TMP_MAX_AGE_S = CacheConfig.tmp_max_age_s  # the default [file] tmp_max_age_s
+from tiercache.files.rootcheck import own_entries, unlink_all
 from tiercache.keys import key_from_text
 
 from .common import fail, human_bytes, not_a_root, parse_duration, resolve_root
+
+TMP_MAX_AGE_S = CacheConfig.tmp_max_age_s  # the default [file] tmp_max_age_s
 
 
 def purge(
@@ -45,6 +44,7 @@ def purge(
     older_than: Annotated[Optional[str], typer.Option("--older-than", help="Only files not modified for this long (30m, 7d).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted; delete nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    threads: Annotated[int, typer.Option(help="Threads checking headers and deleting files.", min=1, max=256)] = 8,
     force: Annotated[bool, typer.Option("--force", help="Purge a root that processes use in shared mode: their open files stay readable to them, the rest reads as evicted; only abandoned temporary files go.")] = False,
 ) -> None:
     """Delete block files (and temporary leftovers and quarantined files, when no filter is
@@ -80,19 +80,20 @@ def purge(
         rd.close()
         fail(f"refusing to purge {str(root)!r}: {exc}")
     try:
-        _purge(rd, pool, wanted_keys, cutoff, dry_run, yes, shared)
+        _purge(rd, pool, wanted_keys, cutoff, dry_run, yes, shared, threads)
     finally:
         lock.release()
         rd.close()
 
 
-def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, shared: bool = False) -> None:
+def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, shared: bool = False,
+           threads: int = 8) -> None:
     root = rd.path
     sv = survey(root)
     chosen = [e for e in sv.blocks
               if (not pools or e.pool in pools) and (wanted_keys is None or e.key in wanted_keys)
               and (cutoff is None or e.mtime < cutoff)]
-    own = [e for e in chosen if is_own_block_file(entry_path(rd, e))]
+    own = own_entries(rd, chosen, threads)
     targets = [entry_path(rd, e) for e in own]
     sizes = [e.size for e in own]
     skipped = len(chosen) - len(targets)
@@ -135,9 +136,8 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
         rd.child(INDEX).unlink()
     with Progress(transient=True, disable=len(targets) < 1000) as progress:
         task = progress.add_task("purging", total=len(targets))
-        for t, size in zip(targets, sizes):
-            if t.is_file() and t.unlink():
-                removed += 1
-                freed += size
-            progress.advance(task)
+        gone = unlink_all(targets, threads, on_done=lambda n: progress.advance(task, n))
+    for ok, size in zip(gone, sizes):
+        removed += ok
+        freed += size if ok else 0
     typer.echo(f"deleted {removed} file(s), {human_bytes(freed)}, from {root}")

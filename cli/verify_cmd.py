@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,7 +11,8 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import QUARANTINE, RootDir, RootLock, classify, entry_path, is_root, lock_holder, survey, verify_file
+from tiercache.files import QUARANTINE, RootDir, RootLock, classify, entry_path, is_root, lock_holder, survey
+from tiercache.files.rootcheck import verify_entries
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
 
@@ -24,7 +24,7 @@ def verify(
     root: Annotated[Optional[Path], typer.Option(help="The file-tier root (default: the config's).")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Take the root from this config.")] = None,
     quarantine: Annotated[bool, typer.Option("--quarantine", help="Move bad files to quarantine/ (needs the root free).")] = False,
-    threads: Annotated[int, typer.Option(help="Files checked in parallel.", min=1, max=256)] = 8,
+    threads: Annotated[int, typer.Option(help="Threads submitting chunks of files to the native I/O engine (and its C threads).", min=1, max=256)] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Check every block file (a regular file, header, name, exact size, XXH3-64 checksum of the
@@ -46,19 +46,16 @@ def verify(
     try:
         sv = survey(root)
         # names that should be blocks but are symlinks, directories...: bad too
-        files = [entry_path(rd, e) for e in sv.blocks] + [entry_path(rd, e) for e in sv.foreign
-                                                           if classify(e.name) == "block"]
+        files = sv.blocks + [e for e in sv.foreign if classify(e.name) == "block"]
         bad: list[tuple[str, str, object]] = [
             (e.relpath, f"{e.relpath}: not a canonical block file name (one spelling per key, ASCII digits): the cache "
                         "ignores it, so it is a stray copy or junk", entry_path(rd, e))
             for e in sv.foreign if classify(e.name) == "foreign" and LOOKS_LIKE_BLOCK.match(e.name)]
         bad += [(problem.split(" ", 1)[0], problem, None) for problem in sv.problems]  # e.g. a symlinked subdirectory
-        with Progress(transient=True, disable=as_json) as progress, ThreadPoolExecutor(threads) as pool:
+        with Progress(transient=True, disable=as_json) as progress:
             task = progress.add_task("verifying", total=len(files))
-            for path, problem in zip(files, pool.map(verify_file, files)):
-                if problem:
-                    bad.append((path.name, problem, path))
-                progress.advance(task)
+            found = verify_entries(rd, files, threads, on_done=lambda n: progress.advance(task, n))
+        bad += [(e.name, problem, entry_path(rd, e)) for e, problem in found]
         moved, unmoved = 0, []
         if quarantine and bad:
             for name, _, path in bad:

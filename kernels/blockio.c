@@ -3,8 +3,8 @@
  * A pool of POSIX threads runs batches of per-file operations outside Python (no GIL, no
  * Python object per syscall): one call reads, writes or renames the files of a whole request.
  *
- *   read    openat(O_NOFOLLOW | O_NONBLOCK [| O_DIRECT]), fstat (regular files only),
- *           preadv(header page, data) until full or end of file, close
+ *   read    openat(O_NOFOLLOW | O_NONBLOCK [| O_DIRECT]), fstat (regular files only; the size
+ *           goes to file_len[i]), preadv(header page, data) until full or end of file, close
  *   write   openat(temporary name, O_CREAT | O_EXCL | O_NOFOLLOW [| O_DIRECT], 0600),
  *           pwritev(header page, data), ftruncate to the padded length, [fdatasync], close,
  *           [publish: rename over the final name]; on any error the temporary file is unlinked
@@ -91,7 +91,7 @@ typedef struct {
     void *const *head;       /* header page (TC_HEADER_BYTES, page-aligned) */
     void *const *data;       /* the block's bytes */
     const int64_t *data_len; /* bytes of data */
-    const int64_t *file_len; /* write: the file's padded length */
+    int64_t *file_len;       /* write: the file's padded length; read: out: its size (fstat; 0 on a given fd) */
     int32_t *err;            /* out: 0, errno, or TC_NOTREG */
     int64_t *got;            /* out: read: bytes read, header included; publish: see TC_EXCHANGE */
     int32_t *fd;             /* in/out: open descriptors (see above); may be NULL */
@@ -329,6 +329,7 @@ static void do_read(const tc_batch *b, int i)
         b->err[i] = settle_fd(b, i, fd, TC_NOTREG);
         return;
     }
+    b->file_len[i] = given < 0 ? (int64_t)st.st_size : 0;
     if (given < 0 && fcntl(fd, F_SETFL, (b->flags[i] & TC_DIRECT) ? O_DIRECT : 0) != 0) {
         b->err[i] = settle_fd(b, i, fd, errno); /* clear O_NONBLOCK (kept descriptors are reused) */
         return;
@@ -731,6 +732,8 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
                 e = TC_NOTREG;
             else if (fcntl(f->fd, F_SETFL, f->direct ? O_DIRECT : 0) != 0)
                 e = errno; /* clear O_NONBLOCK: io_uring would fail reads with EAGAIN */
+            else
+                b->file_len[i] = (int64_t)st.st_size;
         }
         if (!e)
             e = op_injected(b, i);

@@ -8,7 +8,8 @@ that every process of the pass reaches with its cache open:
 - **write**: ``put(keys, data, tier="file")`` of its own ``blocks`` random blocks in calls of
   ``batch`` (durable block files, published one by one);
 - **read** (after a second barrier): ``get`` of the blocks the *next* process wrote, which it
-  finds in the root (discovery: one ``stat`` per pool file) and reads from their files;
+  finds in the root (discovery: one ``stat`` per pool file; or the background reconciliation
+  of the open, which lists the root's subdirectories, adopted it first) and reads from their files;
   every byte is compared with what the writer put.
 
 A phase's aggregate speed is all processes' bytes over the time from the first process's
@@ -70,7 +71,8 @@ def _worker(root: str, pool: PoolSpec, index: int, procs: int, blocks: int, batc
                 cache.get(want[i:i + batch], out=got[i:i + batch])
             out["read"] = (t0, time.time())
             out["ok"] = bool(np.array_equal(got, _data(seed, peer, blocks, pool.block_nbytes)))
-            out["discovered"] = int(cache.stats()["counters"].get("discovered_blocks", 0))
+            counters = cache.stats()["counters"]  # found by a stat probe, or listed by the open's reconciliation
+            out["discovered"] = int(counters.get("discovered_blocks", 0)) + int(counters.get("adopted_blocks", 0))
     except BaseException as exc:  # reported to the parent, which fails the pass
         barrier.abort()
         out["error"] = f"{type(exc).__name__}: {exc}"

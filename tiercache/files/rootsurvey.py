@@ -135,15 +135,26 @@ def _file_entry(e: os.DirEntry, st: os.stat_result, sub: str = "") -> FileEntry:
 
 
 def _add(sv: RootSurvey, e: os.DirEntry, st: os.stat_result, sub: str) -> None:
-    """File one entry of the root (``sub`` ``""``) or of a block subdirectory under its kind."""
-    kind = classify(e.name)
+    """File one entry of the root (``sub`` ``""``) or of a block subdirectory under its kind
+    (the name parsed once: this runs per file of a root of millions)."""
+    name = e.name
+    parsed = parse_filename(name)
+    if parsed is not None:
+        kind = "block"
+    elif is_temporary_name(name):
+        kind = "temporary"
+    else:
+        kind = classify(name)
     if kind == "own" and not sub:
         return
-    misplaced = kind == "block" and sub and block_subdir(parse_filename(e.name)[0]) != sub
+    misplaced = kind == "block" and sub and block_subdir(parsed[0]) != sub
     if kind in ("foreign", "own") or misplaced or not stat.S_ISREG(st.st_mode):
-        sv.foreign.append(FileEntry(e.name, 0, 0.0, dir=sub))
+        sv.foreign.append(FileEntry(name, 0, 0.0, dir=sub))
         return
-    getattr(sv, "blocks" if kind == "block" else "temporary").append(_file_entry(e, st, sub))
+    if kind == "block":
+        sv.blocks.append(FileEntry(name, st.st_size, st.st_mtime, *parsed, dir=sub))
+    else:
+        sv.temporary.append(FileEntry(name, st.st_size, st.st_mtime, dir=sub))
 
 
 def survey(root: Path) -> RootSurvey:

@@ -1,0 +1,135 @@
+"""The parallel checks behind ``tiercache verify`` and ``purge`` (tiercache/files/rootcheck.py):
+on every I/O engine they say exactly what the one-file-at-a-time checks say, for random damage
+done to random files, and the deletion never goes through a name that stopped being a file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import random_keys
+from helpers import put_random
+
+from tiercache import TierCache
+from tiercache.files import RootDir, entry_path, is_own_block_file, survey, verify_file
+from tiercache.files import rootcheck
+from tiercache.files.blockfile import DATA_OFFSET, encode_header
+from tiercache.files.rootcheck import own_entries, unlink_all, verify_entries
+from tiercache.geometry import PoolSpec
+
+
+def _damage(path, kind: str, rng: np.random.Generator, other) -> None:
+    size = path.stat().st_size
+    if kind == "data byte":
+        with open(path, "r+b") as f:
+            f.seek(int(rng.integers(DATA_OFFSET, size - 1)) if size > DATA_OFFSET + 1 else DATA_OFFSET)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([(b[0] ^ 0xFF) if b else 1]))
+    elif kind == "header byte":
+        with open(path, "r+b") as f:
+            f.seek(int(rng.integers(0, 120)))
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x5A]))
+    elif kind == "cut in header":
+        os.truncate(path, int(rng.integers(0, DATA_OFFSET)))
+    elif kind == "cut in data":
+        os.truncate(path, int(rng.integers(DATA_OFFSET, size)))
+    elif kind == "trailing":
+        with open(path, "ab") as f:
+            f.write(b"\0" * int(rng.integers(1, 9000)))
+    elif kind == "other key":
+        shutil.copyfile(other, path)
+    elif kind == "empty":
+        os.truncate(path, 0)
+
+
+KINDS = ("data byte", "header byte", "cut in header", "cut in data", "trailing", "other key", "empty")
+
+
+@pytest.fixture
+def damaged(make_config, rng):
+    """A closed root of 80 blocks in two pools (int and content keys) with about a third of
+    its files damaged in random ways, and one file of another geometry under pool "kv"."""
+    cfg = make_config(host_slots=0, file_slots=200)
+    keys = random_keys(rng, 40, "int") + random_keys(rng, 40, "bytes")
+    with TierCache(cfg) as c:
+        put_random(c, keys, rng, tier="file")
+        c.flush()
+    sv = survey(cfg.root)
+    files = [cfg.root / e.relpath for e in sv.blocks]
+    for p in rng.choice(len(files), len(files) // 3, replace=False):
+        _damage(files[p], KINDS[int(rng.integers(len(KINDS)))], rng, files[(p + 1) % len(files)])
+    # pool "kv" in another geometry (a root written before a config change): its own header is whole
+    odd = next(e for e in sv.blocks if e.pool == "kv")
+    other = PoolSpec("kv", (3, 5), "float32")
+    data = rng.integers(0, 256, other.block_nbytes, dtype=np.uint8)
+    from tiercache.files.blockfile import checksum, file_size
+
+    blob = encode_header(odd.key, other, checksum(data)) + data.tobytes()
+    (cfg.root / odd.relpath).write_bytes(blob + b"\0" * (file_size(other.block_nbytes) - len(blob)))
+    return cfg
+
+
+def _expected(rd, entries):
+    return {e.name: p for e in entries if (p := verify_file(entry_path(rd, e)))}
+
+
+def test_verify_entries_says_what_verify_file_says(damaged, io_engine, monkeypatch):
+    monkeypatch.setattr(rootcheck, "CHUNK_FILES", 7)  # many chunks, on several threads
+    entries = survey(damaged.root).blocks
+    with RootDir(damaged.root, check_owner=False) as rd:
+        want = _expected(rd, entries)
+        done = []
+        got = verify_entries(rd, entries, threads=3, on_done=done.append, io_engine=io_engine)
+    assert len(want) > 10
+    assert {e.name: p for e, p in got} == want
+    assert sum(done) == len(entries)
+
+
+def test_files_changed_after_the_survey(damaged, io_engine, rng):
+    entries = survey(damaged.root).blocks
+    gone, link, directory, grown = entries[0], entries[1], entries[2], entries[3]
+    os.unlink(damaged.root / gone.relpath)
+    target = damaged.root / "elsewhere"
+    target.write_bytes(b"x" * 9000)
+    os.unlink(damaged.root / link.relpath)
+    os.symlink(target, damaged.root / link.relpath)
+    os.unlink(damaged.root / directory.relpath)
+    os.mkdir(damaged.root / directory.relpath)
+    with open(damaged.root / grown.relpath, "ab") as f:
+        f.write(b"\0" * 4096)
+    with RootDir(damaged.root, check_owner=False) as rd:
+        got = dict((e.name, p) for e, p in verify_entries(rd, entries, threads=2, io_engine=io_engine))
+        assert "No such file" in got[gone.name]
+        assert "not a regular file" in got[link.name] and "not a regular file" in got[directory.name]
+        assert got[grown.name] == verify_file(entry_path(rd, grown))
+        owned = {e.name for e in own_entries(rd, entries, threads=2, io_engine=io_engine)}
+        assert not owned & {gone.name, link.name, directory.name}
+    assert target.read_bytes() == b"x" * 9000
+
+
+def test_own_entries_and_unlink_all(damaged, io_engine, rng):
+    entries = survey(damaged.root).blocks
+    with RootDir(damaged.root, check_owner=False) as rd:
+        want = {e.name for e in entries if is_own_block_file(entry_path(rd, e))}
+        owned = own_entries(rd, entries, threads=3, io_engine=io_engine)
+        assert {e.name for e in owned} == want and 0 < len(want) < len(entries)
+        paths = [entry_path(rd, e) for e in owned]
+        # names that stopped being files after the check are left alone
+        swapped = [owned[0], owned[1]]
+        target = damaged.root / "target"
+        target.write_bytes(b"keep")
+        os.unlink(damaged.root / swapped[0].relpath)
+        os.symlink(target, damaged.root / swapped[0].relpath)
+        os.unlink(damaged.root / swapped[1].relpath)
+        os.mkdir(damaged.root / swapped[1].relpath)
+        removed = unlink_all(paths, threads=4)
+    assert removed == [e not in swapped for e in owned]
+    assert target.read_bytes() == b"keep"
+    assert (damaged.root / swapped[0].relpath).is_symlink() and (damaged.root / swapped[1].relpath).is_dir()
+    left = {e.name for e in survey(damaged.root).blocks}
+    assert left == {e.name for e in entries} - want
