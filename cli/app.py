@@ -92,6 +92,7 @@ class Job(str, Enum):
     shared = "shared"
     hf = "hf"
     vllm_tier = "vllm-tier"
+    scale = "scale"
 
 
 class Baseline(str, Enum):
@@ -156,7 +157,10 @@ def bench(
                                           "vllm-tier: tiercache's vLLM storage tier against vLLM's own fs tier through "
                                           "vLLM's interface, and fio's best, on the root's disk (--bs: one row size, "
                                           "default 256k and 2m; --size per phase, default 1g; --batch chunks per job; "
-                                          "--iodepth jobs in flight, default 8; --no-baseline: no fio).")] = Job.main,
+                                          "--iodepth jobs in flight, default 8; --no-baseline: no fio); scale: a root of --blocks block files "
+                                          "(default 100000; --bs, default 4k): open from the saved index against a full "
+                                          "scan (time, memory per block), lookup and get latency, inspect, verify against "
+                                          "fio's best random read, purge (--no-baseline: no scan, no fio).")] = Job.main,
     procs: Annotated[int, typer.Option(help="Processes of the shared job.", min=2, max=64)] = 4,
     context: Annotated[Optional[list[int]], typer.Option(help="hf job: context lengths in tokens (repeat the option; "
                                                               "default 16384 and 32768).", min=64)] = None,
@@ -209,6 +213,9 @@ def bench(
         return
     if job is Job.shared:
         _shared_job(config, output_format, root, procs, blocks, bs, min(batch, 256), repeat, seed, quick)
+        return
+    if job is Job.scale:
+        _scale_job(config, output_format, root, blocks, bs, seed, keep, no_baseline or (baseline is not None and baseline.value == "none"))
         return
     if job is Job.vllm_tier:
         _vllm_tier_job(config, output_format, root, bs, size, batch, iodepth or 8, repeat if repeat > 1 else 3, seed,
@@ -336,6 +343,22 @@ def _vllm_tier_job(config: Path | None, output_format: OutputFormat, root: Path 
     except TierCacheError as exc:
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_vllm_tier_report(rep))
+    raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _scale_job(config: Path | None, output_format: OutputFormat, root: Path | None, blocks: int | None,
+               bs: str | None, seed: int | None, keep: bool, no_baseline: bool) -> None:
+    from tiercache.bench.benchscale import format_scale_report, run_scale_bench
+    from tiercache.bench.fiospec import parse_size
+
+    try:
+        base = root or load_config(config or _default_config()).root
+        log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+        rep = run_scale_bench(Path(base), blocks=blocks or 100_000, block_bytes=parse_size(bs, "--bs") if bs else 4096,
+                              scan=not no_baseline, fio=not no_baseline, seed=seed, keep=keep, log=log)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_scale_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -44,7 +45,9 @@ def verify(
     except RootError as exc:
         fail(str(exc))
     try:
+        t0 = time.perf_counter()
         sv = survey(root)
+        t1 = time.perf_counter()
         # names that should be blocks but are symlinks, directories...: bad too
         files = sv.blocks + [e for e in sv.foreign if classify(e.name) == "block"]
         bad: list[tuple[str, str, object]] = [
@@ -55,6 +58,7 @@ def verify(
         with Progress(transient=True, disable=as_json) as progress:
             task = progress.add_task("verifying", total=len(files))
             found = verify_entries(rd, files, threads, on_done=lambda n: progress.advance(task, n))
+        t2 = time.perf_counter()
         bad += [(e.name, problem, entry_path(rd, e)) for e, problem in found]
         moved, unmoved = 0, []
         if quarantine and bad:
@@ -71,7 +75,8 @@ def verify(
         rd.close()
     if as_json:
         typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p, _ in bad],
-                               "quarantined": moved, "not_quarantined": unmoved}, indent=2))
+                               "quarantined": moved, "not_quarantined": unmoved, "survey_s": t1 - t0, "check_s": t2 - t1,
+                               "bytes": sum(e.size for e in sv.blocks)}, indent=2))
     else:
         for _, problem, _ in bad:
             typer.echo(f"BAD {problem}")

@@ -9,6 +9,8 @@
  *           pwritev(header page, data), ftruncate to the padded length, [fdatasync], close,
  *           [publish: rename over the final name]; on any error the temporary file is unlinked
  *   rename  publish (renameat(temporary, final)); on error the temporary file is unlinked
+ *   unlink  unlinkat(name) (purge: a symlink is removed itself, never followed; a directory is
+ *           refused, EISDIR)
  *
  * Open descriptors (the file tier's cache of them, tiercache/files/openfiles.py): where the
  * batch has an fd array, an operation whose fd[i] >= 0 uses that descriptor instead of opening
@@ -69,7 +71,7 @@
 #define TC_HEADER_BYTES 4096
 #define TC_NOTREG (-1)
 
-enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2, TC_HASHONLY = 3 };
+enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2, TC_HASHONLY = 3, TC_UNLINK = 4 };
 enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16, TC_KEEP_DIRECT = 32, TC_HASH = 64 };
 
 typedef uint64_t (*tc_hash_fn)(const void *, size_t);
@@ -82,7 +84,7 @@ void tc_set_hash(void *fn)
 
 /* One batch, struct of arrays (entry i of every array belongs to operation i). */
 typedef struct {
-    int32_t kind;            /* TC_READ | TC_WRITE | TC_RENAME */
+    int32_t kind;            /* TC_READ | TC_WRITE | TC_RENAME | TC_HASHONLY | TC_UNLINK */
     int32_t dir_fd;          /* the root's directory descriptor */
     const char *names;       /* NUL-terminated names, back to back */
     const int64_t *name_off; /* read: the file; write and rename: the temporary file */
@@ -423,11 +425,17 @@ static void do_rename(const tc_batch *b, int i)
     b->err[i] = e;
 }
 
+static void do_unlink(const tc_batch *b, int i)
+{
+    b->err[i] = unlinkat(opdir(b, i), b->names + b->name_off[i], 0) == 0 ? 0 : errno;
+}
+
 static void run_one(tc_job *j, int i)
 {
     switch (j->b->kind) {
     case TC_READ: do_read(j->b, i); break;
     case TC_WRITE: do_write(j->b, i); break;
+    case TC_UNLINK: do_unlink(j->b, i); break;
     default: do_rename(j->b, i); break;
     }
     if (atomic_fetch_sub(&j->left, 1) == 1) {

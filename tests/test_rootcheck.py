@@ -119,17 +119,19 @@ def test_own_entries_and_unlink_all(damaged, io_engine, rng):
         owned = own_entries(rd, entries, threads=3, io_engine=io_engine)
         assert {e.name for e in owned} == want and 0 < len(want) < len(entries)
         paths = [entry_path(rd, e) for e in owned]
-        # names that stopped being files after the check are left alone
-        swapped = [owned[0], owned[1]]
+        # a symlink that took a name after the check goes itself (its target stays); a directory stays
+        link, directory = owned[0], owned[1]
         target = damaged.root / "target"
         target.write_bytes(b"keep")
-        os.unlink(damaged.root / swapped[0].relpath)
-        os.symlink(target, damaged.root / swapped[0].relpath)
-        os.unlink(damaged.root / swapped[1].relpath)
-        os.mkdir(damaged.root / swapped[1].relpath)
-        removed = unlink_all(paths, threads=4)
-    assert removed == [e not in swapped for e in owned]
+        os.unlink(damaged.root / link.relpath)
+        os.symlink(target, damaged.root / link.relpath)
+        os.unlink(damaged.root / directory.relpath)
+        os.mkdir(damaged.root / directory.relpath)
+        done = []
+        removed = unlink_all(paths, threads=4, on_done=done.append, io_engine=io_engine)
+        assert unlink_all(paths[2:5], threads=2, io_engine=io_engine) == [False] * 3  # gone already
+    assert removed == [e is not directory for e in owned] and sum(done) == len(owned)
     assert target.read_bytes() == b"keep"
-    assert (damaged.root / swapped[0].relpath).is_symlink() and (damaged.root / swapped[1].relpath).is_dir()
+    assert not os.path.lexists(damaged.root / link.relpath) and (damaged.root / directory.relpath).is_dir()
     left = {e.name for e in survey(damaged.root).blocks}
     assert left == {e.name for e in entries} - want

@@ -18,7 +18,7 @@ drives them: ``submit_store`` / ``submit_load`` jobs of ``chunks_per_job`` chunk
   its directories exist now; tiercache's is full, so it evicts and reuses files), then the
   bytes the directory takes (vLLM's ``fs`` tier has no bound; tiercache's
   ``capacity_blocks`` is the buffer's chunks).
-- **fio**: the best of a numjobs x iodepth grid (``FIO_GRID``) of random reads and of writes
+- **fio**: the best of a numjobs x iodepth grid (``fiobase.FIO_GRID``) of random reads and of writes
   at the row size, direct I/O, on the same directory: one job at iodepth 32 is not every
   disk's limit.
 
@@ -39,12 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tiercache.bench.fiobase import fio_binary, fio_version, run_fio
-from tiercache.bench.fiospec import FioJob
+from tiercache.bench.fiobase import best_fio
 from tiercache.errors import ConfigError, MissingDependencyError
 
 #: (numjobs, iodepth) of the fio grid
-FIO_GRID = ((1, 1), (1, 32), (1, 128), (4, 8), (16, 1), (16, 8))
 SYSTEMS = ("fs", "tiercache", "tiercache-durable")
 #: seconds the disk is left alone after a tier's files are deleted, before the next tier's run
 SETTLE_S = 2.0
@@ -217,29 +215,6 @@ def _system_pass(v, system: str, work: Path, view, rows: np.ndarray, data: np.nd
     return out
 
 
-def _fio_best(work: Path, row_bytes: int, total_bytes: int, runtime: float) -> dict:
-    """The best random read and write of the :data:`FIO_GRID` at ``row_bytes``."""
-    binary = fio_binary()
-    if binary is None:
-        return {"error": "fio is not installed (apt-get install fio), or set TIERCACHE_FIO"}
-    best: dict = {"version": fio_version(binary)}
-    for op, rw in (("read", "randread"), ("write", "write")):
-        for numjobs, iodepth in FIO_GRID:
-            job = FioJob(name=f"vt{numjobs}x{iodepth}", rw=rw, bs=row_bytes, iodepth=iodepth, numjobs=numjobs,
-                         runtime=runtime, time_based=True, direct=True)
-            blocks = max(1, total_bytes // row_bytes // numjobs)
-            try:
-                r = run_fio(job, row_bytes, blocks, work / "fio", op, binary=binary)
-            except ConfigError as exc:
-                best.setdefault("errors", []).append(str(exc))
-                continue
-            gbps = r["bw_bytes"] / 1e9
-            if gbps > best.get(f"{op}_gbps", 0.0):
-                best[f"{op}_gbps"], best[f"{op}_config"] = gbps, f"numjobs={numjobs} iodepth={iodepth} {r['engine']}"
-        shutil.rmtree(work / "fio", ignore_errors=True)
-    return best
-
-
 def run_vllm_tier_bench(root: Path, row_sizes=(256 << 10, 2 << 20), total_bytes: int = 1 << 30,
                         per_job: int = 32, in_flight: int = 8, repeat: int = 3, io_threads: int = 16,
                         fio: bool = True, fio_runtime: float = 2.0, seed: int | None = None, log=print) -> dict:
@@ -252,7 +227,7 @@ def run_vllm_tier_bench(root: Path, row_sizes=(256 << 10, 2 << 20), total_bytes:
         per_job, in_flight: chunks per job, jobs outstanding.
         repeat: alternated passes (medians over them).
         io_threads: tiercache's I/O threads.
-        fio: also run fio's grid (``FIO_GRID``) on the same directory each pass.
+        fio: also run fio's grid (``fiobase.FIO_GRID``) on the same directory each pass.
 
     Raises:
         MissingDependencyError: vLLM is not installed.
@@ -282,7 +257,7 @@ def run_vllm_tier_bench(root: Path, row_sizes=(256 << 10, 2 << 20), total_bytes:
                 order = list(SYSTEMS) if p % 2 == 0 else list(reversed(SYSTEMS))
                 res = {s: _system_pass(v, s, work, view, rows, data, spec, per_job, in_flight, io_threads, rng,
                                        lookups=p == 0) for s in order}
-                res["fio"] = _fio_best(work, rb, total_bytes, fio_runtime) if fio else {}
+                res["fio"] = best_fio(work, rb, total_bytes, fio_runtime) if fio else {}
                 passes.append(res)
                 ok &= all(res[s]["ok"] for s in SYSTEMS)
                 log(f"  row {rb >> 10} KiB pass {p + 1}/{repeat}: " + ", ".join(

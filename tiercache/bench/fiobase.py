@@ -102,3 +102,37 @@ def run_fio(job: FioJob, block_bytes: int, blocks: int, directory: Path, op: str
                 "iops": float(d["iops"]), "clat_p50_ns": int(pct.get("50.000000", 0)),
                 "clat_p99_ns": int(pct.get("99.000000", 0)), "command": " ".join(cmd)}
     raise ConfigError(f"fio failed with every engine ({', '.join(ENGINES)}): {last}")
+
+
+#: (numjobs, iodepth) pairs :func:`best_fio` tries: one job at iodepth 32 is not every disk's
+#: limit (issue 30: 2 MiB random reads gave 0.9 GB/s at numjobs=1 iodepth=32, 2.0 at 128)
+FIO_GRID = ((1, 1), (1, 32), (1, 128), (4, 8), (16, 1), (16, 8))
+
+
+def best_fio(work: Path, bs: int, total_bytes: int, runtime: float, ops=("read", "write")) -> dict:
+    """The best fio over :data:`FIO_GRID` at ``bs`` bytes per I/O, O_DIRECT, ``runtime``
+    seconds each, on files of ``total_bytes`` in all under ``work/fio`` (removed after):
+    random reads (``"read"`` in ``ops``) and sequential writes (``"write"``). Returns
+    ``{"version", "read_gbps", "read_config", "write_gbps", "write_config"}`` (GB/s; an
+    ``"error"`` where fio is missing, ``"errors"`` of the grid points that failed)."""
+    binary = fio_binary()
+    if binary is None:
+        return {"error": "fio is not installed (apt-get install fio), or set TIERCACHE_FIO"}
+    best: dict = {"version": fio_version(binary)}
+    for op, rw in (("read", "randread"), ("write", "write")):
+        if op not in ops:
+            continue
+        for numjobs, iodepth in FIO_GRID:
+            job = FioJob(name=f"best{numjobs}x{iodepth}", rw=rw, bs=bs, iodepth=iodepth, numjobs=numjobs,
+                         runtime=runtime, time_based=True, direct=True)
+            blocks = max(1, total_bytes // bs // numjobs)
+            try:
+                r = run_fio(job, bs, blocks, work / "fio", op, binary=binary)
+            except ConfigError as exc:
+                best.setdefault("errors", []).append(str(exc))
+                continue
+            gbps = r["bw_bytes"] / 1e9
+            if gbps > best.get(f"{op}_gbps", 0.0):
+                best[f"{op}_gbps"], best[f"{op}_config"] = gbps, f"numjobs={numjobs} iodepth={iodepth} {r['engine']}"
+        shutil.rmtree(work / "fio", ignore_errors=True)
+    return best

@@ -35,7 +35,7 @@ import numpy as np
 
 from tiercache.errors import ConfigError
 
-READ, WRITE, RENAME, HASHONLY = 0, 1, 2, 3
+READ, WRITE, RENAME, HASHONLY, UNLINK = 0, 1, 2, 3, 4
 DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH = 1, 2, 4, 8, 16, 32, 64
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file
 NOT_REGULAR = -1
@@ -242,8 +242,8 @@ class NativeIO:
         return buf[:n]
 
     def run(self, kind: int, dir_fd: int, ops: Ops) -> int:
-        """Run ``ops`` (kind :data:`READ`, :data:`WRITE`, :data:`RENAME` or :data:`HASHONLY`)
-        in the directory ``dir_fd`` (or each operation's :attr:`Ops.dirs`); fills
+        """Run ``ops`` (kind :data:`READ`, :data:`WRITE`, :data:`RENAME`, :data:`HASHONLY`
+        or :data:`UNLINK`) in the directory ``dir_fd`` (or each operation's :attr:`Ops.dirs`); fills
         ``ops.err``, ``ops.got``, (``KEEP``) ``ops.fd`` and (``HASH``, ``HASHONLY``)
         ``ops.hash``. Returns the number that failed."""
         if self._closed:

@@ -15,9 +15,9 @@ that comparison fails. Where the native library cannot be built here, files go t
 :func:`verify_file` on the same threads.
 
 ``purge`` deletes only files whose header is tiercache's and names the file's key and pool: it
-reads header pages only, in the same chunks (:func:`own_entries`), then unlinks on threads
-(:func:`unlink_all`; one directory lock per subdirectory, so the unlinks of different
-subdirectories proceed together).
+reads header pages only, in the same chunks (:func:`own_entries`), then unlinks them in
+native chunks too (:func:`unlink_all`; a run per subdirectory, so that the unlinks of
+different subdirectories, each under its own directory lock, proceed together).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from tiercache.errors import ConfigError, CorruptBlockError
-from tiercache.files.batchio import HASH, NOT_REGULAR, READ, NativeIO, Ops, choose_engine, native_hash
+from tiercache.files.batchio import HASH, NOT_REGULAR, READ, UNLINK, NativeIO, Ops, choose_engine, native_hash
 from tiercache.files.blockfile import DATA_OFFSET, checksum, decode_header, file_size, header_checksum
 from tiercache.files.rootdir import RootDir, RootPath
 from tiercache.files.rootsurvey import FileEntry, entry_path, is_own_block_file, verify_file
@@ -234,16 +234,53 @@ def own_entries(rd: RootDir, entries: list[FileEntry], threads: int = 8, io_engi
     return [e for e, problem in _in_chunks(rd, entries, threads, engine, False, None) if problem is None]
 
 
-def unlink_all(paths: list[RootPath], threads: int = 8,
-               on_done: Callable[[int], None] | None = None) -> list[bool]:
-    """Remove each of ``paths`` that is still a regular file (a symlink or directory that took
-    its name since it was checked is left alone), on ``threads`` threads. Returns, per path,
-    whether this call removed it."""
+def unlink_all(paths: list[RootPath], threads: int = 8, on_done: Callable[[int], None] | None = None,
+               io_engine: str = "auto") -> list[bool]:
+    """Remove ``paths`` (names under the root's directory descriptors: never through a
+    symlink; a symlink that took a name since it was checked is removed itself, its target
+    untouched; a directory is left) in runs of :data:`CHUNK_FILES` names of one directory (a
+    directory's entries change under its own lock: runs of different directories proceed
+    together), each run one native call (``unlinkat`` in the C threads; one Python call per
+    name with ``io_engine = "python"`` or where the native library cannot be built), on
+    ``threads`` threads. Returns, per path, whether this call removed it.
 
-    def one(p: RootPath) -> bool:
-        try:
-            return p.is_file() and p.unlink()
-        except OSError:  # a directory under the name (NotRegularFileError) or a vanished parent
-            return False
+    Raises:
+        ConfigError: an unknown or unavailable ``io_engine``.
+    """
+    engine, _ = choose_engine(io_engine)
+    native = None if engine == "python" or any(p.dir_fd is None for p in paths) else NativeIO(threads)
 
-    return _one_by_one(paths, one, threads, on_done)
+    def run(idx: list[int]) -> list[bool]:
+        if native is None:
+            done = []
+            for i in idx:
+                try:
+                    done.append(paths[i].unlink())
+                except OSError:  # a directory under the name (NotRegularFileError) or a vanished parent
+                    done.append(False)
+        else:
+            ops = Ops(len(idx), native.heads(0))
+            ops.names = [paths[i].name.encode() for i in idx]
+            ops.dirs = np.fromiter((paths[i].dir_fd for i in idx), np.int32, len(idx))
+            native.run(UNLINK, -1, ops)
+            done = (ops.err == 0).tolist()
+        if on_done is not None:
+            on_done(len(idx))
+        return done
+
+    order = sorted(range(len(paths)), key=lambda i: (paths[i].dir_fd or -1, paths[i].name))
+    runs: list[list[int]] = []
+    for i in order:
+        if not runs or len(runs[-1]) >= CHUNK_FILES or paths[runs[-1][0]].dir_fd != paths[i].dir_fd:
+            runs.append([])
+        runs[-1].append(i)
+    out = [False] * len(paths)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for idx, done in zip(runs, pool.map(run, runs)):
+                for i, ok in zip(idx, done):
+                    out[i] = ok
+    finally:
+        if native is not None:
+            native.close()
+    return out
