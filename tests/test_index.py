@@ -7,12 +7,14 @@ import logging
 import os
 import shutil
 
+import numpy as np
 import pytest
 from conftest import bpath, random_keys
 from helpers import assert_bytes, put_random
 
 from tiercache import TierCache
 from tiercache.errors import TransferError
+from tiercache.files import block_relpath
 
 INDEX = ".tiercache-index"
 
@@ -139,3 +141,54 @@ def test_temporary_files_older_than_a_checkpoint_are_removed_after_a_crash(saved
         assert c.wait_reconciled(30)
         assert not left.exists() and c.scan.removed_tmp >= 1
         assert_bytes(c, {**exp, **more})
+
+
+# -- RowStore (the engines' storage tier) opens from the same index --------------------------------
+def _rowstore_root(tmp_path, rng, n=24, row_bytes=8192):
+    from tiercache.serving.rowstore import RowStore
+
+    rows = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    keys = [rng.bytes(16) for _ in range(n)]
+    root = tmp_path / "rows"
+    with RowStore(rows, root, capacity_blocks=4 * n) as st:
+        st.submit_store(keys, list(range(n)))
+        assert st.drain(30) and all(r.success for r in st.finished())
+    return root, rows, keys
+
+
+def test_rowstore_opens_from_the_index_and_reconciles_changes(tmp_path, rng, monkeypatch):
+    from tiercache.files import FileTier
+    from tiercache.serving.rowstore import RowStore
+
+    root, rows, keys = _rowstore_root(tmp_path, rng)
+    assert (root / INDEX).is_file()
+    monkeypatch.setattr(FileTier, "_check_file", lambda *a: pytest.fail("a header was read at open"))
+    out = np.zeros_like(rows)
+    with RowStore(out, root, capacity_blocks=4 * len(keys)) as st:
+        assert st.scan.from_index and len(st) == len(keys) and st.wait_reconciled(30)
+        monkeypatch.undo()
+        st.submit_load(keys, list(range(len(keys))))
+        assert st.drain(30) and all(r.success for r in st.finished())
+    assert np.array_equal(out, rows)
+    # behind its back while closed: one block's file removed
+    gone = keys[0]
+    (root / block_relpath(gone, "kv")).unlink()
+    with RowStore(np.zeros_like(rows), root, capacity_blocks=4 * len(keys)) as st:
+        assert st.wait_reconciled(30)
+        assert gone not in st and len(st) == len(keys) - 1 and st.take_removed() == [gone]
+        assert st.counters["dropped_blocks"] == 1
+
+
+def test_rowstore_after_a_lost_index_rebuilds_from_the_directory(tmp_path, rng, caplog):
+    from tiercache.serving.rowstore import RowStore
+
+    root, rows, keys = _rowstore_root(tmp_path, rng)
+    (root / INDEX).write_bytes(rng.bytes(100))
+    out = np.zeros_like(rows)
+    with caplog.at_level(logging.WARNING, logger="tiercache"):
+        with RowStore(out, root, capacity_blocks=4 * len(keys)) as st:
+            assert not st.scan.from_index and len(st) == len(keys)
+            st.submit_load(keys, list(range(len(keys))))
+            assert st.drain(30) and all(r.success for r in st.finished())
+    assert np.array_equal(out, rows)
+    assert sum("rebuilt from the directory" in r.getMessage() for r in caplog.records) == 1

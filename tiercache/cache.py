@@ -215,11 +215,7 @@ class TierCache:
             raise ClosedError("this TierCache is closed")
         if self._snapshot_at is not None and time.monotonic() >= self._snapshot_at:
             self._write_stats_snapshot()
-        fi = self.file_index
-        if fi.reconciling:
-            fi.apply_reconciled()
-        if time.monotonic() >= fi.checkpoint_at:
-            fi.checkpoint()
+        self.file_index.tend()
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:

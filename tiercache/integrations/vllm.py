@@ -52,6 +52,8 @@ key                    default                     meaning
 ``min_age_s``          30                          shared: files younger are not evicted
 ``negative_ttl_s``     1                           shared: a key in no file is not probed again
 ``tmp_max_age_s``      900                         shared: temporary files older are abandoned
+``index_checkpoint_s`` 60                          seconds between saves of the root's index
+                                                   (what a restart opens from; also at close)
 =====================  ==========================  ===========================================
 
 A bad key or value is one :class:`~tiercache.ConfigError` at construction, naming it and what
@@ -107,11 +109,12 @@ DEFAULTS: dict[str, Any] = {
     "root": None, "capacity_bytes": None, "capacity_blocks": None, "sharing": "exclusive", "fsync": "none",
     "verify": True, "io_engine": "auto", "io_threads": 16, "open_files": -1, "direct_io": True,
     "enable_kv_events": False, "locality": None, "metrics_port": None, "check_root_owner": True,
-    "min_age_s": 30.0, "negative_ttl_s": 1.0, "tmp_max_age_s": 900.0,
+    "min_age_s": 30.0, "negative_ttl_s": 1.0, "tmp_max_age_s": 900.0, "index_checkpoint_s": 60.0,
 }
 #: what RowStore takes of them, as is
 _STORE_KEYS = ("capacity_bytes", "capacity_blocks", "sharing", "fsync", "verify", "io_engine", "io_threads",
-               "open_files", "direct_io", "check_root_owner", "min_age_s", "negative_ttl_s", "tmp_max_age_s")
+               "open_files", "direct_io", "check_root_owner", "min_age_s", "negative_ttl_s", "tmp_max_age_s",
+               "index_checkpoint_s")
 _BOOL_KEYS = ("verify", "direct_io", "enable_kv_events", "check_root_owner")
 
 # metric names (vLLM's Prometheus frontend adds nothing to them)

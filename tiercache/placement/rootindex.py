@@ -69,6 +69,14 @@ class RootIndex:
         """The index in memory."""
         return self._slots
 
+    def tend(self) -> None:
+        """Between the user's calls (its lock held): apply a finished reconciliation, save a
+        checkpoint when one is due."""
+        if self._reconciling is not None:
+            self.apply_reconciled()
+        if time.monotonic() >= self.checkpoint_at:
+            self.checkpoint()
+
     # -- hooks (a user's own per-block metadata) ----------------------------------------------
     def loaded_meta(self, saved: dict[str, int]) -> None:
         """The saved index's per-block metadata (``positions``: key text -> mask), at open."""
@@ -100,9 +108,10 @@ class RootIndex:
             return self._rebuild_by_scan()
         n = len(saved)
         keep = slice(None)
-        if n > ft.num_slots:  # fewer slots than saved blocks: the most recent stay
+        cap = ts.num_slots
+        if n > cap:  # fewer slots than saved blocks: the most recent stay
             order = np.argsort(saved.tick, kind="stable")
-            drop, kept = order[: n - ft.num_slots], np.sort(order[n - ft.num_slots:])
+            drop, kept = order[: n - cap], np.sort(order[n - cap:])
             tmp = CompactSlots("file", n)
             tmp.load(saved.klen, saved.kval, saved.hash, saved.tick, saved.group, saved.arena, saved.clock)
             gone = [tmp.key_of(int(s)) for s in drop]
@@ -124,7 +133,7 @@ class RootIndex:
         ft = self.file_tier
         scan = ft.scan()
         blocks = [(k, t) for k, t in scan.blocks if self.accepts(k)]
-        extra = len(blocks) - ft.num_slots
+        extra = len(blocks) - self.slots.num_slots
         if extra > 0:  # more files than slots: keep the most recent (a shared root's sweeps delete)
             if not self.shared:
                 ft.delete([k for k, _ in blocks[:extra]])

@@ -53,10 +53,12 @@ from tiercache.errors import (
     SlotRangeError,
     TierFullError,
 )
-from tiercache.files import FREE_FILES, IO_ENGINES, FileTier, IOPath, file_size, when_all_settled, write_stats
+from tiercache.files import (FREE_FILES, IO_ENGINES, FileTier, IOPath, block_subdir_index, file_size, when_all_settled,
+                             write_stats)
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
 from tiercache.placement import CompactSlots
+from tiercache.placement.rootindex import RootIndex
 from tiercache.transfer import LATENCY_BUCKETS_S, TransferStats
 
 log = logging.getLogger("tiercache")
@@ -161,6 +163,10 @@ class RowStore:
             ``min_age_s`` are not swept; a key found in no file is not looked for again for
             ``negative_ttl_s``; temporary files older than ``tmp_max_age_s`` are abandoned.
         sweep_interval_s: shared roots: at most one capacity sweep per this many seconds.
+        index_checkpoint_s: seconds between saves of the root's index (``.tiercache-index``:
+            what the next open starts from instead of reading every header; also saved at
+            close). The open reconciles it with the directory in the background
+            (:meth:`wait_reconciled`).
 
     Raises:
         ConfigError: a bad value (named, with the valid range).
@@ -173,7 +179,8 @@ class RowStore:
                  capacity_blocks: int | None = None, sharing: str = "exclusive", fsync: str = "none",
                  verify: bool = True, io_engine: str = "auto", io_threads: int = 16, open_files: int = -1,
                  direct_io: bool = True, check_root_owner: bool = True, min_age_s: float = 30.0,
-                 negative_ttl_s: float = 1.0, tmp_max_age_s: float = 900.0, sweep_interval_s: float = 1.0) -> None:
+                 negative_ttl_s: float = 1.0, tmp_max_age_s: float = 900.0, sweep_interval_s: float = 1.0,
+                 index_checkpoint_s: float = 60.0) -> None:
         self.rows = _row_view(rows)
         self.num_rows, self.row_bytes = self.rows.shape
         _check_choice("sharing", sharing, SHARING_MODES)
@@ -185,6 +192,9 @@ class RowStore:
                         ("tmp_max_age_s", tmp_max_age_s), ("sweep_interval_s", sweep_interval_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e9:
                 raise ConfigError(f"{name} = {v!r} must be a number of seconds in [0, 1e9)")
+        if isinstance(index_checkpoint_s, bool) or not isinstance(index_checkpoint_s, (int, float)) \
+                or not 1 <= index_checkpoint_s <= 86400:
+            raise ConfigError(f"index_checkpoint_s = {index_checkpoint_s!r} must be a number of seconds in [1, 86400]")
         self.root = Path(root)
         self.file_bytes = file_size(self.row_bytes)
         self.capacity_blocks = self._capacity(capacity_bytes, capacity_blocks)
@@ -203,7 +213,7 @@ class RowStore:
         self._lock = threading.RLock()
         self._cv = threading.Condition(threading.Lock())  # completions -> drain()
         self._done: collections.deque = collections.deque()  # filled by I/O threads
-        self.index = CompactSlots("file", self.capacity_blocks)
+        self.index = CompactSlots("file", self.capacity_blocks, group=block_subdir_index)
         self._storing: dict[bytes, _Job] = {}
         self._pins: collections.Counter = collections.Counter()
         self._evicting: dict[bytes, _Eviction] = {}
@@ -223,8 +233,11 @@ class RowStore:
         self._bg_cv = threading.Condition(threading.Lock())
         self._bg_stop = False
         self._bg: threading.Thread | None = None
+        #: the root's saved index (``.tiercache-index``): what the open starts from
+        self.root_index = RootIndex(self.ft, self.index, self.counters, accepts=lambda k: isinstance(k, bytes))
+        self.root_index.checkpoint_interval_s = float(index_checkpoint_s)
         try:
-            self._rebuild()
+            self.scan = self.root_index.rebuild()
         except BaseException:
             self.ft.close()
             raise
@@ -262,22 +275,6 @@ class RowStore:
                     have = sum(1 for e in it if e.name.startswith("block_") and e.name.endswith(".bin"))
             caps.append(max(1, int(free * 0.9) // self.file_bytes + have))
         return min(caps)
-
-    def _rebuild(self) -> None:
-        """The index from the root's files (oldest first); more than fit: the oldest go."""
-        scan = self.ft.scan()
-        blocks = [(k, t) for k, t in scan.blocks if isinstance(k, bytes)]
-        extra = len(blocks) - self.capacity_blocks
-        if extra > 0:
-            if not self.shared:
-                self.ft.delete([k for k, _ in blocks[:extra]])
-                self.counters["evicted_blocks"] += extra
-            blocks = blocks[extra:]
-        self.index.add([k for k, _ in blocks])
-        self.counters["quarantined_files"] += len(scan.quarantined)
-        if scan.quarantined or scan.removed_tmp:
-            log.warning("tiercache: reopened %s: %d block(s), %d temporary file(s) removed, %d file(s) quarantined",
-                        self.root, len(blocks), scan.removed_tmp, len(scan.quarantined))
 
     # -- keys and rows -----------------------------------------------------------------------
     def _keys_rows(self, keys, rows) -> tuple[list[bytes], list[int]]:
@@ -507,7 +504,11 @@ class RowStore:
 
     # -- completions -------------------------------------------------------------------------
     def _apply(self) -> None:
-        """Under the lock: take what the I/O threads and the background thread finished."""
+        """Under the lock: take what the I/O threads and the background thread finished, and
+        the reconciliation of the saved index (its dropped keys are reported as removed);
+        save the index when a checkpoint is due."""
+        self._reconciled()
+        self.root_index.tend()
         while self._done:
             item = self._done.popleft()
             if isinstance(item, _Job):
@@ -701,6 +702,30 @@ class RowStore:
         if self.closed:
             raise ClosedError("this RowStore is closed")
 
+    def wait_reconciled(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no limit) for the reconciliation of the root's
+        saved index with its directory (started at open for the subdirectories that changed
+        since it was saved) and apply it. Returns True when none is running.
+
+        Raises:
+            ClosedError: after :meth:`close`.
+        """
+        self._check_open()
+        with self._lock:
+            done = self._reconciled(timeout)
+            self._apply()
+            return done
+
+    def _reconciled(self, timeout: float | None = 0.0) -> bool:
+        """Under the lock: apply the index's reconciliation if it has ended (waiting up to
+        ``timeout`` seconds); the keys it dropped (files gone) are reported as removed."""
+        if not self.root_index.reconciling:
+            return True
+        if not self.root_index.apply_reconciled(timeout):
+            return False
+        self._removed.extend(k for k in self.scan.dropped or () if isinstance(k, bytes))
+        return True
+
     def close(self) -> None:
         """Wait for every job (none is cut short), save the stats in the root (for
         ``tiercache inspect``), stop the threads and release the root. Idempotent."""
@@ -717,7 +742,8 @@ class RowStore:
                 self._bg_stop = True
                 self._bg_cv.notify()
             self._bg.join()
-        self.ft.close()
+        self.root_index.stop()
+        self.ft.close(before_unlock=lambda: self.root_index.checkpoint(closing=True))
         self.rows = None  # the engine may release its buffer now (no export of it is left here)
 
     def __enter__(self) -> RowStore:
