@@ -198,7 +198,9 @@ class RootIndex:
                         raise RuntimeError("stopped: the cache closed first")
                     slots, ticks, hashes = ts.in_group(int(d, 16))
                     res = ft.scan([d], known=lambda k: ts.find(k) >= 0)
-                    here = {key_hash(k) for k in res.known + res.incomplete} | {key_hash(k) for k, _ in res.blocks}
+                    # an incomplete block (a file of one pool gone: an eviction a crash cut short)
+                    # cannot be served: dropped like a block whose files are all gone
+                    here = {key_hash(k) for k in res.known} | {key_hash(k) for k, _ in res.blocks}
                     gone += [(s, t) for s, t, h in zip(slots.tolist(), ticks.tolist(), hashes.tolist()) if h not in here]
                     total.blocks += res.blocks
                     total.known += res.known
@@ -253,6 +255,8 @@ class RootIndex:
                 ts.remove([k])
                 dropped.append(k)
                 self.forgotten(k)
+        if dropped and not self.shared:  # what a cut eviction left of them (shared: the sweeps')
+            ft.delete(dropped)
         adopt = [(k, m) for k, m in scan.blocks if self.accepts(k) and not self.contains(k)
                  and ft.path(k, next(iter(ft.pools))).lstat() is not None]
         room = ts.free_count
