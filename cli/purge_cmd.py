@@ -25,6 +25,7 @@ from tiercache.files import (
     entry_path,
     is_root,
     lock_holder,
+    native_status,
     survey,
     tmp_abandoned,
 )
@@ -89,7 +90,8 @@ def purge(
 def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, shared: bool = False,
            threads: int = 8) -> None:
     root = rd.path
-    sv = survey(root)
+    # the native header reads learn each file's size; --older-than needs every file's mtime
+    sv = survey(root, sizes=cutoff is not None or not native_status()[0])
     chosen = [e for e in sv.blocks
               if (not pools or e.pool in pools) and (wanted_keys is None or e.key in wanted_keys)
               and (cutoff is None or e.mtime < cutoff)]

@@ -12,7 +12,8 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import QUARANTINE, RootDir, RootLock, classify, entry_path, is_root, lock_holder, survey
+from tiercache.files import (QUARANTINE, RootDir, RootLock, classify, entry_path, is_root, lock_holder,
+                             native_status, survey)
 from tiercache.files.rootcheck import verify_entries
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
@@ -46,7 +47,7 @@ def verify(
         fail(str(exc))
     try:
         t0 = time.perf_counter()
-        sv = survey(root)
+        sv = survey(root, sizes=not native_status()[0])  # the native reads learn each file's size
         t1 = time.perf_counter()
         # names that should be blocks but are symlinks, directories...: bad too
         files = sv.blocks + [e for e in sv.foreign if classify(e.name) == "block"]
@@ -76,7 +77,7 @@ def verify(
     if as_json:
         typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p, _ in bad],
                                "quarantined": moved, "not_quarantined": unmoved, "survey_s": t1 - t0, "check_s": t2 - t1,
-                               "bytes": sum(e.size for e in sv.blocks)}, indent=2))
+                               "bytes": sum(max(e.size, 0) for e in sv.blocks)}, indent=2))
     else:
         for _, problem, _ in bad:
             typer.echo(f"BAD {problem}")

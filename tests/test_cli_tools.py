@@ -47,6 +47,32 @@ def test_inspect_json(populated):
     assert r["live_stats"]["counters"]["flushed_blocks"] == 6  # saved by the cache on flush/close
 
 
+def test_inspect_counts_a_big_root_from_its_index(populated, monkeypatch):
+    import tiercache.cli.inspect_cmd as ic
+    from tiercache.files import file_size
+
+    cfg, keys = populated
+    full = json.loads(runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json"]).stdout)["root"]
+    assert "from_index" not in full  # 6 blocks: listed
+    monkeypatch.setattr(ic, "SCAN_MAX_BLOCKS", 5)  # as if it held millions
+    listed = []
+    real_survey = ic.survey
+    monkeypatch.setattr(ic, "survey", lambda root, **kw: listed.append(kw) or real_survey(root, **kw))
+    res = runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json"])
+    assert listed == [{"subdirs": False}]  # the block subdirectories are not looked into
+    r = json.loads(res.stdout)["root"]
+    assert r["from_index"]["blocks"] == 6 and isinstance(r["from_index"]["clean"], bool)
+    assert {k: r[k] for k in ("blocks", "block_files", "pools")} == {k: full[k] for k in ("blocks", "block_files", "pools")}
+    assert r["pools"]["act"]["bytes"] == 6 * file_size(next(p for p in cfg.pools if p.name == "act").block_nbytes)
+    assert r["foreign"] == ["notes.txt"]
+    res = runner.invoke(app, ["inspect", "--root", str(cfg.root)])
+    assert "counted from the saved index" in " ".join(res.output.split())
+    assert "from_index" not in json.loads(runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json",
+                                                             "--scan"]).stdout)["root"]
+    (cfg.root / ".tiercache-index").write_bytes(b"garbage")  # unusable: listed instead
+    assert "from_index" not in json.loads(runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json"]).stdout)["root"]
+
+
 def test_inspect_normal_shows_live_cache(make_config, rng):
     cfg = make_config()
     with TierCache(cfg) as c:

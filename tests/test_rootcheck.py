@@ -78,9 +78,10 @@ def _expected(rd, entries):
     return {e.name: p for e in entries if (p := verify_file(entry_path(rd, e)))}
 
 
-def test_verify_entries_says_what_verify_file_says(damaged, io_engine, monkeypatch):
+@pytest.mark.parametrize("sizes", [True, False], ids=["stat", "listing"])
+def test_verify_entries_says_what_verify_file_says(damaged, io_engine, monkeypatch, sizes):
     monkeypatch.setattr(rootcheck, "CHUNK_FILES", 7)  # many chunks, on several threads
-    entries = survey(damaged.root).blocks
+    entries = survey(damaged.root, sizes=sizes).blocks
     with RootDir(damaged.root, check_owner=False) as rd:
         want = _expected(rd, entries)
         done = []
@@ -88,6 +89,8 @@ def test_verify_entries_says_what_verify_file_says(damaged, io_engine, monkeypat
     assert len(want) > 10
     assert {e.name: p for e, p in got} == want
     assert sum(done) == len(entries)
+    if io_engine != "python":  # sizes learnt as the files were read
+        assert [e.size for e in entries] == [e.size for e in survey(damaged.root).blocks]
 
 
 def test_files_changed_after_the_survey(damaged, io_engine, rng):
@@ -112,8 +115,9 @@ def test_files_changed_after_the_survey(damaged, io_engine, rng):
     assert target.read_bytes() == b"x" * 9000
 
 
-def test_own_entries_and_unlink_all(damaged, io_engine, rng):
-    entries = survey(damaged.root).blocks
+@pytest.mark.parametrize("sizes", [True, False], ids=["stat", "listing"])
+def test_own_entries_and_unlink_all(damaged, io_engine, rng, sizes):
+    entries = survey(damaged.root, sizes=sizes).blocks
     with RootDir(damaged.root, check_owner=False) as rd:
         want = {e.name for e in entries if is_own_block_file(entry_path(rd, e))}
         owned = own_entries(rd, entries, threads=3, io_engine=io_engine)

@@ -126,6 +126,35 @@ def save_index(rd: RootDir, pools: tuple[PoolSpec, ...], index: SavedIndex, fsyn
     return len(data)
 
 
+def index_summary(rd: RootDir) -> dict | None:
+    """What the root's saved index says without reading its body (a few KB however many
+    blocks): ``{"blocks", "pools": [[name, dtype, shape, file bytes], ...], "written"
+    (seconds since the epoch), "clean" (every subdirectory's time trusted: saved by the close
+    of an exclusive root that had not written in its last :data:`TIME_MARGIN_NS`)}``; None when there is no index, or it is
+    unreadable, corrupt, or another root's."""
+    p = rd.child(INDEX)
+    try:
+        fd = p.open(os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, 24, 0)
+        if len(head) < 24:
+            return None
+        meta_len = int.from_bytes(head[12:16], "little")
+        data = head + os.pread(fd, meta_len, 24)
+        _, meta_raw, _ = checked_metadata(data, MAGIC, INDEX_FORMAT, len(data), "index")
+        meta = json.loads(meta_raw)
+        if meta["root"] != root_identity(rd):
+            return None
+        return {"blocks": int(meta["count"]), "pools": meta["pools"], "written": float(meta.get("written", 0.0)),
+                "clean": all(t is not None for t in meta["dir_times"].values())}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    finally:
+        os.close(fd)
+
+
 def load_index(rd: RootDir, pools: tuple[PoolSpec, ...]) -> SavedIndex | None:
     """The root's saved index, or None when it has none.
 

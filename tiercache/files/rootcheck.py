@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -42,12 +42,14 @@ CHUNK_BYTES = 32 << 20
 
 
 def _chunks(entries: list[FileEntry], whole: bool = True) -> list[list[FileEntry]]:
-    """``entries`` in directory order, cut into chunks of at most :data:`CHUNK_FILES` files
-    and (``whole`` files read) :data:`CHUNK_BYTES` bytes (a larger file is a chunk of its own)."""
+    """``entries`` in inode order (the file system's inode tables, and mostly its data, read
+    in order: in name order a cold root of a million files checked 3.5x slower), cut into
+    chunks of at most :data:`CHUNK_FILES` files and (``whole`` files read) :data:`CHUNK_BYTES`
+    bytes (a larger file is a chunk of its own)."""
     out: list[list[FileEntry]] = []
     cur: list[FileEntry] = []
     size = 0
-    for e in sorted(entries, key=lambda e: (e.dir, e.name)):
+    for e in sorted(entries, key=lambda e: (e.ino, e.dir, e.name)):
         if cur and (len(cur) >= CHUNK_FILES or size + e.size > CHUNK_BYTES):
             out.append(cur)
             cur, size = [], 0
@@ -56,6 +58,17 @@ def _chunks(entries: list[FileEntry], whole: bool = True) -> list[list[FileEntry
     if cur:
         out.append(cur)
     return out
+
+
+class _Results(NamedTuple):
+    """A chunk's per-file results: errno (or NOT_REGULAR), bytes read, file size, XXH3-64 of
+    the data (lists), and the header pages (``uint8 [n, 4096]``)."""
+
+    err: list[int]
+    got: list[int]
+    file_len: list[int]
+    hash: list[int]
+    heads: np.ndarray
 
 
 class _Checker:
@@ -67,6 +80,7 @@ class _Checker:
         self.hash = native_hash()
         self._pools: dict[str, PoolSpec] = {}
         self._dirs: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def _learn(self, name: str, header) -> None:
@@ -93,7 +107,7 @@ class _Checker:
         None where its header is tiercache's and names its key and pool."""
         n = len(files)
         ops = Ops(n, self.native.heads(n))
-        lens = (np.fromiter((max(e.size - DATA_OFFSET, 0) for e in files), np.int64, n) if whole
+        lens = (np.fromiter((max(self._size(e) - DATA_OFFSET, 0) for e in files), np.int64, n) if whole
                 else np.zeros(n, np.int64))
         offs = np.zeros(n, np.int64)
         np.cumsum(lens[:-1], out=offs[1:])
@@ -105,25 +119,30 @@ class _Checker:
         if self.hash and whole:
             ops.flags |= HASH
         self.native.run(READ, self.rd.fd, ops)
-        if not whole:
-            return [(e, self._header(e, ops, j)[0]) for j, e in enumerate(files)]
-        out = []
+        # per-file values as Python lists (one conversion per chunk, not a NumPy scalar per field)
+        r = _Results(ops.err.tolist(), ops.got.tolist(), ops.file_len.tolist(), ops.hash.tolist(), ops.heads)
         for j, e in enumerate(files):
-            problem = self._check(e, ops, j, staging, int(offs[j]), int(lens[j]))
+            if e.size < 0 and not r.err[j]:  # listed without a stat: the size its file had when read
+                e.size = r.file_len[j]
+        if not whole:
+            return [(e, self._header(e, r, j)[0]) for j, e in enumerate(files)]
+        out = []
+        for j, (e, off, size) in enumerate(zip(files, offs.tolist(), lens.tolist())):
+            problem = self._check(e, r, j, staging, off, size)
             if problem:
                 out.append((e, problem))
         return out
 
-    def _header(self, e: FileEntry, ops: Ops, j: int) -> tuple[str | None, int, int]:
+    def _header(self, e: FileEntry, r: _Results, j: int) -> tuple[str | None, int, int]:
         """``(problem, data checksum, data bytes)`` of file ``j``'s header: a problem when it
         could not be read or is not tiercache's header of the file's key and pool."""
         name = e.name
-        code = int(ops.err[j])
+        code = r.err[j]
         if code == NOT_REGULAR:
             return f"{name}: not a regular file (a symlink or directory)", 0, 0
         if code:
             return f"{name}: unreadable ({os.strerror(code)})", 0, 0
-        head = ops.heads[j][:min(int(ops.got[j]), DATA_OFFSET)]
+        head = r.heads[j][:min(r.got[j], DATA_OFFSET)]
         pool = self._pools.get(e.pool)
         if pool is not None:
             try:
@@ -139,24 +158,40 @@ class _Checker:
         self._learn(e.pool, header)
         return None, header.checksum, header.nbytes
 
-    def _check(self, e: FileEntry, ops: Ops, j: int, staging: np.ndarray, off: int, size: int) -> str | None:
-        if not ops.err[j] and ops.file_len[j] != e.size:  # replaced or resized since the survey: as it is now
+    def _size(self, e: FileEntry) -> int:
+        """The bytes to read of ``e``'s file: its surveyed size, else the size of the last file
+        of its pool that verified (the first one's stat'ed)."""
+        if e.size >= 0:
+            return e.size
+        size = self._sizes.get(e.pool)
+        if size is None:
+            try:
+                size = os.stat(e.name, dir_fd=self._dir_fd(e.dir), follow_symlinks=False).st_size
+            except OSError:
+                size = DATA_OFFSET
+            self._sizes[e.pool] = size
+        return size
+
+    def _check(self, e: FileEntry, r: _Results, j: int, staging: np.ndarray, off: int, size: int) -> str | None:
+        if not r.err[j] and r.file_len[j] != DATA_OFFSET + size:
+            # replaced or resized since the survey, or not the size of its pool's files: on its own
             return verify_file(entry_path(self.rd, e))
-        problem, want, nbytes = self._header(e, ops, j)
+        problem, want, nbytes = self._header(e, r, j)
         if problem:
             return problem
-        name, got = e.name, int(ops.got[j])
+        name, got = e.name, r.got[j]
         have = got - DATA_OFFSET
         if have < nbytes:
             return f"{name}: truncated ({max(have, 0)} of {nbytes} data bytes)"
         if e.size != file_size(nbytes):
             return f"{name}: {e.size} bytes, expected {file_size(nbytes)} (trailing bytes)"
         if self.hash and nbytes == size and got == DATA_OFFSET + size:
-            hashed = int(ops.hash[j])
+            hashed = r.hash[j]
         else:
             hashed = checksum(staging[off:off + nbytes])
         if hashed != want:
             return f"{name}: data checksum mismatch"
+        self._sizes[e.pool] = e.size
         return None
 
 
@@ -197,7 +232,8 @@ def verify_entries(rd: RootDir, entries: list[FileEntry], threads: int = 8,
     """Check the block files ``entries`` (from :func:`~tiercache.files.rootsurvey.survey` of
     ``rd``'s root) on ``threads`` threads; returns ``(entry, problem)`` for each bad one.
     ``on_done(n)`` is called as each ``n`` files are checked (from the threads). A file that
-    changed since the survey (its size) is reported, not skipped.
+    changed since the survey (its size) is checked as it is now. Entries listed without a
+    stat (``survey(..., sizes=False)``: size -1) get the size their file had when read.
 
     Args:
         io_engine: the native engine to read with (``auto``, ``io_uring``, ``threads``) or
@@ -222,7 +258,8 @@ def own_entries(rd: RootDir, entries: list[FileEntry], threads: int = 8, io_engi
     """Those of the block files ``entries`` whose header is tiercache's and names the same
     key and pool as the file's name (what ``purge`` may delete, corrupt data included): header
     pages read in native chunks on ``threads`` threads (:func:`is_own_block_file` per file
-    with ``io_engine = "python"`` or where the native library cannot be built).
+    with ``io_engine = "python"`` or where the native library cannot be built). Entries of
+    size -1 get the size their file had when read (the native engine's).
 
     Raises:
         ConfigError: an unknown or unavailable ``io_engine``.

@@ -56,6 +56,9 @@ class FileEntry:
     key: Key | None = None
     pool: str | None = None
     dir: str = ""
+    #: the inode number the listing gave (0: unknown): reading files in this order reads the
+    #: file system's inode tables in order
+    ino: int = 0
 
     @property
     def relpath(self) -> str:
@@ -116,25 +119,31 @@ def classify(name: str) -> str:
     return "block" if parse_filename(name) is not None else "foreign"
 
 
-def _entries(d: RootDir) -> list[tuple[os.DirEntry, os.stat_result | None]]:
-    """Each entry with its own status (None when it vanished while listed)."""
+def _entries(d: RootDir, stat_blocks: bool = True) -> list[tuple[os.DirEntry, bool, int, float]]:
+    """Each entry as ``(entry, regular file, size, mtime)``; entries that vanished while
+    listed are left out. With ``stat_blocks`` False, names that look like block files are
+    not stat'ed (the listing's file type says whether they are regular files; size -1)."""
     with d.scandir() as it:
         listing = list(it)
     out = []
     for e in listing:
         try:
-            out.append((e, e.stat(follow_symlinks=False)))
+            if not stat_blocks and e.name.startswith("block_"):
+                out.append((e, e.is_file(follow_symlinks=False), -1, 0.0))
+            else:
+                st = e.stat(follow_symlinks=False)
+                out.append((e, stat.S_ISREG(st.st_mode), st.st_size, st.st_mtime))
         except OSError:
-            out.append((e, None))
+            pass
     return out
 
 
-def _file_entry(e: os.DirEntry, st: os.stat_result, sub: str = "") -> FileEntry:
+def _file_entry(e: os.DirEntry, size: int, mtime: float, sub: str = "") -> FileEntry:
     parsed = parse_filename(e.name)
-    return FileEntry(e.name, st.st_size, st.st_mtime, *(parsed or (None, None)), dir=sub)
+    return FileEntry(e.name, size, mtime, *(parsed or (None, None)), dir=sub)
 
 
-def _add(sv: RootSurvey, e: os.DirEntry, st: os.stat_result, sub: str) -> None:
+def _add(sv: RootSurvey, e: os.DirEntry, regular: bool, size: int, mtime: float, sub: str) -> None:
     """File one entry of the root (``sub`` ``""``) or of a block subdirectory under its kind
     (the name parsed once: this runs per file of a root of millions)."""
     name = e.name
@@ -148,17 +157,25 @@ def _add(sv: RootSurvey, e: os.DirEntry, st: os.stat_result, sub: str) -> None:
     if kind == "own" and not sub:
         return
     misplaced = kind == "block" and sub and block_subdir(parsed[0]) != sub
-    if kind in ("foreign", "own") or misplaced or not stat.S_ISREG(st.st_mode):
+    if kind in ("foreign", "own") or misplaced or not regular:
         sv.foreign.append(FileEntry(name, 0, 0.0, dir=sub))
         return
     if kind == "block":
-        sv.blocks.append(FileEntry(name, st.st_size, st.st_mtime, *parsed, dir=sub))
+        sv.blocks.append(FileEntry(name, size, mtime, *parsed, dir=sub, ino=e.inode()))
     else:
-        sv.temporary.append(FileEntry(name, st.st_size, st.st_mtime, dir=sub))
+        sv.temporary.append(FileEntry(name, size, mtime, dir=sub))
 
 
-def survey(root: Path) -> RootSurvey:
+def survey(root: Path, sizes: bool = True, subdirs: bool = True) -> RootSurvey:
     """List ``root`` without changing anything (and without following a symlink inside it).
+
+    Args:
+        sizes: stat every block file for its size and mtime. False lists names and file
+            types only (``FileEntry.size`` -1, ``mtime`` 0): a root of a million blocks
+            lists in about a quarter of the time (docs/performance.md); ``verify`` and
+            ``purge`` learn sizes as they open the files.
+        subdirs: list the block subdirectories; False lists the root itself and quarantine/
+            only (``inspect`` of a root of millions, whose blocks its saved index counts).
 
     Raises:
         NotADirectoryError: no such directory.
@@ -170,26 +187,25 @@ def survey(root: Path) -> RootSurvey:
         raise NotADirectoryError(str(exc)) from None
     with d:
         sv = RootSurvey(root, is_root(root), lock_holder(root) if is_root(root) else None)
-        for e, st in _entries(d):
-            if st is not None and not (e.name in _SUBDIRS and stat.S_ISDIR(st.st_mode)):
-                _add(sv, e, st, "")
-        for name in SUBDIRS:
+        for e, regular, size, mtime in _entries(d, sizes):
+            if not (e.name in _SUBDIRS and e.is_dir(follow_symlinks=False)):
+                _add(sv, e, regular, size, mtime, "")
+        for name in SUBDIRS if subdirs else ():
             try:
                 sub = d.subdir(name)
             except RootError as exc:  # a symlink in place of a block subdirectory: not looked into
                 sv.problems.append(str(exc))
                 sv.foreign.append(FileEntry(name, 0, 0.0))
                 continue
-            for e, st in _entries(sub) if sub is not None else ():
-                if st is not None:
-                    _add(sv, e, st, name)
+            for e, regular, size, mtime in _entries(sub, sizes) if sub is not None else ():
+                _add(sv, e, regular, size, mtime, name)
         try:
             q = d.subdir(QUARANTINE)
         except RootError as exc:
             q = None
             sv.problems.append(str(exc))
         if q is not None:
-            sv.quarantined = [_file_entry(e, st) for e, st in _entries(q) if st is not None and stat.S_ISREG(st.st_mode)]
+            sv.quarantined = [_file_entry(e, size, mtime) for e, regular, size, mtime in _entries(q) if regular]
         try:
             sv.stats = json.loads(_read_regular(d.child(STATS)))
         except (OSError, ValueError):
