@@ -26,10 +26,11 @@ from tiercache.files import (
     is_root,
     lock_holder,
     native_status,
+    own_entries,
     survey,
     tmp_abandoned,
+    unlink_all,
 )
-from tiercache.files.rootcheck import own_entries, unlink_all
 from tiercache.keys import key_from_text
 
 from .common import fail, human_bytes, not_a_root, parse_duration, resolve_root

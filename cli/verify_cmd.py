@@ -13,8 +13,7 @@ from rich.progress import Progress
 
 from tiercache.errors import RootError
 from tiercache.files import (QUARANTINE, RootDir, RootLock, classify, entry_path, is_root, lock_holder,
-                             native_status, survey)
-from tiercache.files.rootcheck import verify_entries
+                             native_status, survey, verify_entries)
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
 

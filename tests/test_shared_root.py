@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import bpath, names, random_blocks
+from conftest import bpath, files, names, random_blocks
 from shared_worker import POOLS, bytes_of
 
 from tiercache import CacheConfig, InvalidKeyError, PoolSpec, RootError, TierCache, TransferError
@@ -392,3 +392,42 @@ def test_bench_shared_job(tmp_path):
     assert not any(tmp_path.iterdir())            # every pass's root removed
     res = CliRunner().invoke(app, ["bench", "--job", "shared", "--procs", "1", "--root", str(tmp_path)])
     assert res.exit_code == 2 and "procs" in res.output
+
+
+def test_a_slow_sweep_spaces_out_the_next(tmp_path, rng, monkeypatch):
+    """A sweep lists the whole root (seconds at a million files): the next waits nine times as
+    long as the last took, so sweeps take at most a tenth of the time."""
+    with TierCache(_cfg(tmp_path / "r", host_slots=0)) as c:
+        ft = c.tiers["file"]
+        calls = []
+        real = ft.sweep
+
+        def timed(*a, **kw):
+            calls.append(time.monotonic())
+            out = real(*a, **kw)
+            ft.last_sweep_s = 0.5 if len(calls) == 1 else 0.0  # as if the first had listed a huge root
+            return out
+
+        monkeypatch.setattr(ft, "sweep", timed)
+        assert ft.sweep_gap(1.0) == 1.0
+        c.file_index.sweep_interval_s = 0.05
+        c.file_index._last_sweep = 0.0
+        deadline = time.monotonic() + 8
+        while len(calls) < 3 and time.monotonic() < deadline:
+            c.put(_keys(rng, 1), random_blocks(rng, POOL, 1), tier="file")
+            time.sleep(0.01)
+        assert len(calls) == 3
+        assert calls[1] - calls[0] >= 4.5 - 0.1  # 9 x 0.5 s after the first ended
+        assert calls[2] - calls[1] < 1.0  # the second was quick: the interval again
+        ft.last_sweep_s = 2.0
+        assert ft.sweep_gap(1.0) == pytest.approx(18.0)
+
+
+def test_puts_straight_to_the_file_tier_hold_a_shared_root_to_its_capacity(tmp_path, rng):
+    with TierCache(_cfg(tmp_path / "r", host_slots=0, file_slots=16, min_age_s=0)) as c:
+        c.file_index.sweep_interval_s = 0.0
+        c.tiers["file"].SWEEP_DUTY = 1.0  # a sweep after every put (no spacing)
+        for _ in range(40):
+            c.put(_keys(rng, 1), random_blocks(rng, POOL, 1), tier="file")
+        on_disk = len(list(files(tmp_path / "r", "block_*.bin")))
+        assert on_disk <= 16 and c.stats()["counters"]["evicted_blocks"] >= 24

@@ -433,6 +433,8 @@ class TierCache:
         self.mover.drop_copies(ok, keep=name)
         ts.touch(ok)
         self.counters["put_blocks"] += len(ok)
+        if name == "file" and ok:  # a shared root is held to its capacity as a spill would hold it
+            self.file_index.after_write(set(ks))
         self.mover.raise_failed(failed, "caller", name)
         return np.array(rows, dtype=np.int64)
 

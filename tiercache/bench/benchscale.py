@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from tiercache.bench.fiobase import best_fio
-from tiercache.files.blockfile import file_size
+from tiercache.files import file_size
 
 #: blocks per ``put`` while populating (and per batch of generated data)
 BATCH = 4096

@@ -14,6 +14,7 @@
   blocks;
 - :mod:`.indexfile`: the root's saved index (what an open starts from instead of every header);
 - :mod:`.rootsurvey`: a read-only survey of a root (for ``inspect``, ``verify``, ``purge``);
+- :mod:`.rootcheck`: ``verify`` and ``purge`` of a whole root in native chunks;
 - :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, I/O threads.
 
 Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
@@ -27,13 +28,14 @@ from .openfiles import FREE_FILES
 from .iopath import IOPath, select_io_path
 from .rootdir import DIR_MODE, INDEX, QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, is_root, lock_holder
 from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
-from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, load_index, save_index
+from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
 from .rootsurvey import STATS, FileEntry, RootSurvey, classify, entry_path, is_own_block_file, survey, verify_file, write_stats
+from .rootcheck import own_entries, unlink_all, verify_entries
 
 __all__ = [
     "DATA_OFFSET", "DIR_MODE", "FANOUT", "FREE_FILES", "FileEntry", "FileTier", "SUBDIRS", "block_relpath",
     "block_subdir", "block_subdir_index", "entry_path", "when_all_settled", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
     "RootPath", "RootSurvey",
-    "INDEX", "STATS", "IndexUnusable", "SavedIndex", "changed_dirs", "dir_times", "load_index", "save_index", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
-    "select_io_path", "survey", "verify_file", "write_stats", "BOOT_TAG", "tmp_abandoned", "tmp_name", "tmp_owner",
+    "INDEX", "STATS", "IndexUnusable", "SavedIndex", "changed_dirs", "dir_times", "index_summary", "load_index", "save_index", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
+    "select_io_path", "survey", "verify_file", "verify_entries", "own_entries", "unlink_all", "write_stats", "BOOT_TAG", "tmp_abandoned", "tmp_name", "tmp_owner",
 ]

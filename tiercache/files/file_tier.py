@@ -301,6 +301,17 @@ class FileTier:
             return False
         return tmp_abandoned(entry.name, age, self.tmp_max_age_s)
 
+    #: a shared root's sweeps take at most this share of the time: the next sweep waits this many
+    #: times as long as the last one took (a listing of a million files takes seconds)
+    SWEEP_DUTY = 0.1
+
+    def sweep_gap(self, interval_s: float) -> float:
+        """Seconds from the end of the last :meth:`sweep` before the next: ``interval_s``, or
+        longer where the last sweep took more than :data:`SWEEP_DUTY` of that."""
+        return max(interval_s, self.last_sweep_s * (1 - self.SWEEP_DUTY) / self.SWEEP_DUTY)
+
+    last_sweep_s = 0.0  # seconds the last sweep took
+
     def sweep(self, capacity_blocks: int, keep: set = frozenset()) -> tuple[list[Key], int]:
         """Shared mode: hold the root as a whole to ``capacity_blocks`` complete blocks by
         deleting the least recently used (the newest access or modification time of a block's
@@ -308,7 +319,14 @@ class FileTier:
         ``min_age_s`` ago; also removes abandoned temporary files and incomplete blocks
         (files for some pools only) older than ``tmp_max_age_s``. Keys in ``keep`` (this
         process's pinned blocks) are never deleted. Returns the deleted keys and the complete
-        blocks left on disk."""
+        blocks left on disk. Its duration is kept (:attr:`last_sweep_s`, :meth:`sweep_gap`)."""
+        t0 = time.monotonic()
+        try:
+            return self._sweep(capacity_blocks, keep)
+        finally:
+            self.last_sweep_s = time.monotonic() - t0
+
+    def _sweep(self, capacity_blocks: int, keep: set) -> tuple[list[Key], int]:
         found: dict[Key, dict[str, tuple[float, float]]] = {}
         now = time.time()
         for d, entry in self._listing():

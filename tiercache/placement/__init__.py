@@ -6,8 +6,10 @@
   in arrays;
 - :mod:`.mover`: :class:`BlockMover`: copies keyed blocks between tiers through the transfer
   engine, making room by spilling least recently used blocks down;
-- :mod:`.fileindex`: :class:`FileIndex`: the file tier's index rebuilt from a root at open, and
-  the positions held by partial host blocks (kept in the block files' headers).
+- :mod:`.rootindex`: :class:`RootIndex`: a root's saved index loaded at open, reconciled with
+  the directory, checkpointed (the cache's file tier and RowStore each hold one);
+- :mod:`.fileindex`: :class:`FileIndex`: the cache's file-tier index (a RootIndex) and the
+  positions held by partial host blocks (kept in the block files' headers).
 
 Depends on :mod:`tiercache.transfer` and :mod:`tiercache.files`.
 """
@@ -16,7 +18,8 @@ from .compactslots import CompactSlots
 from .fileindex import FileIndex
 from .mover import BlockMover
 from .policy import TIER_ORDER, Placement, TierSlots
+from .rootindex import RootIndex
 
 __all__ = [
-    "BlockMover", "CompactSlots", "FileIndex", "Placement", "TIER_ORDER", "TierSlots",
+    "BlockMover", "CompactSlots", "FileIndex", "Placement", "RootIndex", "TIER_ORDER", "TierSlots",
 ]

@@ -142,16 +142,17 @@ class FileIndex(RootIndex):
             self._touched = {k: t for k, t in self._touched.items() if now - t < every}
 
     def after_write(self, keep: set = frozenset()) -> None:
-        """Shared mode, after file writes: at most every ``sweep_interval_s``, hold the root
+        """Shared mode, after file writes: at most every ``sweep_interval_s`` (longer where a
+        sweep takes more than a tenth of that: :meth:`FileTier.sweep_gap`), hold the root
         as a whole to the file tier's capacity (:meth:`FileTier.sweep
         <tiercache.files.FileTier.sweep>`; neither pinned keys nor ``keep`` are deleted) and
         forget the blocks deleted."""
-        if not self.shared or time.monotonic() - self._last_sweep < self.sweep_interval_s:
+        if not self.shared or time.monotonic() - self._last_sweep < self.file_tier.sweep_gap(self.sweep_interval_s):
             return
-        self._last_sweep = time.monotonic()
         gone, self.on_disk_blocks = self.file_tier.sweep(self.slots.num_slots,
                                                          set(self.placement.pins) | set(keep))
         self.slots.remove(gone)
+        self._last_sweep = time.monotonic()  # from its end: a long sweep is not followed at once
         self.counters["evicted_blocks"] += len(gone)
 
     def forget_positions(self, keys: list[Key]) -> None:

@@ -57,8 +57,7 @@ from tiercache.files import (FREE_FILES, IO_ENGINES, FileTier, IOPath, block_sub
                              write_stats)
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
-from tiercache.placement import CompactSlots
-from tiercache.placement.rootindex import RootIndex
+from tiercache.placement import CompactSlots, RootIndex
 from tiercache.transfer import LATENCY_BUCKETS_S, TransferStats
 
 log = logging.getLogger("tiercache")
@@ -162,7 +161,8 @@ class RowStore:
         min_age_s, negative_ttl_s, tmp_max_age_s: shared roots: files younger than
             ``min_age_s`` are not swept; a key found in no file is not looked for again for
             ``negative_ttl_s``; temporary files older than ``tmp_max_age_s`` are abandoned.
-        sweep_interval_s: shared roots: at most one capacity sweep per this many seconds.
+        sweep_interval_s: shared roots: at most one capacity sweep per this many seconds
+            (longer where a sweep, a listing of the root, takes more than a tenth of that).
         index_checkpoint_s: seconds between saves of the root's index (``.tiercache-index``:
             what the next open starts from instead of reading every header; also saved at
             close). The open reconciles it with the directory in the background
@@ -624,12 +624,12 @@ class RowStore:
                         self._done.append(("probe", todo, found))
                 while self._touch_q:
                     self._touch(self._touch_q.popleft())
-                if self._sweep_wanted and time.monotonic() - last_sweep >= self.sweep_interval_s:
+                if self._sweep_wanted and time.monotonic() - last_sweep >= self.ft.sweep_gap(self.sweep_interval_s):
                     self._sweep_wanted = False
-                    last_sweep = time.monotonic()
                     with self._lock:
                         keep = set(self._pins) | set(self._storing)
                     gone, left = self.ft.sweep(self.capacity_blocks, keep)
+                    last_sweep = time.monotonic()  # from its end (FileTier.sweep_gap)
                     with self._cv:
                         self._done.append(("swept", gone, left))
                 elif self._sweep_wanted:
