@@ -22,6 +22,7 @@ from tiercache.files import (
     QUARANTINE,
     RootDir,
     RootLock,
+    delete_own,
     entry_path,
     is_root,
     lock_holder,
@@ -96,28 +97,41 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
     chosen = [e for e in sv.blocks
               if (not pools or e.pool in pools) and (wanted_keys is None or e.key in wanted_keys)
               and (cutoff is None or e.mtime < cutoff)]
-    own = own_entries(rd, chosen, threads)
-    targets = [entry_path(rd, e) for e in own]
-    sizes = [e.size for e in own]
-    skipped = len(chosen) - len(targets)
-    if not pools and wanted_keys is None:  # a whole-root purge also clears leftovers
+    whole_root = not pools and wanted_keys is None
+    leftovers, leftover_sizes = [], []
+    if whole_root:  # a whole-root purge also clears leftovers
         now = time.time()
         for e in sv.temporary:
             if shared and not tmp_abandoned(e.name, now - e.mtime, TMP_MAX_AGE_S):
                 continue  # a live writer's (shared mode)
             if cutoff is None or e.mtime < cutoff:
-                targets.append(entry_path(rd, e))
-                sizes.append(e.size)
+                leftovers.append(entry_path(rd, e))
+                leftover_sizes.append(e.size)
         qdir = rd.subdir(QUARANTINE) if not sv.problems else None
         for e in sv.quarantined if qdir is not None else ():
             if cutoff is None or e.mtime < cutoff:
-                targets.append(qdir.child(e.name))
-                sizes.append(e.size)
+                leftovers.append(qdir.child(e.name))
+                leftover_sizes.append(e.size)
+    if yes and not dry_run and (chosen or leftovers):  # no question to ask: check and delete in one pass
+        for problem in sv.problems:
+            typer.echo(f"left alone: {problem}")
+        if whole_root and cutoff is None:  # nothing left for the saved index to list
+            rd.child(INDEX).unlink()
+        with Progress(transient=True, disable=len(chosen) < 1000) as progress:
+            task = progress.add_task("purging", total=len(chosen) + len(leftovers))
+            gone, skipped = delete_own(rd, chosen, threads, on_done=lambda n: progress.advance(task, n))
+            done = unlink_all(leftovers, threads, on_done=lambda n: progress.advance(task, n))
+        _left_alone(skipped)
+        freed = sum(e.size for e in gone) + sum(size for ok, size in zip(done, leftover_sizes) if ok)
+        typer.echo(f"deleted {len(gone) + sum(done)} file(s), {human_bytes(freed)}, from {root}")
+        return
+    own = own_entries(rd, chosen, threads)
+    targets = [entry_path(rd, e) for e in own] + leftovers
+    sizes = [e.size for e in own] + leftover_sizes
+    skipped = len(chosen) - len(own)
     for problem in sv.problems:
         typer.echo(f"left alone: {problem}")
-    if skipped:
-        typer.echo(f"left alone: {skipped} file(s) under block names that tiercache did not write (no tiercache "
-                   "header naming that key and pool)")
+    _left_alone(skipped)
     total = sum(sizes)
     if not targets:
         typer.echo(f"nothing to purge in {root}")
@@ -135,7 +149,7 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
         if not ok:
             fail("nothing deleted: purge asks before deleting (add --yes to skip the question)")
     removed, freed = 0, 0
-    if not pools and wanted_keys is None and cutoff is None:  # nothing left for the saved index to list
+    if whole_root and cutoff is None:  # nothing left for the saved index to list
         rd.child(INDEX).unlink()
     with Progress(transient=True, disable=len(targets) < 1000) as progress:
         task = progress.add_task("purging", total=len(targets))
@@ -144,3 +158,9 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
         removed += ok
         freed += size if ok else 0
     typer.echo(f"deleted {removed} file(s), {human_bytes(freed)}, from {root}")
+
+
+def _left_alone(skipped: int) -> None:
+    if skipped:
+        typer.echo(f"left alone: {skipped} file(s) under block names that tiercache did not write (no tiercache "
+                   "header naming that key and pool)")

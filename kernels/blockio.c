@@ -474,10 +474,12 @@ static void *worker(void *arg)
         }
         tc_job *j = p->head;
         int i = atomic_fetch_add(&j->next, 1);
+        int mine = i < j->n; /* read under the lock: once it is released, a job with no item left
+                              * for this worker may be finished and gone (its caller's stack) */
         if (i >= j->n - 1)
             unlink_job(p, j); /* no work left in it for anyone else */
         pthread_mutex_unlock(&p->mu);
-        if (i < j->n)
+        if (mine)
             run_one(j, i);
     }
 }

@@ -16,7 +16,7 @@ from tiercache import TierCache
 from tiercache.files import RootDir, entry_path, is_own_block_file, survey, verify_file
 from tiercache.files import rootcheck
 from tiercache.files.blockfile import DATA_OFFSET, encode_header
-from tiercache.files.rootcheck import own_entries, unlink_all, verify_entries
+from tiercache.files.rootcheck import delete_own, own_entries, unlink_all, verify_entries
 from tiercache.geometry import PoolSpec
 
 
@@ -139,3 +139,17 @@ def test_own_entries_and_unlink_all(damaged, io_engine, rng, sizes):
     assert not os.path.lexists(damaged.root / link.relpath) and (damaged.root / directory.relpath).is_dir()
     left = {e.name for e in survey(damaged.root).blocks}
     assert left == {e.name for e in entries} - want
+
+
+@pytest.mark.parametrize("sizes", [True, False], ids=["stat", "listing"])
+def test_delete_own_removes_exactly_what_own_entries_names(damaged, io_engine, monkeypatch, sizes):
+    monkeypatch.setattr(rootcheck, "CHUNK_FILES", 5)
+    entries = survey(damaged.root, sizes=sizes).blocks
+    with RootDir(damaged.root, check_owner=False) as rd:
+        want = {e.name: os.stat(damaged.root / e.relpath).st_size for e in entries
+                if is_own_block_file(entry_path(rd, e))}
+        done = []
+        gone, foreign = delete_own(rd, entries, threads=3, on_done=done.append, io_engine=io_engine)
+    assert {e.name: e.size for e in gone} == want and foreign == len(entries) - len(want) > 0
+    assert sum(done) == len(entries)
+    assert {e.name for e in survey(damaged.root).blocks} == {e.name for e in entries} - set(want)

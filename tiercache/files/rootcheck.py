@@ -95,7 +95,8 @@ class _Checker:
             if pool.block_nbytes == header.nbytes:
                 self._pools[name] = pool
 
-    def _dir_fd(self, sub: str) -> int:
+    def dir_fd(self, sub: str) -> int:
+        """The descriptor of block subdirectory ``sub`` (``""``: the root), opened once."""
         fd = self._dirs.get(sub)
         if fd is None:
             fd = self._dirs[sub] = (self.rd.subdir(sub) if sub else self.rd).fd
@@ -113,7 +114,7 @@ class _Checker:
         np.cumsum(lens[:-1], out=offs[1:])
         staging = np.empty(max(int(lens.sum()), 1), np.uint8)
         ops.names = [e.name.encode() for e in files]
-        ops.dirs = np.fromiter((self._dir_fd(e.dir) for e in files), np.int32, n)
+        ops.dirs = np.fromiter((self.dir_fd(e.dir) for e in files), np.int32, n)
         ops.data[:] = np.uint64(staging.ctypes.data) + offs.astype(np.uint64)
         ops.data_len[:] = lens
         if self.hash and whole:
@@ -166,7 +167,7 @@ class _Checker:
         size = self._sizes.get(e.pool)
         if size is None:
             try:
-                size = os.stat(e.name, dir_fd=self._dir_fd(e.dir), follow_symlinks=False).st_size
+                size = os.stat(e.name, dir_fd=self.dir_fd(e.dir), follow_symlinks=False).st_size
             except OSError:
                 size = DATA_OFFSET
             self._sizes[e.pool] = size
@@ -266,9 +267,57 @@ def own_entries(rd: RootDir, entries: list[FileEntry], threads: int = 8, io_engi
     """
     engine, _ = choose_engine(io_engine)
     if engine == "python" or any(e.key is None for e in entries):
-        owned = _one_by_one(entries, lambda e: is_own_block_file(entry_path(rd, e)), threads, None)
-        return [e for e, own in zip(entries, owned) if own]
+        def own(e: FileEntry) -> bool:
+            path = entry_path(rd, e)
+            if e.size < 0:
+                st = path.lstat()
+                e.size = st.st_size if st is not None else -1
+            return is_own_block_file(path)
+
+        owned = _one_by_one(entries, own, threads, None)
+        return [e for e, ok in zip(entries, owned) if ok]
     return [e for e, problem in _in_chunks(rd, entries, threads, engine, False, None) if problem is None]
+
+
+def delete_own(rd: RootDir, entries: list[FileEntry], threads: int = 8, on_done: Callable[[int], None] | None = None,
+               io_engine: str = "auto") -> tuple[list[FileEntry], int]:
+    """:func:`own_entries` and :func:`unlink_all` in one pass (``purge --yes``): each chunk's
+    header pages are read and its files that are tiercache's are unlinked by the same thread
+    at once, so that one chunk's header reads overlap another's unlinks. Returns the entries
+    removed (sizes from the native reads) and how many were left as not tiercache's.
+
+    Raises:
+        ConfigError: an unknown or unavailable ``io_engine``.
+    """
+    engine, _ = choose_engine(io_engine)
+    if engine == "python" or any(e.key is None for e in entries):
+        owned = own_entries(rd, entries, threads, io_engine)
+        if on_done is not None and len(entries) > len(owned):
+            on_done(len(entries) - len(owned))  # those left alone count as done
+        gone = unlink_all([entry_path(rd, e) for e in owned], threads, on_done, io_engine)
+        return [e for e, ok in zip(owned, gone) if ok], len(entries) - len(owned)
+    native = NativeIO(threads, uring=engine == "io_uring")
+    try:
+        checker = _Checker(rd, native)
+
+        def run(files: list[FileEntry]) -> tuple[list[FileEntry], int]:
+            mine = [e for e, problem in checker.chunk(files, whole=False) if problem is None]
+            ops = Ops(len(mine), native.heads(0))
+            ops.names = [e.name.encode() for e in mine]
+            ops.dirs = np.fromiter((checker.dir_fd(e.dir) for e in mine), np.int32, len(mine))
+            native.run(UNLINK, -1, ops)
+            if on_done is not None:
+                on_done(len(files))
+            return [e for e, err in zip(mine, ops.err.tolist()) if not err], len(files) - len(mine)
+
+        removed, foreign = [], 0
+        with ThreadPoolExecutor(threads) as pool:
+            for gone, left in pool.map(run, _chunks(entries, whole=False)):
+                removed += gone
+                foreign += left
+        return removed, foreign
+    finally:
+        native.close()
 
 
 def unlink_all(paths: list[RootPath], threads: int = 8, on_done: Callable[[int], None] | None = None,
