@@ -168,8 +168,9 @@ def _reopen(cache: TierCache, cfg: CacheConfig, n: int, note) -> tuple[TierCache
     cache.close()
     t = time.perf_counter()
     cache = TierCache(cfg)
-    st = StageStats("reopen (index rebuild)", "scan", blocks=len(cache.keys("file")),
-                    seconds=time.perf_counter() - t)
+    cache.wait_reconciled()  # every block listed: the count below is the directory's
+    st = StageStats("reopen", "saved index" if cache.scan.from_index else "header scan",
+                    blocks=len(cache.keys("file")), seconds=time.perf_counter() - t)
     st.latencies.append(st.seconds)
     if st.blocks != n:
         raise TierCacheError(f"reopen found {st.blocks} blocks in the file tier, expected {n}")
