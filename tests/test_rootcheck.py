@@ -153,3 +153,28 @@ def test_delete_own_removes_exactly_what_own_entries_names(damaged, io_engine, m
     assert {e.name: e.size for e in gone} == want and foreign == len(entries) - len(want) > 0
     assert sum(done) == len(entries)
     assert {e.name for e in survey(damaged.root).blocks} == {e.name for e in entries} - set(want)
+
+
+def test_chunks_hold_their_byte_bound_when_the_listing_gave_no_sizes(damaged, monkeypatch):
+    """Listed without a stat, files are sized by the first of their pool (stat'ed once): big
+    blocks still go a few per native call, not CHUNK_FILES (a staging buffer per call)."""
+    from tiercache.files import native_status
+
+    if not native_status()[0]:
+        pytest.skip(f"native I/O unavailable: {native_status()[1]}")
+    monkeypatch.setattr(rootcheck, "CHUNK_BYTES", 3 * 16384)
+    entries = survey(damaged.root, sizes=False).blocks
+    with RootDir(damaged.root, check_owner=False) as rd:
+        from tiercache.files.batchio import NativeIO
+
+        native = NativeIO(1)
+        try:
+            checker = rootcheck._Checker(rd, native)
+            chunks = rootcheck._chunks(entries, checker.size)
+        finally:
+            native.close()
+    assert sorted(e.name for c in chunks for e in c) == sorted(e.name for e in entries)
+    assert all(sum(checker.size(e) for e in c) <= 3 * 16384 or len(c) == 1 for c in chunks)
+    assert max(len(c) for c in chunks) < rootcheck.CHUNK_FILES
+    inos = [e.ino for c in chunks for e in c]
+    assert inos == sorted(inos) and all(inos)

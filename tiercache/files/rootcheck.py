@@ -15,9 +15,10 @@ that comparison fails. Where the native library cannot be built here, files go t
 :func:`verify_file` on the same threads.
 
 ``purge`` deletes only files whose header is tiercache's and names the file's key and pool: it
-reads header pages only, in the same chunks (:func:`own_entries`), then unlinks them in
-native chunks too (:func:`unlink_all`; a run per subdirectory, so that the unlinks of
-different subdirectories, each under its own directory lock, proceed together).
+reads header pages only, in the same chunks (:func:`own_entries`), and unlinks with native
+calls too (:func:`unlink_all`: a run per subdirectory, so that the unlinks of different
+subdirectories, each under its own directory lock, proceed together; :func:`delete_own`, for
+``purge --yes``: each chunk's own files unlinked by the thread that read its headers).
 """
 
 from __future__ import annotations
@@ -41,20 +42,21 @@ CHUNK_FILES = 256
 CHUNK_BYTES = 32 << 20
 
 
-def _chunks(entries: list[FileEntry], whole: bool = True) -> list[list[FileEntry]]:
+def _chunks(entries: list[FileEntry], size_of: Callable[[FileEntry], int] | None = None) -> list[list[FileEntry]]:
     """``entries`` in inode order (the file system's inode tables, and mostly its data, read
     in order: in name order a cold root of a million files checked 3.5x slower), cut into
-    chunks of at most :data:`CHUNK_FILES` files and (``whole`` files read) :data:`CHUNK_BYTES`
-    bytes (a larger file is a chunk of its own)."""
+    chunks of at most :data:`CHUNK_FILES` files and, where whole files are read (``size_of``:
+    the bytes to read of each), :data:`CHUNK_BYTES` bytes (a larger file is a chunk of its own)."""
     out: list[list[FileEntry]] = []
     cur: list[FileEntry] = []
     size = 0
     for e in sorted(entries, key=lambda e: (e.ino, e.dir, e.name)):
-        if cur and (len(cur) >= CHUNK_FILES or size + e.size > CHUNK_BYTES):
+        n = size_of(e) if size_of is not None else 0
+        if cur and (len(cur) >= CHUNK_FILES or size + n > CHUNK_BYTES):
             out.append(cur)
             cur, size = [], 0
         cur.append(e)
-        size += e.size if whole else 0
+        size += n
     if cur:
         out.append(cur)
     return out
@@ -108,7 +110,7 @@ class _Checker:
         None where its header is tiercache's and names its key and pool."""
         n = len(files)
         ops = Ops(n, self.native.heads(n))
-        lens = (np.fromiter((max(self._size(e) - DATA_OFFSET, 0) for e in files), np.int64, n) if whole
+        lens = (np.fromiter((max(self.size(e) - DATA_OFFSET, 0) for e in files), np.int64, n) if whole
                 else np.zeros(n, np.int64))
         offs = np.zeros(n, np.int64)
         np.cumsum(lens[:-1], out=offs[1:])
@@ -159,7 +161,7 @@ class _Checker:
         self._learn(e.pool, header)
         return None, header.checksum, header.nbytes
 
-    def _size(self, e: FileEntry) -> int:
+    def size(self, e: FileEntry) -> int:
         """The bytes to read of ``e``'s file: its surveyed size, else the size of the last file
         of its pool that verified (the first one's stat'ed)."""
         if e.size >= 0:
@@ -211,7 +213,7 @@ def _in_chunks(rd: RootDir, entries: list[FileEntry], threads: int, engine: str,
             return found
 
         with ThreadPoolExecutor(threads) as pool:
-            return [x for found in pool.map(run, _chunks(entries, whole)) for x in found]
+            return [x for found in pool.map(run, _chunks(entries, checker.size if whole else None)) for x in found]
     finally:
         native.close()
 
@@ -312,7 +314,7 @@ def delete_own(rd: RootDir, entries: list[FileEntry], threads: int = 8, on_done:
 
         removed, foreign = [], 0
         with ThreadPoolExecutor(threads) as pool:
-            for gone, left in pool.map(run, _chunks(entries, whole=False)):
+            for gone, left in pool.map(run, _chunks(entries)):
                 removed += gone
                 foreign += left
         return removed, foreign
