@@ -162,6 +162,7 @@ def test_capacity_holds_for_the_root_and_spares_young_files(tmp_path, rng):
         for c in (a, b) * 3:
             ks = _keys(rng, 4)
             c.file_index.sweep_interval_s = 0
+            c.tiers["file"].SWEEP_DUTY = 1.0  # no spacing after a sweep (test_a_slow_sweep_spaces_out_the_next)
             c.put(ks, random_blocks(rng, POOL, 4))
             c.flush(ks)
         on_disk = {n for n in names(root) if n.startswith("block_")}
