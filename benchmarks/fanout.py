@@ -21,19 +21,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tiercache.bench.benchscale import drop_page_cache
 from tiercache.files import block_filename, block_relpath
 
 THREADS = 8
-
-
-def _drop() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _parallel(fn, items) -> None:
@@ -62,7 +53,7 @@ def run(base: Path, files: int, nbytes: int, flat: bool) -> dict:
     t = time.perf_counter()
     _parallel(create, paths)
     out["create_s"] = time.perf_counter() - t
-    out["cold"] = _drop()
+    out["cold"] = drop_page_cache()
     t = time.perf_counter()
     n = 0
     for d in ([root] if flat else sorted(p for p in root.iterdir())):
@@ -70,7 +61,7 @@ def run(base: Path, files: int, nbytes: int, flat: bool) -> dict:
             n += sum(1 for _ in it)
     out["list_s"] = time.perf_counter() - t
     assert n == files
-    _drop()
+    drop_page_cache()
     sample = random.sample(paths, min(10_000, files))
 
     def read(p):

@@ -164,7 +164,9 @@ def _cli(*args: str) -> tuple[float, subprocess.CompletedProcess]:
     return time.perf_counter() - t0, res
 
 
-def _drop_page_cache() -> bool:
+def drop_page_cache() -> bool:
+    """Flush dirty pages and drop the page cache (``/proc/sys/vm/drop_caches``), so that what
+    follows reads from the disk. Returns False where this process may not (not root)."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -213,7 +215,7 @@ def run_scale_bench(root: Path, blocks: int, block_bytes: int = 4096, scan: bool
         rep["inspect_s"], res = _cli("inspect", "--root", str(cache_root), "--json")
         rep["inspect_ok"] = res.returncode == 0
         log("scale: verify")
-        dropped = _drop_page_cache()
+        dropped = drop_page_cache()
         secs, res = _cli("verify", "--root", str(cache_root), "--json")
         try:
             v = json.loads(res.stdout)
