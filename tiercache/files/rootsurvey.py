@@ -44,7 +44,7 @@ from tiercache.keys import Key
 STATS = ".tiercache-root.stats.json"
 
 
-@dataclass
+@dataclass(slots=True)
 class FileEntry:
     """One file in a root: its name, size (bytes) and modification time (seconds since epoch);
     ``key`` and ``pool`` for block files; ``dir``: the block subdirectory it is in (``""``:
