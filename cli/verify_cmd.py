@@ -12,8 +12,8 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import (QUARANTINE, RootDir, RootLock, classify, entry_path, is_root, lock_holder,
-                             native_status, survey, verify_entries)
+from tiercache.files import (QUARANTINE, VERIFY, RootCheck, RootDir, RootLock, classify, entry_path, gc_paused,
+                             is_root, lock_holder, native_status, quick_gil_handoff, survey)
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
 
@@ -46,19 +46,25 @@ def verify(
         fail(str(exc))
     try:
         t0 = time.perf_counter()
-        sv = survey(root, sizes=not native_status()[0])  # the native reads learn each file's size
-        t1 = time.perf_counter()
-        # names that should be blocks but are symlinks, directories...: bad too
-        files = sv.blocks + [e for e in sv.foreign if classify(e.name) == "block"]
+        with gc_paused(), quick_gil_handoff(), Progress(transient=True, disable=as_json) as progress, \
+                RootCheck(rd, VERIFY, threads, on_done=lambda n: progress.advance(task, n)) as check:
+            task = progress.add_task("verifying", total=None)
+            # each subdirectory's files are checked while the next is listed; the native reads
+            # learn each file's size
+            sv = survey(root, sizes=not native_status()[0], on_blocks=check.add)
+            t1 = time.perf_counter()
+            # names that should be blocks but are symlinks, directories...: bad too
+            strays = [e for e in sv.foreign if classify(e.name) == "block"]
+            check.add(strays)
+            files = sv.blocks + strays
+            progress.update(task, total=len(files))
+            found = check.results()
+        t2 = time.perf_counter()
         bad: list[tuple[str, str, object]] = [
             (e.relpath, f"{e.relpath}: not a canonical block file name (one spelling per key, ASCII digits): the cache "
                         "ignores it, so it is a stray copy or junk", entry_path(rd, e))
             for e in sv.foreign if classify(e.name) == "foreign" and LOOKS_LIKE_BLOCK.match(e.name)]
         bad += [(problem.split(" ", 1)[0], problem, None) for problem in sv.problems]  # e.g. a symlinked subdirectory
-        with Progress(transient=True, disable=as_json) as progress:
-            task = progress.add_task("verifying", total=len(files))
-            found = verify_entries(rd, files, threads, on_done=lambda n: progress.advance(task, n))
-        t2 = time.perf_counter()
         bad += [(e.name, problem, entry_path(rd, e)) for e, problem in found]
         moved, unmoved = 0, []
         if quarantine and bad:
@@ -75,7 +81,7 @@ def verify(
         rd.close()
     if as_json:
         typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p, _ in bad],
-                               "quarantined": moved, "not_quarantined": unmoved, "survey_s": t1 - t0, "check_s": t2 - t1,
+                               "quarantined": moved, "not_quarantined": unmoved, "survey_s": t1 - t0, "seconds": t2 - t0,
                                "bytes": sum(max(e.size, 0) for e in sv.blocks)}, indent=2))
     else:
         for _, problem, _ in bad:

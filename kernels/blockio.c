@@ -36,6 +36,12 @@
  * completes it, a TC_HASHONLY batch on the calling thread (a chunk's files are few, and chunks
  * run on threads of their own: a hand-off to the pool measured slower for 64 KiB blocks).
  *
+ * Checks (verify and purge of a root, tiercache/files/rootcheck.py): with TC_CHECK a read that
+ * got every byte it asked for compares its header page with the usual header of its name's key
+ * and the pool text given in expect[i], and (where data was read) the file's size and the data's
+ * XXH3-64 with the header's, and sets verdict[i] to 1 where all match; Python judges only the
+ * rest (per-file Python measured 8 us, more than the syscalls, at a million 8 KiB files).
+ *
  * Two backends run reads and writes (renames always run on the threads):
  *
  *   io_uring  the calling thread drives a ring of its own (created on first use, closed when
@@ -72,7 +78,8 @@
 #define TC_NOTREG (-1)
 
 enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2, TC_HASHONLY = 3, TC_UNLINK = 4 };
-enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16, TC_KEEP_DIRECT = 32, TC_HASH = 64 };
+enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16, TC_KEEP_DIRECT = 32, TC_HASH = 64,
+       TC_CHECK = 128 };
 
 typedef uint64_t (*tc_hash_fn)(const void *, size_t);
 static tc_hash_fn xxh3; /* XXH3_64bits of the xxhash library (tc_set_hash) */
@@ -99,6 +106,13 @@ typedef struct {
     int32_t *fd;             /* in/out: open descriptors (see above); may be NULL */
     const int32_t *dirs;     /* per operation: the directory of its names; may be NULL (dir_fd) */
     uint64_t *hash;          /* out: TC_HASH reads and TC_HASHONLY: XXH3-64 of the data; may be NULL */
+    /* TC_CHECK reads (verify, purge; may be NULL otherwise): the metadata text expected after
+     * the key (`"pool":...,"checksum":"`, the pool's), the block's bytes, and out: 1 where
+     * the file passed the check, 0 where Python is to judge it */
+    const char *const *expect;
+    const int32_t *expect_len;
+    const int64_t *nbytes;
+    int32_t *verdict;
 } tc_batch;
 
 /* the directory of operation i's names */
@@ -107,11 +121,71 @@ static inline int opdir(const tc_batch *b, int i)
     return b->dirs ? b->dirs[i] : b->dir_fd;
 }
 
-/* a read of every byte: its data's checksum where asked for */
-static inline void hash_read(const tc_batch *b, int i)
+/* 1 where operation i's header page is the header tiercache writes for the key in the
+ * operation's name (`block_<key>_pool_...`) with expect[i] after the key (the usual header,
+ * no "extra": the bytes tiercache/files/blockfile.py's encode_header writes, byte for byte),
+ * its metadata's XXH3-64 matching; *sum is then the data checksum it gives. Any other header
+ * (0) is left to Python, which parses it and names what is wrong. */
+static int usual_header(const tc_batch *b, int i, uint64_t *sum)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    const unsigned char *h = b->head[i];
+    const char *name = b->names + b->name_off[i];
+    if (!xxh3 || strncmp(name, "block_", 6) != 0)
+        return 0;
+    const char *key = name + 6, *key_end = strstr(key, "_pool_");
+    if (!key_end)
+        return 0;
+    size_t klen = (size_t)(key_end - key), tlen = (size_t)b->expect_len[i];
+    uint32_t version, mlen;
+    uint64_t mhash;
+    memcpy(&version, h + 8, 4);
+    memcpy(&mlen, h + 12, 4);
+    memcpy(&mhash, h + 16, 8);
+    /* {"key":"<key>",<expect>0123456789abcdef"} */
+    if (memcmp(h, "TCBLOCK", 8) != 0 || version != 1 || mlen != 8 + klen + 2 + tlen + 16 + 2
+        || 24 + (size_t)mlen > TC_HEADER_BYTES)
+        return 0;
+    const char *m = (const char *)h + 24, *digits = m + 10 + klen + tlen;
+    if (memcmp(m, "{\"key\":\"", 8) != 0 || memcmp(m + 8, key, klen) != 0 || memcmp(m + 8 + klen, "\",", 2) != 0
+        || memcmp(m + 10 + klen, b->expect[i], tlen) != 0 || memcmp(digits + 16, "\"}", 2) != 0)
+        return 0;
+    uint64_t v = 0;
+    for (int q = 0; q < 16; q++) {
+        int c = digits[q], x = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (x < 0)
+            return 0;
+        v = v << 4 | (uint64_t)x;
+    }
+    if (xxh3(m, mlen) != mhash)
+        return 0;
+    *sum = v;
+    return 1;
+#else
+    (void)b;
+    (void)i;
+    (void)sum;
+    return 0;
+#endif
+}
+
+/* a read of every byte (header page and data_len[i] bytes): its data's checksum where asked
+ * for (TC_HASH); with TC_CHECK, its verdict: the usual header of its name's key (above) and,
+ * where data was read, a file of exactly the header page and nbytes[i] padded to a page, all of
+ * it read, whose first nbytes[i] bytes have the header's XXH3-64 */
+static inline void read_done(const tc_batch *b, int i)
 {
     if ((b->flags[i] & TC_HASH) && b->hash && xxh3)
         b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+    if ((b->flags[i] & TC_CHECK) && b->verdict) {
+        uint64_t sum;
+        int64_t n = b->nbytes[i], padded = (n + TC_HEADER_BYTES - 1) / TC_HEADER_BYTES * TC_HEADER_BYTES;
+        int ok = usual_header(b, i, &sum);
+        if (ok && b->data_len[i] > 0)
+            ok = b->data_len[i] == padded && b->file_len[i] == TC_HEADER_BYTES + padded
+                 && xxh3(b->data[i], (size_t)n) == sum;
+        b->verdict[i] = ok;
+    }
 }
 
 typedef struct tc_job {
@@ -355,7 +429,7 @@ static void do_read(const tc_batch *b, int i)
     }
     b->got[i] = total;
     if (!e && total == want)
-        hash_read(b, i);
+        read_done(b, i);
     b->err[i] = given >= 0 ? e : settle_fd(b, i, fd, e);
 }
 
@@ -773,7 +847,7 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
         if (!write) {
             b->got[i] = f->off;
             if (!e && f->off == want)
-                hash_read(b, i);
+                read_done(b, i);
             b->err[i] = finish_read(b, f, i, e);
             return 1;
         }

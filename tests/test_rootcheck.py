@@ -178,3 +178,130 @@ def test_chunks_hold_their_byte_bound_when_the_listing_gave_no_sizes(damaged, mo
     assert max(len(c) for c in chunks) < rootcheck.CHUNK_FILES
     inos = [e.ino for c in chunks for e in c]
     assert inos == sorted(inos) and all(inos)
+
+
+def _native_or_skip():
+    from tiercache.files import native_status
+
+    if not native_status()[0]:
+        pytest.skip(f"native I/O unavailable: {native_status()[1]}")
+
+
+def _count_python_judgements(monkeypatch) -> list[str]:
+    """The names of the files :class:`rootcheck._Checker` judged in Python (not in the C threads)."""
+    judged: list[str] = []
+    check = rootcheck._Checker._check
+
+    def counted(self, e, *args):
+        judged.append(e.name)
+        return check(self, e, *args)
+
+    monkeypatch.setattr(rootcheck._Checker, "_check", counted)
+    return judged
+
+
+def test_the_c_threads_judge_usual_files_and_python_the_rest(make_config, rng, monkeypatch, io_engine):
+    """A usual block file is judged in the C threads (only each pool's first file, which
+    teaches its geometry, in Python); a header with ``extra`` (valid, not the usual bytes) and
+    any byte of the header changed anywhere the checks read go to Python, and the verdicts are
+    exactly verify_file's: the C comparison never passes a file Python would refuse."""
+    if io_engine == "python":
+        pytest.skip("the C threads' checks")
+    _native_or_skip()
+    monkeypatch.setattr(rootcheck, "CHUNK_FILES", 16)
+    cfg = make_config(host_slots=0, file_slots=400)
+    keys = random_keys(rng, 150, "int") + random_keys(rng, 150, "bytes")
+    with TierCache(cfg) as c:
+        put_random(c, keys, rng, tier="file")
+        c.flush()
+    entries = survey(cfg.root).blocks
+    pools = {e.pool for e in entries}
+    judged = _count_python_judgements(monkeypatch)
+    with RootDir(cfg.root, check_owner=False) as rd:
+        assert verify_entries(rd, entries, threads=3, io_engine=io_engine) == []
+    assert len(judged) == len(pools)  # the first of each pool
+
+    # one byte changed at a random offset of the part of the header the checks read (prefix,
+    # metadata, the padding just after), in half of the files; one header rewritten with extra
+    files = [cfg.root / e.relpath for e in entries]
+    changed = rng.choice(len(files), len(files) // 2, replace=False)
+    for p in changed:
+        with open(files[p], "r+b") as f:
+            head = f.read(64)
+            meta_len = int.from_bytes(head[12:16], "little")
+            at = int(rng.integers(0, min(24 + meta_len + 8, DATA_OFFSET)))
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ int(rng.integers(1, 256))]))
+    spare = next(i for i in range(len(files)) if i not in set(changed.tolist()))
+    e = entries[spare]
+    pool = next(p for p in cfg.pools if p.name == e.pool)
+    data = files[spare].read_bytes()[DATA_OFFSET:DATA_OFFSET + pool.block_nbytes]
+    from tiercache.files.blockfile import checksum
+
+    files[spare].write_bytes(encode_header(e.key, pool, checksum(data), extra={"note": "x"})
+                             + files[spare].read_bytes()[DATA_OFFSET:])
+    judged.clear()
+    with RootDir(cfg.root, check_owner=False) as rd:
+        want = _expected(rd, entries)
+        got = {x.name: p for x, p in verify_entries(rd, entries, threads=3, io_engine=io_engine)}
+    assert got == want and e.name not in got
+    assert len(want) > len(changed) // 2  # most changes break the header
+    assert e.name in judged and set(want) <= set(judged)
+    assert len(judged) <= len(changed) + 1 + len(pools)
+
+
+def test_survey_hands_each_directory_to_on_blocks_and_checks_run_as_they_come(make_config, rng, io_engine):
+    """``survey(on_blocks=...)`` hands every block file exactly once, one directory per call;
+    a RootCheck fed that way (what ``verify`` and ``purge --yes`` run) finds what one call finds."""
+    cfg = make_config(host_slots=0, file_slots=300)
+    keys = random_keys(rng, 200, "bytes")
+    with TierCache(cfg) as c:
+        put_random(c, keys, rng, tier="file")
+        c.flush()
+    sv0 = survey(cfg.root)
+    for i in range(0, len(sv0.blocks), 7):
+        _damage(cfg.root / sv0.blocks[i].relpath, KINDS[int(rng.integers(len(KINDS)))], rng,
+                cfg.root / sv0.blocks[(i + 1) % len(sv0.blocks)].relpath)
+    calls: list[list] = []
+    with RootDir(cfg.root, check_owner=False) as rd:
+        with rootcheck.RootCheck(rd, rootcheck.VERIFY, threads=3, io_engine=io_engine) as check:
+            def add(entries):
+                calls.append(list(entries))
+                check.add(entries)
+
+            sv = survey(cfg.root, sizes=False, on_blocks=add)
+            got = {e.name: p for e, p in check.results()}
+        want = _expected(rd, sv.blocks)
+    assert sorted(e.name for part in calls for e in part) == sorted(e.name for e in sv.blocks)
+    assert all(len({e.dir for e in part}) == 1 for part in calls)
+    assert len({part[0].dir for part in calls}) == len(calls) > 10
+    assert got == want and len(want) > 0
+
+
+def test_gc_paused_and_quick_gil_handoff_put_things_back():
+    import gc
+    import sys
+
+    from tiercache.files import gc_paused, quick_gil_handoff
+
+    before = sys.getswitchinterval()
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), quick_gil_handoff(0.001):
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+        raise RuntimeError
+    assert sys.getswitchinterval() == before
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -36,7 +36,7 @@ import numpy as np
 from tiercache.errors import ConfigError
 
 READ, WRITE, RENAME, HASHONLY, UNLINK = 0, 1, 2, 3, 4
-DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH = 1, 2, 4, 8, 16, 32, 64
+DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH, CHECK = 1, 2, 4, 8, 16, 32, 64, 128
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file
 NOT_REGULAR = -1
 HEADER_BYTES = 4096
@@ -50,6 +50,8 @@ class _Batch(ctypes.Structure):
         ("head", ctypes.c_void_p), ("data", ctypes.c_void_p), ("data_len", ctypes.c_void_p),
         ("file_len", ctypes.c_void_p), ("err", ctypes.c_void_p), ("got", ctypes.c_void_p), ("fd", ctypes.c_void_p),
         ("dirs", ctypes.c_void_p), ("hash", ctypes.c_void_p),
+        ("expect", ctypes.c_void_p), ("expect_len", ctypes.c_void_p), ("nbytes", ctypes.c_void_p),
+        ("verdict", ctypes.c_void_p),
     ]
 
 
@@ -177,7 +179,12 @@ class Ops:
     ``kernels/blockio.c`` on ``KEEP`` and ``EXCHANGE``), the directory of its names
     (:attr:`dirs`, a descriptor; unset: the batch's ``dir_fd``) and the XXH3-64 of its data
     (:attr:`hash`: ``HASH`` reads, ``HASHONLY`` batches). Header pages live in :attr:`heads`
-    (``uint8 [n, 4096]``, page-aligned)."""
+    (``uint8 [n, 4096]``, page-aligned).
+
+    ``CHECK`` reads (:meth:`expect_usual`) also compare each header with the usual header of
+    the key in the operation's name: :attr:`expect` (addresses of the metadata text after the
+    key), :attr:`expect_len`, :attr:`nbytes` (the block's bytes) and, out, :attr:`verdict`
+    (1: header, size and data checksum all match; 0: not judged, or not matching)."""
 
     def __init__(self, n: int, heads: np.ndarray) -> None:
         self.n = n
@@ -193,6 +200,19 @@ class Ops:
         self.fd = np.full(n, -1, np.int32)
         self.dirs: np.ndarray | None = None
         self.hash = np.zeros(n, np.uint64)
+        self.expect: np.ndarray | None = None
+        self.expect_len: np.ndarray | None = None
+        self.nbytes: np.ndarray | None = None
+        self.verdict: np.ndarray | None = None
+
+    def expect_usual(self) -> None:
+        """Give this batch the arrays of ``CHECK`` reads (zeroed: no operation checked until
+        its flag, expect address and length are set)."""
+        n = self.n
+        self.expect = np.zeros(n, np.uint64)
+        self.expect_len = np.zeros(n, np.int32)
+        self.nbytes = np.zeros(n, np.int64)
+        self.verdict = np.zeros(n, np.int32)
 
 
 def error_for(code: int, where: str) -> OSError:
@@ -244,8 +264,8 @@ class NativeIO:
     def run(self, kind: int, dir_fd: int, ops: Ops) -> int:
         """Run ``ops`` (kind :data:`READ`, :data:`WRITE`, :data:`RENAME`, :data:`HASHONLY`
         or :data:`UNLINK`) in the directory ``dir_fd`` (or each operation's :attr:`Ops.dirs`); fills
-        ``ops.err``, ``ops.got``, (``KEEP``) ``ops.fd`` and (``HASH``, ``HASHONLY``)
-        ``ops.hash``. Returns the number that failed."""
+        ``ops.err``, ``ops.got``, (``KEEP``) ``ops.fd``, (``HASH``, ``HASHONLY``)
+        ``ops.hash`` and (``CHECK``) ``ops.verdict``. Returns the number that failed."""
         if self._closed:
             raise RuntimeError("NativeIO is closed")
         n = ops.n
@@ -262,7 +282,9 @@ class NativeIO:
                    final_off.ctypes.data if final_off is not None else None, ops.flags.ctypes.data,
                    head_ptr.ctypes.data, ops.data.ctypes.data, ops.data_len.ctypes.data, ops.file_len.ctypes.data,
                    ops.err.ctypes.data, ops.got.ctypes.data, ops.fd.ctypes.data,
-                   ops.dirs.ctypes.data if ops.dirs is not None else None, ops.hash.ctypes.data)
+                   ops.dirs.ctypes.data if ops.dirs is not None else None, ops.hash.ctypes.data,
+                   *((a.ctypes.data if a is not None else None)
+                     for a in (ops.expect, ops.expect_len, ops.nbytes, ops.verdict)))
         return self._lib.tc_run(self._pool, ctypes.byref(b), n)  # the GIL is released meanwhile
 
     def close(self) -> None:

@@ -224,11 +224,18 @@ def _meta_tail(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> by
                        "checksum_algo": CHECKSUM_ALGO, "checksum": ""}, separators=(",", ":"))[1:-2].encode()
 
 
+def usual_header_tail(pool: PoolSpec) -> bytes:
+    """The metadata text :func:`encode_header` writes for a block of ``pool`` (no ``extra``)
+    after ``{"key":"<key text>",``, up to the checksum's 16 hex digits (which are followed by
+    ``"}``): what the native checks of ``verify`` and ``purge`` compare (``kernels/blockio.c``,
+    ``CHECK`` reads)."""
+    return _meta_tail(pool.name, pool.dtype, pool.block_shape, pool.block_nbytes)
+
+
 def _meta_head(key: Key, pool: PoolSpec) -> bytes:
     """What :func:`encode_header` writes as metadata before the checksum's hex digits (no
     ``extra``): ``{"key":"...","pool":...,"checksum":"``."""
-    return b'{"key":"' + key_text(key).encode() + b'",' + _meta_tail(pool.name, pool.dtype, pool.block_shape,
-                                                                     pool.block_nbytes)
+    return b'{"key":"' + key_text(key).encode() + b'",' + usual_header_tail(pool)
 
 
 def header_checksum(buf, key: Key, pool: PoolSpec, where: str) -> int:

@@ -23,7 +23,9 @@ subdirectories, each under its own directory lock, proceed together; :func:`dele
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
@@ -31,8 +33,9 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from tiercache.errors import ConfigError, CorruptBlockError
-from tiercache.files.batchio import HASH, NOT_REGULAR, READ, UNLINK, NativeIO, Ops, choose_engine, native_hash
-from tiercache.files.blockfile import DATA_OFFSET, checksum, decode_header, file_size, header_checksum
+from tiercache.files.batchio import CHECK, DIRECT, HASH, NOT_REGULAR, READ, UNLINK, NativeIO, Ops, choose_engine, native_hash
+from tiercache.files.blockfile import (ALIGN, DATA_OFFSET, checksum, decode_header, file_size, header_checksum,
+                                       usual_header_tail)
 from tiercache.files.rootdir import RootDir, RootPath
 from tiercache.files.rootsurvey import FileEntry, entry_path, is_own_block_file, verify_file
 from tiercache.geometry import PoolSpec
@@ -64,13 +67,24 @@ def _chunks(entries: list[FileEntry], size_of: Callable[[FileEntry], int] | None
 
 class _Results(NamedTuple):
     """A chunk's per-file results: errno (or NOT_REGULAR), bytes read, file size, XXH3-64 of
-    the data (lists), and the header pages (``uint8 [n, 4096]``)."""
+    the data (lists; None where the C threads did not hash it), and the header pages
+    (``uint8 [n, 4096]``)."""
 
     err: list[int]
     got: list[int]
     file_len: list[int]
     hash: list[int]
     heads: np.ndarray
+
+
+class _Tail(NamedTuple):
+    """A pool's metadata text after the key (:func:`usual_header_tail`), kept alive for the C
+    threads: the array, its address and size, and the pool's block bytes."""
+
+    text: np.ndarray
+    addr: int
+    size: int
+    nbytes: int
 
 
 class _Checker:
@@ -81,9 +95,21 @@ class _Checker:
         self.native = native
         self.hash = native_hash()
         self._pools: dict[str, PoolSpec] = {}
+        self._tails: dict[str, _Tail] = {}  # per pool: what the C threads compare (CHECK reads)
         self._dirs: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """This thread's page-aligned staging buffer of at least ``nbytes`` bytes (reused:
+        a fresh one per chunk cost a page fault per 4 KiB)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.size < nbytes:
+            raw = np.empty(max(nbytes, 1 << 20) + ALIGN, np.uint8)
+            start = -raw.ctypes.data % ALIGN
+            buf = self._local.staging = raw[start:start + max(nbytes, 1 << 20)]
+        return buf
 
     def _learn(self, name: str, header) -> None:
         """Remember pool ``name``'s geometry from a file's decoded ``header`` (the first one)."""
@@ -96,6 +122,8 @@ class _Checker:
                 return
             if pool.block_nbytes == header.nbytes:
                 self._pools[name] = pool
+                tail = np.frombuffer(usual_header_tail(pool), np.uint8)
+                self._tails[name] = _Tail(tail, tail.ctypes.data, tail.size, pool.block_nbytes)
 
     def dir_fd(self, sub: str) -> int:
         """The descriptor of block subdirectory ``sub`` (``""``: the root), opened once."""
@@ -112,29 +140,53 @@ class _Checker:
         ops = Ops(n, self.native.heads(n))
         lens = (np.fromiter((max(self.size(e) - DATA_OFFSET, 0) for e in files), np.int64, n) if whole
                 else np.zeros(n, np.int64))
+        # each file's data at a page-aligned offset of this thread's staging buffer
+        room = (lens + (ALIGN - 1)) // ALIGN * ALIGN
         offs = np.zeros(n, np.int64)
-        np.cumsum(lens[:-1], out=offs[1:])
-        staging = np.empty(max(int(lens.sum()), 1), np.uint8)
+        np.cumsum(room[:-1], out=offs[1:])
+        staging = self._staging(int(room.sum()))
         ops.names = [e.name.encode() for e in files]
         ops.dirs = np.fromiter((self.dir_fd(e.dir) for e in files), np.int32, n)
         ops.data[:] = np.uint64(staging.ctypes.data) + offs.astype(np.uint64)
         ops.data_len[:] = lens
+        checked = self._expect(files, ops)
         if self.hash and whole:
-            ops.flags |= HASH
+            ops.flags[~checked] |= HASH
+        # O_DIRECT where the length allows it, as fio's reads in the comparison (through the
+        # page cache, the copy out of it cost more CPU on a cold root than the checks did)
+        ops.flags[lens % ALIGN == 0] |= DIRECT
         self.native.run(READ, self.rd.fd, ops)
         # per-file values as Python lists (one conversion per chunk, not a NumPy scalar per field)
-        r = _Results(ops.err.tolist(), ops.got.tolist(), ops.file_len.tolist(), ops.hash.tolist(), ops.heads)
-        for j, e in enumerate(files):
-            if e.size < 0 and not r.err[j]:  # listed without a stat: the size its file had when read
-                e.size = r.file_len[j]
+        hashes = [h if not c else None for h, c in zip(ops.hash.tolist(), checked.tolist())]  # None: not hashed
+        r = _Results(ops.err.tolist(), ops.got.tolist(), ops.file_len.tolist(), hashes, ops.heads)
+        for e, err, file_len in zip(files, r.err, r.file_len):
+            if e.size < 0 and not err:  # listed without a stat: the size its file had when read
+                e.size = file_len
+        # files the C threads passed need nothing more; the rest are judged here
+        verdict = ops.verdict.tolist() if ops.verdict is not None else [0] * n
         if not whole:
-            return [(e, self._header(e, r, j)[0]) for j, e in enumerate(files)]
+            return [(e, None if ok else self._header(e, r, j)[0]) for j, (e, ok) in enumerate(zip(files, verdict))]
         out = []
-        for j, (e, off, size) in enumerate(zip(files, offs.tolist(), lens.tolist())):
-            problem = self._check(e, r, j, staging, off, size)
+        for j in (j for j, ok in enumerate(verdict) if not ok):
+            problem = self._check(files[j], r, j, staging, int(offs[j]), int(lens[j]))
             if problem:
-                out.append((e, problem))
+                out.append((files[j], problem))
         return out
+
+    def _expect(self, files: list[FileEntry], ops: Ops) -> np.ndarray:
+        """Mark the reads of ``files`` whose pool's geometry is known ``CHECK`` (header, size
+        and checksum compared in the C threads: ``kernels/blockio.c``); returns which
+        (``bool [n]``)."""
+        tails = self._tails
+        per_file = [tails.get(e.pool) for e in files]
+        checked = np.fromiter((t is not None for t in per_file), bool, len(files))
+        if checked.any():
+            ops.expect_usual()
+            ops.expect[:] = [t.addr if t is not None else 0 for t in per_file]
+            ops.expect_len[:] = [t.size if t is not None else 0 for t in per_file]
+            ops.nbytes[:] = [t.nbytes if t is not None else 0 for t in per_file]
+            ops.flags[checked] |= CHECK
+        return checked
 
     def _header(self, e: FileEntry, r: _Results, j: int) -> tuple[str | None, int, int]:
         """``(problem, data checksum, data bytes)`` of file ``j``'s header: a problem when it
@@ -178,7 +230,10 @@ class _Checker:
     def _check(self, e: FileEntry, r: _Results, j: int, staging: np.ndarray, off: int, size: int) -> str | None:
         if not r.err[j] and r.file_len[j] != DATA_OFFSET + size:
             # replaced or resized since the survey, or not the size of its pool's files: on its own
-            return verify_file(entry_path(self.rd, e))
+            problem = verify_file(entry_path(self.rd, e))
+            if problem is None and r.file_len[j] > DATA_OFFSET:
+                self._sizes[e.pool] = r.file_len[j]  # the size to read its pool's files with
+            return problem
         problem, want, nbytes = self._header(e, r, j)
         if problem:
             return problem
@@ -188,7 +243,7 @@ class _Checker:
             return f"{name}: truncated ({max(have, 0)} of {nbytes} data bytes)"
         if e.size != file_size(nbytes):
             return f"{name}: {e.size} bytes, expected {file_size(nbytes)} (trailing bytes)"
-        if self.hash and nbytes == size and got == DATA_OFFSET + size:
+        if r.hash[j] is not None and self.hash and nbytes == size and got == DATA_OFFSET + size:
             hashed = r.hash[j]
         else:
             hashed = checksum(staging[off:off + nbytes])
@@ -198,45 +253,152 @@ class _Checker:
         return None
 
 
-def _in_chunks(rd: RootDir, entries: list[FileEntry], threads: int, engine: str, whole: bool,
-               on_done: Callable[[int], None] | None) -> list[tuple[FileEntry, str | None]]:
-    """What :meth:`_Checker.chunk` returns for all ``entries``, chunks run on ``threads``
-    threads with one native engine."""
-    native = NativeIO(threads, uring=engine == "io_uring")
+#: Python's thread switch interval while a root is checked beside its listing (seconds)
+CHECK_SWITCH_S = 0.0005
+
+
+@contextlib.contextmanager
+def quick_gil_handoff(interval: float = CHECK_SWITCH_S):
+    """Python's thread switch interval set to ``interval`` seconds for the block (then put
+    back; it is the process's): a :class:`RootCheck`'s threads need the GIL for a moment per
+    chunk while the survey's listing holds it, and at Python's default 5 ms they left the disk
+    idle meanwhile (verify of a million files: 17.3 s against 14.4 s, docs/performance.md)."""
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
     try:
-        checker = _Checker(rd, native)
-
-        def run(files):
-            found = checker.chunk(files, whole)
-            if on_done is not None:
-                on_done(len(files))
-            return found
-
-        with ThreadPoolExecutor(threads) as pool:
-            return [x for found in pool.map(run, _chunks(entries, checker.size if whole else None)) for x in found]
+        yield
     finally:
-        native.close()
+        sys.setswitchinterval(was)
 
 
-def _one_by_one(entries: list, fn: Callable, threads: int, on_done: Callable[[int], None] | None) -> list:
-    """``fn(entry)`` of each entry, on ``threads`` threads, in order."""
-    out = []
-    with ThreadPoolExecutor(threads) as pool:
-        for r in pool.map(fn, entries):
-            out.append(r)
-            if on_done is not None:
-                on_done(1)
-    return out
+#: what a :class:`RootCheck` does with each file
+VERIFY, OWN, DELETE = "verify", "own", "delete"
+
+
+class RootCheck:
+    """Checks (``verify``), tells tiercache's own (``own``) or deletes tiercache's own
+    (``delete``) block files of ``rd``'s root, in native chunks on ``threads`` threads, as they
+    are handed in with :meth:`add`: a survey hands each subdirectory's files in as soon as it
+    is listed (``survey(..., on_blocks=check.add)``), so that the listing of the next
+    subdirectory (Python) overlaps the checks of those listed (the disk and the C threads). At
+    a million files of a root the listing took as long as a third of the checks
+    (docs/performance.md, "Opening a root of a million blocks").
+
+    Files go in inode order within each :meth:`add` (a subdirectory's files in inode order
+    checked as fast, measured, as the whole root's). Per mode, :meth:`results` returns
+    ``verify``: ``(entry, problem)`` for each bad file; ``own``: the entries whose header is
+    tiercache's and names the file's key and pool; ``delete``: ``(entries removed, how many
+    were left as not tiercache's)``, each chunk's own files unlinked by the thread that read
+    its headers. Entries of size -1 (listed without a stat) get the size their file had when
+    read. ``on_done(n)`` is called as each ``n`` files are done (from the threads). Entries
+    that are not surveyed block files (no key: a symlink, a directory, a file in the wrong
+    subdirectory) and every entry with ``io_engine = "python"`` go one by one
+    (:func:`verify_file`, :func:`is_own_block_file`).
+
+    Raises:
+        ConfigError: an unknown or unavailable ``io_engine``, or an unknown ``mode``.
+    """
+
+    def __init__(self, rd: RootDir, mode: str = VERIFY, threads: int = 8,
+                 on_done: Callable[[int], None] | None = None, io_engine: str = "auto") -> None:
+        if mode not in (VERIFY, OWN, DELETE):
+            raise ConfigError(f"RootCheck mode {mode!r}; valid: {VERIFY}, {OWN}, {DELETE}")
+        self.rd, self.mode, self.on_done = rd, mode, on_done
+        self.engine, _ = choose_engine(io_engine)
+        self._native = NativeIO(threads, uring=self.engine == "io_uring") if self.engine != "python" else None
+        self._checker = _Checker(rd, self._native) if self._native is not None else None
+        self._pool = ThreadPoolExecutor(threads)
+        self._futures: list = []
+        self._pools_known: set[str] = set()
+
+    def add(self, entries: list[FileEntry]) -> None:
+        """Queue ``entries`` (block files of the root, from
+        :func:`~tiercache.files.rootsurvey.survey`)."""
+        native = [e for e in entries if e.key is not None] if self._checker is not None else []
+        rest = [e for e in entries if e.key is None] if self._checker is not None else entries
+        if rest:
+            self._futures.append(self._pool.submit(self._one_by_one, rest))
+        if not native:
+            return
+        first = {}  # a pool's first file is checked on its own, in Python: its geometry is learnt
+        for e in native:  # before its other files go to the C threads (whose checks need it)
+            if e.pool not in self._pools_known:
+                first.setdefault(e.pool, e)
+        if first:
+            self._pools_known.update(first)
+            learning = self._pool.submit(self._chunk, list(first.values()))
+            self._futures.append(learning)
+            learning.result()
+            picked = {id(e) for e in first.values()}
+            native = [e for e in native if id(e) not in picked]
+        for files in _chunks(native, self._checker.size if self.mode == VERIFY else None):
+            self._futures.append(self._pool.submit(self._chunk, files))
+
+    def _chunk(self, files: list[FileEntry]):
+        checked = self._checker.chunk(files, whole=self.mode == VERIFY)
+        if self.mode == VERIFY:
+            out = checked
+        else:
+            mine = [e for e, problem in checked if problem is None]
+            out = mine
+            if self.mode == DELETE:
+                ops = Ops(len(mine), self._native.heads(0))
+                ops.names = [e.name.encode() for e in mine]
+                ops.dirs = np.fromiter((self._checker.dir_fd(e.dir) for e in mine), np.int32, len(mine))
+                self._native.run(UNLINK, -1, ops)
+                out = ([e for e, err in zip(mine, ops.err.tolist()) if not err], len(files) - len(mine))
+        if self.on_done is not None:
+            self.on_done(len(files))
+        return out
+
+    def _one_by_one(self, entries: list[FileEntry]):
+        rd = self.rd
+        if self.mode == VERIFY:
+            out = [(e, p) for e in entries if (p := verify_file(entry_path(rd, e)))]
+        else:
+            mine = []
+            for e in entries:
+                path = entry_path(rd, e)
+                if e.size < 0:
+                    st = path.lstat()
+                    e.size = st.st_size if st is not None else -1
+                if is_own_block_file(path):
+                    mine.append(e)
+            out = mine
+            if self.mode == DELETE:
+                gone = unlink_all([entry_path(rd, e) for e in mine], 1, None, "python")
+                out = ([e for e, ok in zip(mine, gone) if ok], len(entries) - len(mine))
+        if self.on_done is not None:
+            self.on_done(len(entries))
+        return out
+
+    def results(self):
+        """Wait for every file added; what the mode returns (above)."""
+        parts = [f.result() for f in self._futures]
+        if self.mode == DELETE:
+            return [e for gone, _ in parts for e in gone], sum(left for _, left in parts)
+        return [x for part in parts for x in part]
+
+    def close(self) -> None:
+        """Wait for the threads and free the native engine."""
+        self._pool.shutdown(wait=True)
+        if self._native is not None:
+            self._native.close()
+
+    def __enter__(self) -> "RootCheck":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def verify_entries(rd: RootDir, entries: list[FileEntry], threads: int = 8,
                    on_done: Callable[[int], None] | None = None,
                    io_engine: str = "auto") -> list[tuple[FileEntry, str]]:
     """Check the block files ``entries`` (from :func:`~tiercache.files.rootsurvey.survey` of
-    ``rd``'s root) on ``threads`` threads; returns ``(entry, problem)`` for each bad one.
-    ``on_done(n)`` is called as each ``n`` files are checked (from the threads). A file that
-    changed since the survey (its size) is checked as it is now. Entries listed without a
-    stat (``survey(..., sizes=False)``: size -1) get the size their file had when read.
+    ``rd``'s root) on ``threads`` threads; returns ``(entry, problem)`` for each bad one
+    (:class:`RootCheck`, ``verify``). A file that changed since the survey (its size) is
+    checked as it is now.
 
     Args:
         io_engine: the native engine to read with (``auto``, ``io_uring``, ``threads``) or
@@ -245,81 +407,38 @@ def verify_entries(rd: RootDir, entries: list[FileEntry], threads: int = 8,
     Raises:
         ConfigError: an unknown or unavailable ``io_engine``.
     """
-    engine, _ = choose_engine(io_engine)
-    # surveyed block files go in native chunks; anything else under a block name (a symlink,
-    # a directory, a file in the wrong subdirectory: no size or key surveyed) one by one
-    native = [e for e in entries if e.key is not None] if engine != "python" else []
-    rest = entries if engine == "python" else [e for e in entries if e.key is None]
-    problems = _one_by_one(rest, lambda e: verify_file(entry_path(rd, e)), threads, on_done)
-    bad = [(e, p) for e, p in zip(rest, problems) if p]
-    if native:
-        bad += _in_chunks(rd, native, threads, engine, True, on_done)
-    return bad
+    with RootCheck(rd, VERIFY, threads, on_done, io_engine) as check:
+        check.add(entries)
+        return check.results()
 
 
 def own_entries(rd: RootDir, entries: list[FileEntry], threads: int = 8, io_engine: str = "auto") -> list[FileEntry]:
     """Those of the block files ``entries`` whose header is tiercache's and names the same
     key and pool as the file's name (what ``purge`` may delete, corrupt data included): header
-    pages read in native chunks on ``threads`` threads (:func:`is_own_block_file` per file
-    with ``io_engine = "python"`` or where the native library cannot be built). Entries of
-    size -1 get the size their file had when read (the native engine's).
+    pages read in native chunks on ``threads`` threads (:class:`RootCheck`, ``own``).
 
     Raises:
         ConfigError: an unknown or unavailable ``io_engine``.
     """
-    engine, _ = choose_engine(io_engine)
-    if engine == "python" or any(e.key is None for e in entries):
-        def own(e: FileEntry) -> bool:
-            path = entry_path(rd, e)
-            if e.size < 0:
-                st = path.lstat()
-                e.size = st.st_size if st is not None else -1
-            return is_own_block_file(path)
-
-        owned = _one_by_one(entries, own, threads, None)
-        return [e for e, ok in zip(entries, owned) if ok]
-    return [e for e, problem in _in_chunks(rd, entries, threads, engine, False, None) if problem is None]
+    with RootCheck(rd, OWN, threads, None, io_engine) as check:
+        check.add(entries)
+        return check.results()
 
 
 def delete_own(rd: RootDir, entries: list[FileEntry], threads: int = 8, on_done: Callable[[int], None] | None = None,
                io_engine: str = "auto") -> tuple[list[FileEntry], int]:
-    """:func:`own_entries` and :func:`unlink_all` in one pass (``purge --yes``): each chunk's
-    header pages are read and its files that are tiercache's are unlinked by the same thread
-    at once, so that one chunk's header reads overlap another's unlinks. Returns the entries
-    removed (sizes from the native reads) and how many were left as not tiercache's.
+    """:func:`own_entries` and :func:`unlink_all` in one pass (``purge --yes``;
+    :class:`RootCheck`, ``delete``): each chunk's header pages are read and its files that are
+    tiercache's are unlinked by the same thread at once, so that one chunk's header reads
+    overlap another's unlinks. Returns the entries removed (sizes from the native reads) and
+    how many were left as not tiercache's.
 
     Raises:
         ConfigError: an unknown or unavailable ``io_engine``.
     """
-    engine, _ = choose_engine(io_engine)
-    if engine == "python" or any(e.key is None for e in entries):
-        owned = own_entries(rd, entries, threads, io_engine)
-        if on_done is not None and len(entries) > len(owned):
-            on_done(len(entries) - len(owned))  # those left alone count as done
-        gone = unlink_all([entry_path(rd, e) for e in owned], threads, on_done, io_engine)
-        return [e for e, ok in zip(owned, gone) if ok], len(entries) - len(owned)
-    native = NativeIO(threads, uring=engine == "io_uring")
-    try:
-        checker = _Checker(rd, native)
-
-        def run(files: list[FileEntry]) -> tuple[list[FileEntry], int]:
-            mine = [e for e, problem in checker.chunk(files, whole=False) if problem is None]
-            ops = Ops(len(mine), native.heads(0))
-            ops.names = [e.name.encode() for e in mine]
-            ops.dirs = np.fromiter((checker.dir_fd(e.dir) for e in mine), np.int32, len(mine))
-            native.run(UNLINK, -1, ops)
-            if on_done is not None:
-                on_done(len(files))
-            return [e for e, err in zip(mine, ops.err.tolist()) if not err], len(files) - len(mine)
-
-        removed, foreign = [], 0
-        with ThreadPoolExecutor(threads) as pool:
-            for gone, left in pool.map(run, _chunks(entries)):
-                removed += gone
-                foreign += left
-        return removed, foreign
-    finally:
-        native.close()
+    with RootCheck(rd, DELETE, threads, on_done, io_engine) as check:
+        check.add(entries)
+        return check.results()
 
 
 def unlink_all(paths: list[RootPath], threads: int = 8, on_done: Callable[[int], None] | None = None,
