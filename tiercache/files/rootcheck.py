@@ -40,6 +40,9 @@ from tiercache.files.rootdir import RootDir, RootPath
 from tiercache.files.rootsurvey import FileEntry, entry_path, is_own_block_file, verify_file
 from tiercache.geometry import PoolSpec
 
+#: files of each pool checked in Python before the rest (its geometry learnt from the first
+#: of them whose header decodes)
+LEARN_FILES = 32
 #: files per native call, and data bytes per call (a chunk ends at whichever comes first)
 CHUNK_FILES = 256
 CHUNK_BYTES = 32 << 20
@@ -320,19 +323,29 @@ class RootCheck:
             self._futures.append(self._pool.submit(self._one_by_one, rest))
         if not native:
             return
-        first = {}  # a pool's first file is checked on its own, in Python: its geometry is learnt
-        for e in native:  # before its other files go to the C threads (whose checks need it)
+        # a pool's first files are checked first, in Python: its geometry is learnt from the
+        # first whose header decodes, before its other files go to the C threads (whose
+        # checks need it); several, since the first ones may be damaged
+        first: dict[str, list[FileEntry]] = {}
+        for e in native:
             if e.pool not in self._pools_known:
-                first.setdefault(e.pool, e)
+                batch = first.setdefault(e.pool, [])
+                if len(batch) < LEARN_FILES:
+                    batch.append(e)
         if first:
             self._pools_known.update(first)
-            learning = self._pool.submit(self._chunk, list(first.values()))
-            self._futures.append(learning)
-            learning.result()
-            picked = {id(e) for e in first.values()}
+            learners = [e for batch in first.values() for e in batch]
+            learning = [self._pool.submit(self._chunk, files) for files in self._cut(learners)]
+            self._futures += learning
+            for f in learning:
+                f.result()
+            picked = {id(e) for batch in first.values() for e in batch}
             native = [e for e in native if id(e) not in picked]
-        for files in _chunks(native, self._checker.size if self.mode == VERIFY else None):
+        for files in self._cut(native):
             self._futures.append(self._pool.submit(self._chunk, files))
+
+    def _cut(self, entries: list[FileEntry]) -> list[list[FileEntry]]:
+        return _chunks(entries, self._checker.size if self.mode == VERIFY else None)
 
     def _chunk(self, files: list[FileEntry]):
         checked = self._checker.chunk(files, whole=self.mode == VERIFY)
