@@ -265,7 +265,7 @@ def quick_gil_handoff(interval: float = CHECK_SWITCH_S):
     """Python's thread switch interval set to ``interval`` seconds for the block (then put
     back; it is the process's): a :class:`RootCheck`'s threads need the GIL for a moment per
     chunk while the survey's listing holds it, and at Python's default 5 ms they left the disk
-    idle meanwhile (verify of a million files: 17.3 s against 14.4 s, docs/performance.md)."""
+    idle meanwhile (verify of a million files: 17.3 s against 13.8-15.4 s, docs/performance.md)."""
     was = sys.getswitchinterval()
     sys.setswitchinterval(interval)
     try:
@@ -319,8 +319,8 @@ class RootCheck:
         :func:`~tiercache.files.rootsurvey.survey`)."""
         native = [e for e in entries if e.key is not None] if self._checker is not None else []
         rest = [e for e in entries if e.key is None] if self._checker is not None else entries
-        if rest:
-            self._futures.append(self._pool.submit(self._one_by_one, rest))
+        for start in range(0, len(rest), CHUNK_FILES):  # spread over the threads, as the chunks are
+            self._futures.append(self._pool.submit(self._one_by_one, rest[start:start + CHUNK_FILES]))
         if not native:
             return
         # a pool's first files are checked first, in Python: its geometry is learnt from the
