@@ -45,12 +45,19 @@ def names(root, prefix: str = "") -> list[str]:
 def require_integration(module: str):
     """``module`` (an integration's library: vllm, torch, transformers), imported. Where it is
     missing the calling test module is skipped, except under ``TIERCACHE_REQUIRE_INTEGRATIONS=1``
-    (CI), where its absence is an error: integration tests must run there, not skip."""
+    (CI), where its absence is an error: integration tests must run there, not skip. With
+    ``TIERCACHE_EXPECT_VLLM=X``, a vllm whose version is not X is an error (the run against
+    another release's sources must not test the installed one)."""
     if os.environ.get("TIERCACHE_REQUIRE_INTEGRATIONS") == "1":
         import importlib
 
-        return importlib.import_module(module)
-    return pytest.importorskip(module)
+        mod = importlib.import_module(module)
+    else:
+        mod = pytest.importorskip(module)
+    want = os.environ.get("TIERCACHE_EXPECT_VLLM")  # the run against another release's sources
+    if module == "vllm" and want and mod.__version__ != want:
+        raise RuntimeError(f"TIERCACHE_EXPECT_VLLM={want} but vllm {mod.__version__} was imported from {mod.__file__}")
+    return mod
 
 
 def pytest_collection_modifyitems(config, items):

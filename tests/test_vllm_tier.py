@@ -1,6 +1,8 @@
-"""TierCacheTier through vLLM's own tiering code (CPU; vLLM 0.33 installed by CI).
+"""TierCacheTier through vLLM's own tiering code (CPU; CI runs this file against vLLM 0.33 and
+again against 0.26's sources: README, "Tests").
 
-vLLM's real ``TieringOffloadingSpec`` loads the tier by ``module_path`` and builds its real
+vLLM's real spec factory loads ``TierCacheTieringSpec`` (or ``TieringOffloadingSpec`` with the
+tier's ``module_path``) and builds its real
 ``TieringOffloadingManager`` over a real ``CPUPrimaryTierOffloadingManager``
 (tests/vllm_harness.py); chunks are stored, cascaded to the tier, pushed out of the CPU tier,
 looked up and promoted back, and every byte is compared. Also: vLLM's ``fs`` tier's own test
@@ -27,16 +29,15 @@ require_integration("vllm")
 from vllm.v1.kv_offload.base import (  # noqa: E402
     Locality,
     LookupResult,
-    Medium,
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 
 import vllm_harness as H  # noqa: E402
 from tiercache import ConfigError, RootError  # noqa: E402
 from tiercache.files import batchio  # noqa: E402
+from tiercache.integrations import vllmcompat as compat  # noqa: E402
 from tiercache.integrations.vllm import TierCacheTier  # noqa: E402
 
 HARNESS = Path(__file__).with_name("vllm_harness.py")
@@ -52,16 +53,30 @@ def engine(tmp_path, request):
     m.shutdown()
 
 
+def assert_partial(res, ok_keys, ordered: bool = True) -> None:
+    """A load that failed for some chunks: it names the others where vLLM's ``JobResult`` has
+    ``successful_keys`` (0.33), and fails whole where it has not (0.26)."""
+    assert not res.success
+    if not compat.PARTIAL_RESULTS:
+        assert not hasattr(res, "successful_keys")
+    elif ordered:
+        assert list(res.successful_keys) == list(ok_keys)
+    else:
+        assert set(res.successful_keys) == set(ok_keys)
+
+
 def _files(tier: TierCacheTier) -> list[str]:
     return names(tier.root, "block_")
 
 
 # -- loading -----------------------------------------------------------------------------------
-def test_vllm_loads_the_tier_from_its_config_line(tmp_path):
-    spec, m = H.build({"root": str(tmp_path)})
+@pytest.mark.parametrize("route", ["spec", "module_path"])
+def test_vllm_loads_the_tier_from_its_config_line(tmp_path, route):
+    spec, m = H.build({"root": str(tmp_path)}, route=route)
     try:
+        assert type(spec).__name__ == ("TierCacheTieringSpec" if route == "spec" else "TieringOffloadingSpec")
         (tier,) = m.secondary_tiers
-        assert type(tier) is TierCacheTier and tier.medium is Medium.STORAGE
+        assert type(tier) is TierCacheTier and tier.medium is compat.STORAGE_MEDIUM
         # the root is named by vLLM's own FileMapper: <root>/<model>_<digest>_r<rank>
         assert tier.root.parent == tmp_path and tier.root.name.startswith("org_tiny-model_")
         assert tier.root.name.endswith("_r0") and (tier.root / ".tiercache-root").is_file()
@@ -69,6 +84,29 @@ def test_vllm_loads_the_tier_from_its_config_line(tmp_path):
         assert tier.store.row_bytes == 64 << 10 and tier.store.sharing == "exclusive" and tier.store.fsync == "none"
     finally:
         m.shutdown()
+
+
+def test_a_fresh_process_loads_the_spec_by_name_alone(tmp_path):
+    """What vLLM's connector does in a process that never imported tiercache: the spec is found
+    by ``spec_name`` + ``spec_module_path``, its metric definitions (read before the spec is
+    built) include the tier's, and the tier is created below the CPU tier."""
+    code = f"""
+import sys; sys.path.insert(0, {str(HARNESS.parent)!r})
+assert "tiercache" not in sys.modules
+import vllm_harness as H
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+cfg = H.offloading_config({{"root": {str(tmp_path)!r}}})
+cls = OffloadingSpecFactory.get_spec_cls(cfg.extra_config)
+defs = cls.build_metric_definitions(dict(cfg.extra_config))
+assert "vllm:kv_offload_tiercache_stored_chunks" in defs, sorted(defs)
+spec = OffloadingSpecFactory.create_spec(cfg)
+m = spec.get_manager()
+print("LOADED", type(spec).__name__, type(m.secondary_tiers[0]).__name__, flush=True)
+m.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LOADED TierCacheTieringSpec TierCacheTier" in out.stdout.splitlines()
 
 
 def test_factory_creates_it_with_locality(tmp_path):
@@ -191,13 +229,12 @@ def test_corrupt_file_fails_that_chunk_only_and_is_quarantined(engine, rng):
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
     tier = engine.tier
-    job = TransferJob(job_id=10_000, keys=keys, chunk_ids=np.arange(4), is_promotion=True,
-                      req_context=ReqContext(req_id="direct"))
+    job = compat.make_job(10_000, keys, np.arange(4), True, ReqContext(req_id="direct"))
     engine.rows[:4] = 0xAB
     tier.submit_load(job)
     tier.drain_jobs()
     (res,) = tier.get_finished_jobs()
-    assert not res.success and list(res.successful_keys) == [keys[0], keys[1], keys[3]]
+    assert_partial(res, [keys[0], keys[1], keys[3]])
     for i, k in enumerate(keys):
         want = np.zeros(engine.row_bytes, np.uint8) if k == bad else H.chunk_bytes(k, engine.row_bytes)
         np.testing.assert_array_equal(engine.rows[i], want)  # the bad row holds no unverified byte
@@ -219,10 +256,10 @@ def test_file_deleted_behind_its_back_fails_that_chunk(engine, rng):
     engine.flush_primary()
     os.unlink(bpath(engine.tier.root, keys[0], "kv"))
     tier = engine.tier
-    tier.submit_load(TransferJob(1, keys, np.array([5, 6, 7]), True, ReqContext("r")))
+    tier.submit_load(compat.make_job(1, keys, np.array([5, 6, 7]), True, ReqContext("r")))
     tier.drain_jobs()
     (res,) = tier.get_finished_jobs()
-    assert not res.success and set(res.successful_keys) == set(keys[1:])
+    assert_partial(res, keys[1:], ordered=False)
     assert engine.lookups(keys[:1]) == [LookupResult.MISS]
 
 
@@ -234,12 +271,12 @@ def test_transient_read_error_fails_the_chunk_and_leaves_its_file(engine, rng):
     before = path.read_bytes()
     batchio.set_fault(batchio.READ, keys[1].hex(), 5, 1)  # EIO once
     try:
-        engine.tier.submit_load(TransferJob(1, keys, np.array([0, 1]), True, ReqContext("r")))
+        engine.tier.submit_load(compat.make_job(1, keys, np.array([0, 1]), True, ReqContext("r")))
         engine.tier.drain_jobs()
         (res,) = engine.tier.get_finished_jobs()
     finally:
         batchio.clear_faults()
-    assert not res.success and list(res.successful_keys) == [keys[0]]
+    assert_partial(res, [keys[0]])
     assert path.read_bytes() == before  # not deleted, not quarantined
     assert not np.any(engine.rows[1])
 
@@ -251,7 +288,7 @@ def test_failed_store_leaves_no_file_and_reports_failure(engine, rng):
     try:
         eng_rows = [0, 1, 2]
         engine.rows[:3] = 7
-        engine.tier.submit_store(TransferJob(5, keys, np.array(eng_rows), False, ReqContext("r")))
+        engine.tier.submit_store(compat.make_job(5, keys, np.array(eng_rows), False, ReqContext("r")))
         engine.tier.drain_jobs()
         (res,) = engine.tier.get_finished_jobs()
     finally:
@@ -265,8 +302,8 @@ def test_failed_store_leaves_no_file_and_reports_failure(engine, rng):
 def test_out_of_range_chunk_fails_the_job_not_the_step(engine, rng):
     k = H.new_keys(rng, 1)
     n = engine.rows.shape[0]
-    engine.tier.submit_store(TransferJob(1, k, np.array([n]), False, ReqContext("r")))
-    engine.tier.submit_load(TransferJob(2, k, np.array([n]), True, ReqContext("r")))
+    engine.tier.submit_store(compat.make_job(1, k, np.array([n]), False, ReqContext("r")))
+    engine.tier.submit_load(compat.make_job(2, k, np.array([n]), True, ReqContext("r")))
     res = {r.job_id: r for r in engine.tier.get_finished_jobs()}
     assert set(res) == {1, 2} and not res[1].success and not res[2].success
 
@@ -315,7 +352,7 @@ def test_capacity_is_held_under_churn_and_eviction_events_flow(tmp_path, rng):
                 live.append(live.pop(0))
             ev = list(tier.take_events())
             removed |= {k for e in ev if e.removed for k in e.keys}
-            assert all(e.medium is Medium.STORAGE for e in ev)
+            assert all(e.medium is compat.STORAGE_MEDIUM for e in ev)
             on_disk = sum(os.path.getsize(f) for f in files(tier.root, "block_*") + files(tier.root, ".tmp.*"))
             assert on_disk <= cap_bytes
         held = [k for k in live if k not in removed]
@@ -336,10 +373,10 @@ def test_a_chunk_being_loaded_is_never_evicted(tmp_path, rng):
         old = H.new_keys(rng, 4)
         eng.store(old)
         gate = _hold_io(eng.tier)
-        eng.tier.submit_load(TransferJob(900, old[:2], np.array([14, 15]), True, ReqContext("r")))
+        eng.tier.submit_load(compat.make_job(900, old[:2], np.array([14, 15]), True, ReqContext("r")))
         fresh = H.new_keys(rng, 4)
         eng.rows[:4] = 1
-        eng.tier.submit_store(TransferJob(901, fresh, np.arange(4), False, ReqContext("r")))
+        eng.tier.submit_store(compat.make_job(901, fresh, np.arange(4), False, ReqContext("r")))
         gate.set()
         eng.tier.drain_jobs()
         res = {r.job_id: r for r in eng.tier.get_finished_jobs()}
@@ -382,13 +419,16 @@ def test_metrics_reach_vllms_stats(engine, rng):
     engine.store(keys)
     engine.flush_primary()
     engine.promote(keys)
-    with engine.m.lock:
+    with engine.lock:
         stats = engine.m.get_stats().reduce()
     tier = "('TierCacheTier',)"
     assert stats[f"vllm:kv_offload_tiercache_loaded_chunks:{tier}"] == 5
     assert stats[f"vllm:kv_offload_tiercache_stored_chunks:{tier}"] == len(engine.tier.store)
     assert stats[f"vllm:kv_offload_tiercache_disk_bytes:{tier}"] == len(engine.tier.store) * ((64 << 10) + 4096)
-    assert stats["vllm:kv_offload_tiering_read_bytes:('1:TierCacheTier',)"] == 5 * (64 << 10)
+    from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics
+
+    if hasattr(TieringOffloadingMetrics, "READ_BYTES"):  # the manager's per-tier bytes (0.33; not in 0.26)
+        assert stats["vllm:kv_offload_tiering_read_bytes:('1:TierCacheTier',)"] == 5 * (64 << 10)
     defs = TierCacheTier.build_metric_definitions({})
     assert set(defs) >= {"vllm:kv_offload_tiercache_loaded_chunks", "vllm:kv_offload_tiercache_disk_bytes"}
     # tiercache's own Prometheus series
@@ -529,8 +569,7 @@ class TestFsTierScenarios:
     @staticmethod
     def job(job_id, keys, chunk_ids=None, promotion=False):
         ids = np.array(chunk_ids if chunk_ids is not None else range(len(keys)), dtype=np.int64)
-        return TransferJob(job_id=job_id, keys=keys, chunk_ids=ids, is_promotion=promotion,
-                           req_context=ReqContext(req_id="test"))
+        return compat.make_job(job_id, keys, ids, promotion, ReqContext(req_id="test"))
 
     @staticmethod
     def drain(tier):
@@ -576,7 +615,8 @@ class TestFsTierScenarios:
         assert all(r.success for r in self.drain(t))
         t.submit_load(self.job(2, [self.key(10), self.key(11), self.key(99)], [0, 1, 2], True))
         (r,) = self.drain(t)
-        assert r.job_id == 2 and not r.success and list(r.successful_keys) == [self.key(10), self.key(11)]
+        assert r.job_id == 2
+        assert_partial(r, [self.key(10), self.key(11)])
 
     @pytest.mark.parametrize("batch_size", [0, 1, 2, 5])
     def test_store_load_data_integrity(self, tier, batch_size):

@@ -1,8 +1,9 @@
 """vLLM's own tiering code, driven on the CPU as its scheduler drives it.
 
-:func:`build` makes a real ``TieringOffloadingSpec`` from an ``OffloadingConfig`` (as vLLM's
-``OffloadingConnector`` does) whose ``secondary_tiers`` names :class:`TierCacheTier` by
-``module_path``; ``spec.get_manager()`` then builds vLLM's real ``TieringOffloadingManager``
+:func:`build` makes the spec vLLM's ``OffloadingConnector`` makes from an ``OffloadingConfig``
+(``TierCacheTieringSpec`` by ``spec_module_path``, or vLLM's ``TieringOffloadingSpec`` with the
+tier's ``module_path``), on whichever vLLM is installed (0.26 or 0.33; what differs is in
+``tiercache.integrations.vllmcompat``); ``spec.get_manager()`` then builds vLLM's real ``TieringOffloadingManager``
 over a real ``CPUPrimaryTierOffloadingManager`` (its ``SharedOffloadRegion`` in /dev/shm) and
 loads the tier through ``SecondaryTierFactory``. :class:`Engine` plays the scheduler and the
 GPU worker: it stores chunks (bytes written into the primary rows, as the worker's GPU -> CPU
@@ -17,42 +18,50 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from tiercache.integrations import vllmcompat as compat
 
 MODULE = "tiercache.integrations.vllm"
 
+if os.environ.get("TIERCACHE_EXPECT_VLLM"):  # this file's child processes check it too (conftest)
+    import vllm
+
+    if vllm.__version__ != os.environ["TIERCACHE_EXPECT_VLLM"]:
+        raise RuntimeError(f"TIERCACHE_EXPECT_VLLM={os.environ['TIERCACHE_EXPECT_VLLM']} but vllm "
+                           f"{vllm.__version__} was imported from {vllm.__file__}")
+
 
 def offloading_config(tier: dict, row_bytes: int = 64 << 10, primary_chunks: int = 16, events: bool = False,
-                      model: str = "org/tiny-model", rank: int = 0, world_size: int = 1) -> OffloadingConfig:
+                      model: str = "org/tiny-model", rank: int = 0, world_size: int = 1, route: str = "spec"):
     """vLLM's normalized config for one KV-cache group of rows of ``row_bytes`` and a CPU
-    primary tier of ``primary_chunks`` chunks, with ``tier`` (TierCacheTier's keys) below it."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.attn",), group_id=0),),
-        worker_kv_bytes_per_block=row_bytes // world_size, enable_kv_cache_events=events,
-        extra_config={"cpu_bytes_to_use": primary_chunks * row_bytes,
-                      "secondary_tiers": [{"type": "TierCacheTier", "module_path": MODULE, **tier}]},
-        engine_id=f"tc-test-{uuid.uuid4().hex[:12]}", model=OffloadingModelConfig(name=model, dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1,
-                                          dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=None, is_parallelism_agnostic=False))
+    primary tier of ``primary_chunks`` chunks, with ``tier`` (TierCacheTier's keys) below it.
+
+    ``route``: how the connector's config names the tier: ``"spec"`` (``TierCacheTieringSpec``
+    by ``spec_module_path``, every release) or ``"module_path"`` (vLLM's own
+    ``TieringOffloadingSpec`` and the tier's ``module_path``)."""
+    extra = {"cpu_bytes_to_use": primary_chunks * row_bytes,
+             "secondary_tiers": [{"type": "TierCacheTier", **tier}]}
+    if route == "spec":
+        extra.update(spec_name="TierCacheTieringSpec", spec_module_path=MODULE)
+    else:
+        extra.update(spec_name="TieringOffloadingSpec")
+        extra["secondary_tiers"][0]["module_path"] = MODULE
+    return compat.offloading_config(row_bytes=row_bytes, extra_config=extra, engine_id=f"tc-test-{uuid.uuid4().hex[:12]}",
+                                    model=model, layer_names=("model.layers.0.attn",), events=events, rank=rank,
+                                    world_size=world_size)
 
 
 def build(tier: dict, **kw):
-    """``(spec, manager)``: vLLM's real spec and manager with TierCacheTier below the CPU tier."""
-    spec = TieringOffloadingSpec(offloading_config(tier, **kw))
+    """``(spec, manager)``: the spec vLLM's connector makes from the config (through its
+    ``OffloadingSpecFactory``) and its real manager, with TierCacheTier below the CPU tier."""
+    spec = OffloadingSpecFactory.create_spec(offloading_config(tier, **kw))
     return spec, spec.get_manager()
 
 
@@ -71,6 +80,9 @@ class Engine:
 
     def __init__(self, manager) -> None:
         self.m = manager
+        # the manager's lock where it has one (0.33: a tier-poll thread shares it); 0.26's manager
+        # is called from the scheduler's thread only, so a lock of our own orders our calls
+        self.lock = getattr(manager, "lock", None) or threading.RLock()
         self.tier = manager.secondary_tiers[0]
         self.rows = np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
         self.row_bytes = self.rows.shape[1]
@@ -79,12 +91,12 @@ class Engine:
     def ctx(self) -> ReqContext:
         self._req += 1
         ctx = ReqContext(req_id=f"req-{self._req}")
-        with self.m.lock:
+        with self.lock:
             self.m.on_new_request(ctx)
         return ctx
 
     def step(self) -> None:
-        with self.m.lock:
+        with self.lock:
             self.m.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
     def store(self, keys: list[bytes], data=None, ctx: ReqContext | None = None, drain: bool = True) -> list[bytes]:
@@ -92,10 +104,10 @@ class Engine:
         GPU -> CPU copy would), which cascades them to the tier; returns the keys the primary
         tier took."""
         ctx = ctx or self.ctx()
-        with self.m.lock:
+        with self.lock:
             out = self.m.prepare_store(keys, ctx)
             stored = list(out.keys_to_store) if out is not None else []
-            for k, c in zip(stored, out.store_spec.chunk_ids if stored else ()):
+            for k, c in zip(stored, compat.job_rows(out.store_spec) if stored else ()):
                 self.rows[c] = chunk_bytes(k, self.row_bytes) if data is None else data[k]
             if stored:
                 self.m.complete_store(stored, ctx, True)
@@ -108,7 +120,7 @@ class Engine:
     def settle(self) -> None:
         """Wait for the tier's jobs and let the manager take their results."""
         self.tier.drain_jobs()
-        with self.m.lock:
+        with self.lock:
             self.m._process_finished_jobs()
         self.step()
 
@@ -132,14 +144,14 @@ class Engine:
         out: dict[bytes, np.ndarray | None] = {}
         deadline = time.monotonic() + timeout
         while len(out) < len(keys):
-            with self.m.lock:
+            with self.lock:
                 for k in keys:
                     if k in out:
                         continue
                     r = self.m.lookup(k, ctx)
                     if r is LookupResult.HIT:
                         spec = self.m.prepare_load([k], ctx)
-                        out[k] = self.rows[spec.chunk_ids[0]].copy()
+                        out[k] = self.rows[compat.job_rows(spec)[0]].copy()
                         self.m.complete_load([k], ctx)
                     elif r is LookupResult.MISS:
                         out[k] = None
@@ -148,13 +160,13 @@ class Engine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(keys) - len(out)} key(s) still pending after {timeout} s")
             time.sleep(0.002)
-        with self.m.lock:
+        with self.lock:
             self.m.on_request_finished(ctx)
         return out
 
     def lookups(self, keys: list[bytes]) -> list[LookupResult]:
         ctx = ReqContext(req_id="peek")
-        with self.m.lock:
+        with self.lock:
             return [self.tier.lookup(k, ctx) for k in keys]
 
 

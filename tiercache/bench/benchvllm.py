@@ -52,32 +52,20 @@ LOOKUPS = 10_000
 def _vllm():
     try:
         from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
-        from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingGroupConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
-        from vllm.v1.kv_offload.tiering.base import TransferJob
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        from tiercache.integrations import vllmcompat
     except ImportError as exc:
-        raise MissingDependencyError(f"--job vllm-tier needs vLLM 0.33+ ({exc}); README.md, 'Quick start', "
+        raise MissingDependencyError(f"--job vllm-tier needs vLLM 0.26+ ({exc}); README.md, 'Quick start', "
                                      "has the command that installs it") from None
     return locals()
 
 
 def _spec(v, row_bytes: int, chunks: int):
-    cfg = v["OffloadingConfig"](
-        groups=(v["OffloadingGroupConfig"](tokens_per_block=16, layer_names=("layers",), group_id=0),),
-        worker_kv_bytes_per_block=row_bytes, enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": chunks * row_bytes, "secondary_tiers": []}, engine_id="tiercache-bench",
-        model=v["OffloadingModelConfig"](name="bench/model", dtype="bfloat16"),
-        cache=v["OffloadingCacheConfig"](tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=v["OffloadingParallelConfig"](rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                               data_parallel_index=0, data_parallel_size=1,
-                                               data_parallel_rank_local=None, is_parallelism_agnostic=False))
+    cfg = v["vllmcompat"].offloading_config(
+        row_bytes=row_bytes, extra_config={"cpu_bytes_to_use": chunks * row_bytes, "secondary_tiers": []},
+        engine_id="tiercache-bench", model="bench/model")
     return v["TieringOffloadingSpec"](cfg)
 
 
@@ -106,8 +94,7 @@ def _run_jobs(v, tier, keys: list[bytes], rows: np.ndarray, promotion: bool, per
     while nxt < len(jobs) or pending:
         while nxt < len(jobs) and len(pending) < in_flight:
             ks, rs = jobs[nxt]
-            job = v["TransferJob"](job_id=first_id + nxt, keys=ks, chunk_ids=rs.astype(np.int64),
-                                   is_promotion=promotion, req_context=ctx)
+            job = v["vllmcompat"].make_job(first_id + nxt, ks, rs, promotion, ctx)
             (tier.submit_load if promotion else tier.submit_store)(job)
             pending.add(first_id + nxt)
             nxt += 1

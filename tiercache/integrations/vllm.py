@@ -1,15 +1,21 @@
-"""tiercache as a storage tier of vLLM's KV offloading (vLLM 0.33+, ``vllm/v1/kv_offload/tiering``).
+"""tiercache as a storage tier of vLLM's KV offloading (vLLM 0.26 through 0.33,
+``vllm/v1/kv_offload/tiering``).
 
-vLLM's ``OffloadingConnector`` with ``"spec_name": "TieringOffloadingSpec"`` moves KV blocks
-between the GPU and a CPU *primary* tier itself, then cascades them to *secondary* tiers and
-promotes them back. :class:`TierCacheTier` is such a secondary tier, loaded out of tree by the
-connector's config::
+vLLM's ``OffloadingConnector`` with a tiering spec moves KV blocks between the GPU and a CPU
+*primary* tier itself, then cascades them to *secondary* tiers and promotes them back.
+:class:`TierCacheTier` is such a secondary tier. :class:`TierCacheTieringSpec` (vLLM's
+``TieringOffloadingSpec`` with the tier registered) loads it on every release from 0.26::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector",
       "kv_role": "kv_both", "kv_connector_extra_config": {
-        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 17179869184,
-        "secondary_tiers": [{"type": "TierCacheTier", "module_path": "tiercache.integrations.vllm",
-                             "root": "/mnt/nvme/kv", "capacity_bytes": 500000000000}]}}'
+        "spec_name": "TierCacheTieringSpec", "spec_module_path": "tiercache.integrations.vllm",
+        "cpu_bytes_to_use": 17179869184,
+        "secondary_tiers": [{"type": "TierCacheTier", "root": "/mnt/nvme/kv",
+                             "capacity_bytes": 500000000000}]}}'
+
+On 0.33 and later vLLM's own spec also loads it by module path: ``"spec_name":
+"TieringOffloadingSpec"`` and ``"module_path": "tiercache.integrations.vllm"`` in the tier's
+entry. What differs between releases is handled in :mod:`tiercache.integrations.vllmcompat`.
 
 Each chunk of the primary tier (one row of its buffer, every layer of the chunk) becomes one
 tiercache block file, ``block_x<OffloadKey hex>_pool_kv.bin``: the 4 KiB header (key,
@@ -83,10 +89,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
-    Medium,
     OffloadingCounterMetadata,
     OffloadingEvent,
     OffloadingGaugeMetadata,
@@ -96,7 +100,10 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from tiercache.integrations import vllmcompat as compat
+from tiercache.integrations.vllmcompat import SecondaryTierManager, TransferJob
 
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.serving import KeyState, RowStore
@@ -177,11 +184,13 @@ class TierCacheTier(SecondaryTierManager):
             another sharing mode, not tiercache's).
     """
 
-    medium: ClassVar[Medium] = Medium.STORAGE
+    medium: ClassVar[Any] = compat.STORAGE_MEDIUM
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, **config: Any) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, **compat.tier_init_args(backpressure_detector))
+        for key in compat.FACTORY_KEYS:  # releases whose factory passes them through (0.26)
+            config.pop(key, None)
         self.settings = parse_config(config)
         self.locality = self.settings["locality"]
         mapper = FileMapper.from_offloading_spec(root_dir=str(self.settings["root"]), offloading_spec=offloading_spec,
@@ -197,7 +206,7 @@ class TierCacheTier(SecondaryTierManager):
             else:
                 log.warning("tiercache: enable_kv_events is set on tier %r but vLLM's KV cache events are off; "
                             "the tier emits none", tier_type)
-        self._failed: list[JobResult] = []  # jobs refused at submit (reported like any other)
+        self._failed: list = []  # jobs refused at submit (reported like any other)
         self._reported: dict[str, int] = {}
         self._labels = (tier_type,)
         self._metrics_server = None
@@ -251,14 +260,15 @@ class TierCacheTier(SecondaryTierManager):
 
     def _submit(self, submit, job: TransferJob) -> None:
         try:
-            submit(list(job.keys), job.chunk_ids, job_id=job.job_id)
+            submit(list(job.keys), compat.job_rows(job), job_id=job.job_id)
         except TierCacheError as exc:  # a key or row vLLM should never send: fail the job, not the step
             log.error("tiercache: %s job %s refused: %s", "load" if job.is_promotion else "store", job.job_id, exc)
-            self._failed.append(JobResult(job_id=job.job_id, success=False, transfer_time=0.0, transfer_bytes=0))
+            self._failed.append(compat.job_result(job.job_id, False, transfer_time=0.0, transfer_bytes=0))
 
-    def get_finished_jobs(self) -> Iterable[JobResult]:
-        """The jobs finished since the last call; a load that failed for some chunks names the
-        others in ``successful_keys``."""
+    def get_finished_jobs(self) -> Iterable:
+        """The jobs finished since the last call (vLLM's ``JobResult``\\ s); a load that failed
+        for some chunks names the others in ``successful_keys`` where the release has it (0.33),
+        else fails whole (0.26)."""
         out, self._failed = self._failed, []
         for res in self.store.finished():
             partial = None
@@ -270,8 +280,8 @@ class TierCacheTier(SecondaryTierManager):
                 if written:
                     self.events.append(OffloadingEvent(keys=written, medium=self.medium, removed=False,
                                                        locality=self.locality))
-            out.append(JobResult(job_id=res.job_id, success=res.success, successful_keys=partial,
-                                 transfer_time=res.seconds, transfer_bytes=res.nbytes))
+            out.append(compat.job_result(res.job_id, res.success, successful_keys=partial,
+                                         transfer_time=res.seconds, transfer_bytes=res.nbytes))
         return out
 
     def has_pending_work(self) -> bool:
@@ -344,6 +354,24 @@ class TierCacheTier(SecondaryTierManager):
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
         return ("tiercache_root", "tiercache_sharing", "tiercache_fsync", "tiercache_io_engine")
 
-    def config_info(self) -> ConfigInfoMapping:
+    def config_info(self) -> dict[str, str]:
         return {"tiercache_root": str(self.root), "tiercache_sharing": self.store.sharing,
                 "tiercache_fsync": self.store.fsync, "tiercache_io_engine": self.store.ft.engine}
+
+
+class TierCacheTieringSpec(TieringOffloadingSpec):
+    """vLLM's ``TieringOffloadingSpec`` with :class:`TierCacheTier` registered as the secondary
+    tier type ``"TierCacheTier"``: the way to load the tier on releases whose tier factory has
+    no ``module_path`` (0.26-0.32), and equally valid on 0.33::
+
+        "kv_connector_extra_config": {"spec_name": "TierCacheTieringSpec",
+          "spec_module_path": "tiercache.integrations.vllm", "cpu_bytes_to_use": 17179869184,
+          "secondary_tiers": [{"type": "TierCacheTier", "root": "/mnt/nvme/kv"}]}
+
+    It changes nothing else: the CPU primary tier, its eviction policy and every other secondary
+    tier behave as under ``TieringOffloadingSpec`` (vLLM's connector imports this module, which
+    registers the tier, before it reads the tiers' metric definitions).
+    """
+
+
+compat.register_tier("TierCacheTier", __name__, "TierCacheTier")
