@@ -92,6 +92,7 @@ class Job(str, Enum):
     shared = "shared"
     hf = "hf"
     vllm_tier = "vllm-tier"
+    vllm_serve = "vllm-serve"
     scale = "scale"
 
 
@@ -157,11 +158,28 @@ def bench(
                                           "vllm-tier: tiercache's vLLM storage tier against vLLM's own fs tier through "
                                           "vLLM's interface, and fio's best, on the root's disk (--bs: one row size, "
                                           "default 256k and 2m; --size per phase, default 1g; --batch chunks per job; "
-                                          "--iodepth jobs in flight, default 8; --no-baseline: no fio); scale: a root of --blocks block files "
+                                          "--iodepth jobs in flight, default 8; --no-baseline: no fio); vllm-serve: a real "
+                                          "vLLM engine on the GPU (random weights, a model's real geometry: --model) on "
+                                          "shared-prefix requests: recompute, vLLM's CPU tier, its fs tier, TierCacheTier "
+                                          "(exclusive, shared by two engines), restarts, --kill9; TTFT, tokens by source, "
+                                          "tokens compared, files verified, fio's best read as the bound; scale: a root of --blocks block files "
                                           "(default 100000; --bs, default 4k): open from the saved index against a full "
                                           "scan (time, memory per block), lookup and get latency, inspect, verify against "
                                           "fio's best random read, purge (--no-baseline: no scan, no fio).")] = Job.main,
     procs: Annotated[int, typer.Option(help="Processes of the shared job.", min=2, max=64)] = 4,
+    model: Annotated[Optional[list[str]], typer.Option("--model", help="vllm-serve: model geometries (configs/models "
+                                                       "names, or config.json paths; repeat; default llama-3.1-8b and "
+                                                       "qwen2.5-32b; --quick: tiny-llama).", rich_help_panel="vllm-serve job")] = None,
+    prefixes: Annotated[int, typer.Option(help="vllm-serve: shared prefixes.", min=2, max=64, rich_help_panel="vllm-serve job")] = 4,
+    prefix_tokens: Annotated[int, typer.Option(help="vllm-serve: tokens per prefix.", min=16, max=131072, rich_help_panel="vllm-serve job")] = 8192,
+    suffix_tokens: Annotated[int, typer.Option(help="vllm-serve: tokens of each request after its prefix.", min=1, max=8192, rich_help_panel="vllm-serve job")] = 256,
+    rounds: Annotated[int, typer.Option(help="vllm-serve: times each prefix is asked (round 0 cold, the rest repeats).", min=1, max=16, rich_help_panel="vllm-serve job")] = 3,
+    max_tokens: Annotated[int, typer.Option(help="vllm-serve: tokens generated per request (greedy).", min=1, max=1024, rich_help_panel="vllm-serve job")] = 8,
+    serve_mode: Annotated[Optional[list[str]], typer.Option("--serve-mode", help="vllm-serve: modes to run (repeat; default all: "
+                                                            "recompute, cpu, fs, tiercache, tiercache-shared).", rich_help_panel="vllm-serve job")] = None,
+    restart: Annotated[bool, typer.Option(help="vllm-serve: fresh engines on the fs and tiercache roots, repeats only.", rich_help_panel="vllm-serve job")] = True,
+    kill9: Annotated[bool, typer.Option(help="vllm-serve: SIGKILL an engine while it stores, rerun on its root.", rich_help_panel="vllm-serve job")] = False,
+    gpu_util: Annotated[float, typer.Option(help="vllm-serve: gpu_memory_utilization of one engine (the shared pair: half each).", min=0.05, max=0.98, rich_help_panel="vllm-serve job")] = 0.9,
     context: Annotated[Optional[list[int]], typer.Option(help="hf job: context lengths in tokens (repeat the option; "
                                                               "default 16384 and 32768).", min=64)] = None,
     new_tokens: Annotated[int, typer.Option(help="hf job: tokens generated per run.", min=2, max=4096)] = 32,
@@ -216,6 +234,11 @@ def bench(
         return
     if job is Job.scale:
         _scale_job(config, output_format, root, blocks, bs, seed, keep, no_baseline or (baseline is not None and baseline.value == "none"))
+        return
+    if job is Job.vllm_serve:
+        _vllm_serve_job(config, output_format, root, model, serve_mode, prefixes, prefix_tokens, suffix_tokens, rounds,
+                        max_tokens, restart, kill9, gpu_util, seed, keep,
+                        not no_baseline and (baseline is None or baseline.value != "none"), quick)
         return
     if job is Job.vllm_tier:
         _vllm_tier_job(config, output_format, root, bs, size, batch, iodepth or 8, repeat if repeat > 1 else 3, seed,
@@ -344,6 +367,33 @@ def _vllm_tier_job(config: Path | None, output_format: OutputFormat, root: Path 
         _fail(str(exc))
     typer.echo(json.dumps(rep, indent=2) if output_format is OutputFormat.json else format_vllm_tier_report(rep))
     raise typer.Exit(0 if rep["ok"] else 1)
+
+
+def _vllm_serve_job(config: Path | None, output_format: OutputFormat, root: Path | None, models: list[str] | None,
+                    modes: list[str] | None, prefixes: int, prefix_tokens: int, suffix_tokens: int, rounds: int,
+                    max_tokens: int, restart: bool, kill9: bool, gpu_util: float, seed: int | None, keep: bool,
+                    fio: bool, quick: bool) -> None:
+    from tiercache.bench.benchserve import MODES, format_serve_report, run_serve_bench
+
+    if quick:
+        prefix_tokens, prefixes, rounds = min(prefix_tokens, 2048), min(prefixes, 3), min(rounds, 2)
+    reports = []
+    try:
+        base = root or load_config(config or _default_config()).root
+        log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
+        for name in models or (["tiny-llama"] if quick else ["llama-3.1-8b", "qwen2.5-32b"]):
+            rep = run_serve_bench(Path(base), model=name, modes=tuple(modes or MODES), prefixes=prefixes,
+                                  prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens, rounds=rounds,
+                                  max_tokens=max_tokens, restart=restart, kill9=kill9, fio=fio, seed=seed,
+                                  gpu_util=gpu_util, keep=keep, log=log)
+            reports.append(rep)
+            if output_format is not OutputFormat.json:
+                typer.echo(format_serve_report(rep))
+    except TierCacheError as exc:
+        _fail(str(exc))
+    if output_format is OutputFormat.json:
+        typer.echo(json.dumps({"job": "vllm-serve", "runs": reports, "ok": all(r["ok"] for r in reports)}, indent=2))
+    raise typer.Exit(0 if all(r["ok"] for r in reports) else 1)
 
 
 def _scale_job(config: Path | None, output_format: OutputFormat, root: Path | None, blocks: int | None,

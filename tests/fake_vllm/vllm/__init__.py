@@ -1,0 +1,47 @@
+"""A stand-in for vLLM's offline API (``LLM``, ``SamplingParams``), for the CPU test of
+``tiercache bench --job vllm-serve``'s orchestration (tests/test_bench_serve.py): tokens are a
+function of the prompt, TTFTs shrink with the tokens a connector would have served, and the
+prompt-token counters by source follow a simple model of the tiers (a prefix seen before is a
+connector hit when a connector is configured, else recomputed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from types import SimpleNamespace
+
+__version__ = "0.0.fake"
+_SEEN: set[bytes] = set()
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, detokenize=True):
+        self.max_tokens = max_tokens
+
+
+class LLM:
+    def __init__(self, model, kv_transfer_config=None, **kw):
+        self.connector = kv_transfer_config is not None
+        self.counts = {"local_compute": 0.0, "local_cache_hit": 0.0, "external_kv_transfer": 0.0}
+        crash = os.environ.get("FAKE_VLLM_CRASH")
+        if crash and crash in json.dumps(getattr(kv_transfer_config, "kw", {}) or {}):
+            raise RuntimeError("fake engine asked to fail")
+
+    def generate(self, prompts, sp, use_tqdm=True):
+        ids = prompts[0]["prompt_token_ids"]
+        head = hashlib.sha256(repr(ids[:-256] if len(ids) > 256 else ids).encode()).digest()
+        hit = self.connector and head in _SEEN
+        _SEEN.add(head)
+        cached = (len(ids) - 256) if hit else 0
+        self.counts["external_kv_transfer"] += cached
+        self.counts["local_compute"] += len(ids) - cached
+        time.sleep(0.001)
+        toks = [int.from_bytes(hashlib.sha256(repr(ids).encode()).digest()[i:i + 2], "little") for i in range(sp.max_tokens)]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks)], num_cached_tokens=cached,
+                                metrics=SimpleNamespace(first_token_latency=0.001 + (len(ids) - cached) * 1e-6))]
+
+    def get_metrics(self):
+        return [SimpleNamespace(name="vllm:prompt_tokens_by_source", labels={"source": k}, value=v)
+                for k, v in self.counts.items()]

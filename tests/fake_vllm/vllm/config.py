@@ -1,0 +1,3 @@
+class KVTransferConfig:
+    def __init__(self, **kw):
+        self.kw = kw

@@ -1,0 +1,93 @@
+"""``tiercache bench --job vllm-serve``.
+
+On the CPU, its orchestration (engine processes per mode, the shared pair, restart, the kill,
+the report) over a stand-in for vLLM's offline API (tests/fake_vllm). On a GPU with vLLM, the
+seconds-long real version: a tiny random-weight Llama, recompute against vLLM's ``fs`` tier and
+TierCacheTier, tokens compared and every file verified.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiercache import ConfigError
+from tiercache.bench.benchserve import MODES, format_serve_report, model_config, run_serve_bench, workload
+
+FAKE = Path(__file__).with_name("fake_vllm")
+
+
+def test_model_geometries_are_the_published_ones():
+    name, cfg = model_config("llama-3.1-8b")
+    assert (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["hidden_size"]) == (32, 8, 4096)
+    _, q = model_config("qwen2.5-32b")
+    assert (q["num_hidden_layers"], q["num_key_value_heads"], q["intermediate_size"]) == (64, 8, 27648)
+    with pytest.raises(ConfigError, match="no such model.*llama-3.1-8b"):
+        model_config("llama-9")
+
+
+def test_workload_repeats_each_prefix_with_new_suffixes():
+    reqs = workload(5, 1000, prefixes=3, prefix_tokens=64, suffix_tokens=16, rounds=3)
+    assert [(r["prefix"], r["round"]) for r in reqs] == [(p, r) for r in range(3) for p in range(3)]
+    for r in reqs:
+        assert r["ids"][:64] == reqs[r["prefix"]]["ids"][:64] and len(r["ids"]) == 80
+    assert len({tuple(r["ids"][64:]) for r in reqs}) == len(reqs)
+
+
+def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
+    """Every mode's engine process runs; the shared pair's second process runs the repeats; the
+    restarted processes run the repeats; the killed engine's successor runs every request; the
+    report has each mode's row and the stand-in's connector hits show as connector tokens."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
+    rep = run_serve_bench(tmp_path, model="tiny-llama", prefixes=3, prefix_tokens=512, suffix_tokens=256, rounds=2,
+                          max_tokens=4, kill9=True, fio=False, seed=11)
+    assert set(rep["modes"]) == set(MODES) | {"fs+restart", "tiercache+restart", "tiercache+kill9"}
+    for mode in MODES:
+        m = rep["modes"][mode]
+        assert m["requests"] == 6 and m["compared"] == 6, mode
+        assert m.get("same_tokens_as_recompute", 6) == 6  # the stand-in's tokens depend on the prompt only
+    assert rep["modes"]["recompute"]["repeat_connector_tokens"] == 0
+    assert rep["modes"]["fs"]["repeat_connector_tokens"] == 3 * 512  # each repeat's prefix, once seen
+    assert rep["modes"]["tiercache+restart"]["requests"] == 3
+    assert rep["modes"]["tiercache+kill9"]["requests"] == 6 and "SIGKILL" in rep["modes"]["tiercache+kill9"]["kill_detail"]
+    assert rep["ok"] and rep["break_even_gbps"] > 0
+    text = format_serve_report(rep)
+    assert "tiercache-shared" in text and "break" not in text or "beats it above" in text
+    assert not list(tmp_path.glob("vllm-serve-*"))  # the work directory is removed without --keep
+
+
+def test_a_failing_engine_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_VLLM_CRASH", "TierCacheTier")
+    with pytest.raises(ConfigError, match="(?s)the tiercache engine exited 1; its log ends:.*fake engine asked to fail"):
+        run_serve_bench(tmp_path, model="tiny-llama", modes=("recompute", "tiercache"), prefixes=2, prefix_tokens=64,
+                        suffix_tokens=256, rounds=1, restart=False, fio=False)
+    with pytest.raises(ConfigError, match="mode 'disk'; valid: recompute"):
+        run_serve_bench(tmp_path, modes=("disk",))
+
+
+def _real_vllm() -> bool:
+    return subprocess.run([sys.executable, "-c", "import vllm, torch; assert torch.cuda.is_available()"],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.gpu
+def test_tiny_model_in_a_real_vllm_tokens_match_and_files_verify(tmp_path):
+    """The seconds-long real version: recompute, vLLM's fs tier and TierCacheTier on one prefix
+    asked twice. Cold requests compute the same thing in every mode (same tokens as recompute);
+    repeats load the same KV bytes from either tier's files (same tokens as the fs tier's); the
+    tiercache root verifies clean."""
+    if not _real_vllm():
+        pytest.skip("needs vLLM with a GPU build")
+    rep = run_serve_bench(tmp_path, model="tiny-llama", modes=("recompute", "fs", "tiercache"), prefixes=2,
+                          prefix_tokens=2048, suffix_tokens=64, rounds=2, max_tokens=4, restart=False, fio=False,
+                          gpu_util=0.3, seed=3)
+    tc, fs = rep["modes"]["tiercache"], rep["modes"]["fs"]
+    assert tc["repeat_file_tokens"] >= 2 * 2048 * 0.95, tc
+    assert tc["same_tokens_as_fs"] == tc["compared"] == 4
+    assert rep["ok"] and tc["verify"] and all(v["bad"] == 0 and v["checked"] > 0 for v in tc["verify"])
+    assert fs["repeat_file_tokens"] > 0

@@ -1,0 +1,634 @@
+"""``tiercache bench --job vllm-serve``: a real vLLM engine on the GPU, side by side with vLLM's own
+KV tiers, on requests that share long prefixes.
+
+The model is built from a ``config.json`` with random weights (``load_format="dummy"``, no
+tokenizer, prompts as token ids): its KV bytes per token and its prefill work per token are the
+real model's (``configs/models/``). The workload is ``prefixes`` shared prefixes of
+``prefix_tokens`` random tokens, each asked ``rounds`` times with a different suffix of
+``suffix_tokens`` (a system prompt or a conversation reused by later turns), one request at a
+time, greedy decoding of ``max_tokens`` tokens. Round 0 is *cold* (the prefix is new); later
+rounds are *repeats*. The GPU's KV space holds one request (``num_gpu_blocks_override``) and
+vLLM's CPU tier (``cpu_bytes_to_use``) 1.25 prefixes, so a repeat's prefix is no longer in either
+when it comes back (every other prefix was asked in between): it comes from files, or it is
+recomputed.
+
+Each mode runs in its own engine process (:func:`worker_main`), one after the other:
+
+- ``recompute``: no connector (vLLM's GPU prefix cache only);
+- ``cpu``: vLLM's ``OffloadingConnector`` with its CPU tier alone;
+- ``fs``: vLLM's ``TieringOffloadingSpec``, CPU tier and vLLM's own ``fs`` tier (blocking O_DIRECT
+  writes and reads on 16 + 16 threads);
+- ``tiercache``: ``TierCacheTieringSpec``, the same CPU tier and :class:`TierCacheTier`;
+- ``tiercache-shared``: two engine processes at once on one shared root, each with part of the
+  GPU's memory: the first runs the cold round and stays up; the second runs the repeats, which
+  must be hits on the first one's files.
+
+and, with ``restart`` (default on): a fresh engine process on the roots the ``fs`` and
+``tiercache`` modes left, running the repeats only (every prefix should come from files); with
+``kill9``: an engine storing to a tiercache root is killed with SIGKILL in the middle of the cold
+round, a fresh one runs every request on that root, and its tokens must equal the uninterrupted
+``tiercache`` run's.
+
+Per mode: TTFT (vLLM's ``first_token_latency`` of each request) p50 / p99 of cold requests and
+of repeats, requests/s, the prompt tokens each source served (vLLM's ``prompt_tokens_by_source``:
+GPU prefix cache, connector, computed; the connector's split into files and CPU by counting the
+chunks the secondary tier's ``submit_load`` was given), tokens against recompute's and against
+vLLM's own tiers', and ``tiercache verify`` of every tiercache root afterwards. The baselines in
+the same run: fio's best random read at the chunk's file size on the same directory, the
+pinned-host -> GPU copy rate, and a GPU prefix hit's TTFT (the suffix computed, the prefix not);
+the bound for a repeat served from files is ``prefix KV bytes / fio read + prefix KV bytes /
+host->GPU rate + GPU-hit TTFT``. The break-even against recompute is stated per model: KV bytes
+per token / disk bandwidth against recompute's prefill seconds per token, on this disk and, by
+arithmetic, on 7 and 14 GB/s NVMe drives.
+
+vLLM must import (0.26 or later with a GPU build); the engine processes are started with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the scheduler, and so the tiers, in the worker process)
+and ``PYTHONHASHSEED=0`` (vLLM's block hashes must agree across processes for a restart or a
+second process to find the files: vLLM's ``NONE_HASH`` is random otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tiercache.errors import ConfigError, MissingDependencyError
+
+#: the modes of one run, in order
+MODES = ("recompute", "cpu", "fs", "tiercache", "tiercache-shared")
+#: where the model geometries live (``configs/models/<name>.json``)
+MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+#: tokens per GPU block and per offloaded chunk (vLLM's default block size)
+TOKENS_PER_CHUNK = 16
+#: NVMe read rates for the break-even arithmetic (GB/s): one Gen4 and one Gen5 drive
+NVME_GBPS = (7.0, 14.0)
+#: the CPU tier holds this many prefixes (below the working set of ``prefixes``)
+CPU_TIER_PREFIXES = 1.25
+_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+# -- the model and the workload ------------------------------------------------------------------
+def model_config(model: str) -> tuple[str, dict]:
+    """``(name, config.json as a dict)`` of ``model``: a name in ``configs/models`` (without
+    ``.json``), a ``.json`` file, or a directory holding ``config.json``.
+
+    Raises:
+        ConfigError: no such model, or not a JSON object.
+    """
+    p = Path(model)
+    for path, name in ((p / "config.json", p.name), (p, p.stem), (MODELS_DIR / f"{model}.json", model)):
+        if path.is_file():
+            try:
+                cfg = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--model {model!r}: {path} is not a readable JSON file ({exc})") from None
+            if not isinstance(cfg, dict) or "num_hidden_layers" not in cfg:
+                raise ConfigError(f"--model {model!r}: {path} is not a model's config.json")
+            return name, cfg
+    known = ", ".join(sorted(x.stem for x in MODELS_DIR.glob("*.json")))
+    raise ConfigError(f"--model {model!r}: no such model; give one of {known}, a config.json or its directory")
+
+
+def head_dim(cfg: dict) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token, bytes (bf16: 2 bytes per element)."""
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim(cfg) * dtype_bytes
+
+
+def prefill_flops_per_token(cfg: dict, context: int) -> float:
+    """FLOPs to prefill one token of a prompt of ``context`` tokens: 2 x the non-embedding
+    parameters of the layers (projections and MLP) plus causal attention over half the context
+    on average (4 x layers x heads x head_dim x context / 2)."""
+    h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], head_dim(cfg)
+    q, kv, inter = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg["intermediate_size"]
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
+    attention = 4 * layers * cfg["num_attention_heads"] * d * context / 2
+    return 2.0 * layers * per_layer + attention
+
+
+def workload(seed: int, vocab: int, prefixes: int, prefix_tokens: int, suffix_tokens: int,
+             rounds: int) -> list[dict]:
+    """The requests, in the order they are sent: round by round, every prefix in each round;
+    each ``{"prefix": p, "round": r, "ids": [token ids]}`` (random ids in [100, vocab))."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(100, vocab) for _ in range(prefix_tokens)] for _ in range(prefixes)]
+    return [{"prefix": p, "round": r, "ids": heads[p] + [rng.randrange(100, vocab) for _ in range(suffix_tokens)]}
+            for r in range(rounds) for p in range(prefixes)]
+
+
+def kv_transfer(mode: str, root: Path | None, cpu_bytes: int) -> dict | None:
+    """The ``kv_transfer_config`` of ``mode`` (None: no connector)."""
+    if mode == "recompute":
+        return None
+    extra: dict = {"cpu_bytes_to_use": int(cpu_bytes)}
+    if mode == "fs":
+        extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "fs", "root_dir": str(root)}])
+    elif mode.startswith("tiercache"):
+        tier = {"type": "TierCacheTier", "root": str(root)}
+        if mode.startswith("tiercache-shared"):
+            tier["sharing"] = "shared"
+        extra.update(spec_name="TierCacheTieringSpec", spec_module_path="tiercache.integrations.vllm",
+                     secondary_tiers=[tier])
+    elif mode != "cpu":
+        raise ConfigError(f"vllm-serve mode {mode!r}; valid: {', '.join(MODES)}")
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+# -- one engine process ------------------------------------------------------------------------
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def _by_source(llm) -> dict[str, float]:
+    try:
+        return {m.labels.get("source"): float(m.value) for m in llm.get_metrics()
+                if m.name == "vllm:prompt_tokens_by_source"}
+    except Exception:  # metrics off or renamed: the split is left out, nothing else changes
+        return {}
+
+
+class _LoadCounter:
+    """Chunks each secondary tier's ``submit_load`` was given (promotions from files), counted
+    in this process (the scheduler runs here: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.roots: list[str] = []
+        classes = []
+        try:
+            from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+            classes.append(FileSystemTierManager)
+        except ImportError:
+            pass
+        try:
+            from tiercache.integrations.vllm import TierCacheTier
+        except ImportError:  # an engine without vLLM's tiering code: nothing to count
+            return
+        classes.append(TierCacheTier)
+        for cls in classes:
+            self._wrap(cls)
+        init = TierCacheTier.__init__
+
+        def tier_init(tier, *a, **kw):
+            init(tier, *a, **kw)
+            self.roots.append(str(tier.root))
+
+        TierCacheTier.__init__ = tier_init
+
+    def _wrap(self, cls) -> None:
+        submit = cls.submit_load
+
+        def submit_load(tier, job):
+            self.chunks += len(job.keys)
+            return submit(tier, job)
+
+        cls.submit_load = submit_load
+
+
+def worker_main(spec_path: str) -> int:
+    """One engine process: build the engine of ``spec["mode"]``, run ``spec["requests"]`` (indices
+    into the workload) one at a time, write the measurements to ``spec["out"]``. With
+    ``spec["progress"]``, append each finished request's index there (the kill test watches it);
+    with ``spec["hold"]``, wait after the run until that file exists (the shared test's first
+    process stays up while the second runs)."""
+    spec = json.loads(Path(spec_path).read_text())
+    counter = _LoadCounter() if spec["mode"] != "recompute" else None
+    from vllm import LLM, SamplingParams
+
+    reqs = json.loads(Path(spec["workload"]).read_text())
+    kw: dict = {}
+    if spec["kv_transfer"] is not None:
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer"])
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+              dtype="bfloat16", seed=0, max_model_len=spec["max_model_len"], gpu_memory_utilization=spec["gpu_util"],
+              num_gpu_blocks_override=spec["gpu_blocks"], max_num_seqs=4, enable_prefix_caching=True,
+              disable_log_stats=False, **kw)
+    startup = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], detokenize=False)
+
+    def one(ids: list[int]) -> tuple[float, float, list[int], int]:
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        wall = time.perf_counter() - t
+        m = getattr(out, "metrics", None)
+        ttft = getattr(m, "first_token_latency", 0.0) or 0.0
+        return (ttft if ttft > 0 else wall), wall, list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+    one([101 + (i % 1000) for i in range(64)])  # warm-up: kernels, allocator
+    extra: dict = {}
+    if spec.get("gpu_hit_probe"):  # a GPU prefix hit: the same prefix, a new suffix, right away
+        first = reqs[0]["ids"]
+        one(first)
+        probe = first[:len(first) - spec["suffix_tokens"]] + [7 + (i % 90) for i in range(spec["suffix_tokens"])]
+        extra["gpu_hit_ttft_s"] = one(probe)[0]
+    rows = []
+    t_run = time.perf_counter()
+    for i in spec["requests"]:
+        r = reqs[i]
+        before, chunks0 = _by_source(llm), counter.chunks if counter else 0
+        ttft, wall, toks, cached = one(r["ids"])
+        after = _by_source(llm)
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        rows.append({"index": i, "prefix": r["prefix"], "round": r["round"], "ttft_s": ttft, "wall_s": wall,
+                     "tokens": toks, "prompt_tokens": len(r["ids"]), "cached_tokens": cached,
+                     "gpu_tokens": delta.get("local_cache_hit"), "connector_tokens": delta.get("external_kv_transfer"),
+                     "computed_tokens": delta.get("local_compute"),
+                     "file_chunks": (counter.chunks - chunks0) if counter else 0})
+        if spec.get("progress"):
+            with open(spec["progress"], "a") as f:
+                f.write(f"{i}\n")
+    run_s = time.perf_counter() - t_run
+    if spec.get("h2d_probe"):
+        extra["h2d_gbps"] = _h2d_gbps()
+    Path(spec["out"]).write_text(json.dumps({"mode": spec["mode"], "startup_s": startup, "run_s": run_s,
+                                             "requests": rows, "tier_roots": counter.roots if counter else [],
+                                             **extra}))
+    hold = spec.get("hold")
+    if hold:
+        while not Path(hold).exists():
+            time.sleep(0.1)
+    _shutdown(llm)
+    return 0
+
+
+def _h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float | None:
+    """Pinned host -> GPU copy rate (GB/s) through PyTorch, the median of ``reps`` copies of
+    ``nbytes``; None without a GPU."""
+    try:
+        import torch
+
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except Exception:  # noqa: BLE001 - no GPU (a stand-in engine)
+        return None
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def _shutdown(llm) -> None:
+    """Shut the in-process engine down (its connector closes the tiers: the root's index is
+    saved), where the release offers a way."""
+    for path in (("llm_engine", "engine_core", "shutdown"), ("llm_engine", "shutdown"), ("shutdown",)):
+        obj = llm
+        try:
+            for name in path:
+                obj = getattr(obj, name)
+        except AttributeError:
+            continue
+        try:
+            obj()
+        except Exception:  # noqa: BLE001 - the measurements are written already
+            pass
+        return
+
+
+# -- the run ---------------------------------------------------------------------------------
+class _Run:
+    """The files and processes of one ``run_serve_bench``."""
+
+    def __init__(self, work: Path, model_dir: Path, workload_path: Path, common: dict, log) -> None:
+        self.work, self.model_dir, self.workload_path, self.common, self.log = work, model_dir, workload_path, common, log
+        self.n = 0
+
+    def spec(self, mode: str, requests: list[int], root: Path | None, **kw) -> dict:
+        self.n += 1
+        return {**self.common, "mode": mode, "requests": requests, "model_dir": str(self.model_dir),
+                "workload": str(self.workload_path), "out": str(self.work / f"out-{self.n}-{mode}.json"),
+                "kv_transfer": kv_transfer(mode.split("+")[0], root, self.common["cpu_bytes"]), **kw}
+
+    def start(self, spec: dict) -> subprocess.Popen:
+        path = self.work / f"spec-{self.n}.json"
+        path.write_text(json.dumps(spec))
+        env = {**os.environ, **_ENV}
+        errlog = open(self.work / f"engine-{self.n}-{spec['mode']}.log", "w")
+        return subprocess.Popen([sys.executable, "-m", "tiercache.bench.benchserve", str(path)], env=env,
+                                stdout=errlog, stderr=subprocess.STDOUT)
+
+    def finish(self, proc: subprocess.Popen, spec: dict, timeout: float = 1800) -> dict:
+        rc = proc.wait(timeout)
+        out = Path(spec["out"])
+        if rc != 0 or not out.exists():
+            tail = self._log_tail()
+            raise ConfigError(f"vllm-serve: the {spec['mode']} engine exited {rc}; its log ends:\n{tail}")
+        return json.loads(out.read_text())
+
+    def run(self, spec: dict) -> dict:
+        self.log(f"  {spec['mode']}: engine process, {len(spec['requests'])} request(s)")
+        return self.finish(self.start(spec), spec)
+
+    def _log_tail(self) -> str:
+        logs = sorted(self.work.glob("engine-*.log"), key=lambda p: p.stat().st_mtime)
+        return logs[-1].read_text()[-4000:] if logs else "(no log)"
+
+
+def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str, dict[int, list[int]]],
+             chunk_bytes: int) -> dict:
+    rows = res["requests"]
+    cold = [r["ttft_s"] for r in rows if r["round"] == 0]
+    rep = [r["ttft_s"] for r in rows if r["round"] > 0]
+    reps = [r for r in rows if r["round"] > 0]
+
+    def tot(key: str, rs) -> int | None:
+        vals = [r[key] for r in rs if r[key] is not None]
+        return int(sum(vals)) if vals else None
+
+    out = {"startup_s": res["startup_s"], "requests": len(rows), "requests_per_s": len(rows) / res["run_s"],
+           "ttft_cold_p50_s": _percentile(cold, 50), "ttft_cold_p99_s": _percentile(cold, 99),
+           "ttft_repeat_p50_s": _percentile(rep, 50), "ttft_repeat_p99_s": _percentile(rep, 99)}
+    file_tokens = sum(r["file_chunks"] for r in reps) * TOKENS_PER_CHUNK
+    conn = tot("connector_tokens", reps)
+    out.update({"repeat_prompt_tokens": sum(r["prompt_tokens"] for r in reps),
+                "repeat_gpu_tokens": tot("gpu_tokens", reps), "repeat_connector_tokens": conn,
+                "repeat_file_tokens": file_tokens,
+                "repeat_cpu_tokens": None if conn is None else max(0, conn - file_tokens),
+                "repeat_computed_tokens": tot("computed_tokens", reps),
+                "file_bytes_read": sum(r["file_chunks"] for r in rows) * chunk_bytes})
+    toks = {r["index"]: r["tokens"] for r in rows}
+    if reference is not None:
+        out["same_tokens_as_recompute"] = sum(toks[i] == reference.get(i) for i in toks)
+    for name, other in others.items():
+        out[f"same_tokens_as_{name}"] = sum(toks[i] == other.get(i) for i in toks if i in other)
+    out["compared"] = len(toks)
+    return out
+
+
+def _verify(root: str) -> dict:
+    """``tiercache verify --root ROOT --json`` of one tier root."""
+    p = subprocess.run([sys.executable, "-m", "tiercache.cli", "verify", "--root", root, "--json"],
+                       capture_output=True, text=True, timeout=1800)
+    try:
+        rep = json.loads(p.stdout)
+    except ValueError:
+        return {"root": root, "exit": p.returncode, "error": (p.stderr or p.stdout)[-2000:]}
+    return {"root": root, "exit": p.returncode, "checked": rep["checked"], "bad": len(rep["bad"]),
+            "bad_files": rep["bad"][:10]}
+
+
+def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[str, ...] = MODES,
+                    prefixes: int = 4, prefix_tokens: int = 8192, suffix_tokens: int = 256, rounds: int = 3,
+                    max_tokens: int = 8, restart: bool = True, kill9: bool = False, fio: bool = True,
+                    seed: int | None = None, gpu_util: float = 0.9, keep: bool = False, log=lambda s: None) -> dict:
+    """Run the modes on ``model`` over files under ``directory`` (module docstring) and return
+    the report: per mode its TTFTs, requests/s, tokens by source, token agreement and verify
+    results; the baselines (fio's best read at the chunk's file size, host -> GPU rate, GPU-hit
+    TTFT), the bound for a repeat from files, its ratio, and the break-even arithmetic.
+
+    Units: seconds, bytes, tokens, GB/s (1e9 bytes per second).
+
+    Raises:
+        ConfigError: an unknown mode or model, sizes out of range, or an engine process that
+            failed (its log's end is in the message).
+        MissingDependencyError: vLLM does not import here.
+    """
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"vllm-serve mode {bad[0]!r}; valid: {', '.join(MODES)}")
+    if not 2 <= prefixes <= 64 or not 1 <= rounds <= 16 or not TOKENS_PER_CHUNK <= prefix_tokens <= 131072:
+        raise ConfigError(f"vllm-serve: prefixes={prefixes} (valid 2..64), rounds={rounds} (1..16), "
+                          f"prefix_tokens={prefix_tokens} ({TOKENS_PER_CHUNK}..131072)")
+    probe = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                           text=True, env={**os.environ, **_ENV})
+    if probe.returncode != 0:
+        raise MissingDependencyError("--job vllm-serve needs vLLM with a GPU build (0.26 or later) importable: "
+                                     + (probe.stderr.strip().splitlines() or ["?"])[-1])
+    name, cfg = model_config(model)
+    seed = random.randrange(1 << 31) if seed is None else seed
+    kv_tok = kv_bytes_per_token(cfg)
+    chunk_bytes = kv_tok * TOKENS_PER_CHUNK
+    prompt_len = prefix_tokens + suffix_tokens
+    max_model_len = prompt_len + max_tokens + TOKENS_PER_CHUNK
+    gpu_blocks = math.ceil(max_model_len / TOKENS_PER_CHUNK) + 8
+    cpu_bytes = int(CPU_TIER_PREFIXES * prefix_tokens * kv_tok)
+    directory.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"vllm-serve-{name}-", dir=directory))
+    model_dir = work / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": max(
+        cfg.get("max_position_embeddings", 0), max_model_len)}))
+    reqs = workload(seed, cfg["vocab_size"], prefixes, prefix_tokens, suffix_tokens, rounds)
+    wl = work / "workload.json"
+    wl.write_text(json.dumps(reqs))
+    common = {"max_model_len": max_model_len, "gpu_blocks": gpu_blocks, "cpu_bytes": cpu_bytes,
+              "max_tokens": max_tokens, "suffix_tokens": suffix_tokens, "gpu_util": gpu_util}
+    run = _Run(work, model_dir, wl, common, log)
+    every = list(range(len(reqs)))
+    cold = [i for i, r in enumerate(reqs) if r["round"] == 0]
+    repeats = [i for i, r in enumerate(reqs) if r["round"] > 0]
+    log(f"vllm-serve: {name}, {prefixes} prefixes x {prefix_tokens} tokens (+{suffix_tokens}), {rounds} rounds, "
+        f"KV {kv_tok} B/token, chunk files of {chunk_bytes} B, GPU KV {gpu_blocks} blocks, CPU tier "
+        f"{cpu_bytes / 2**30:.2f} GiB; work in {work}")
+    report: dict = {"job": "vllm-serve", "model": name, "seed": seed, "directory": str(directory),
+                    "prefixes": prefixes, "prefix_tokens": prefix_tokens, "suffix_tokens": suffix_tokens,
+                    "rounds": rounds, "max_tokens": max_tokens, "kv_bytes_per_token": kv_tok,
+                    "chunk_bytes": chunk_bytes, "gpu_kv_blocks": gpu_blocks, "cpu_tier_bytes": cpu_bytes,
+                    "modes": {}, "experiments": {}}
+    report["vllm"] = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
+    results: dict[str, dict] = {}
+    roots: dict[str, Path] = {}
+    for mode in modes:
+        root = work / f"root-{mode}"
+        roots[mode] = root
+        if mode == "tiercache-shared":
+            results[mode] = _shared_pair(run, root, cold, repeats, gpu_util)
+            continue
+        extra = {"gpu_hit_probe": True, "h2d_probe": True} if mode == "recompute" else {}
+        results[mode] = run.run(run.spec(mode, every, root, **extra))
+    if restart:
+        for mode in ("fs", "tiercache"):
+            if mode in results:
+                results[f"{mode}+restart"] = run.run(run.spec(f"{mode}+restart", repeats, roots[mode]))
+    if kill9 and "tiercache" in modes:
+        results["tiercache+kill9"] = _kill9(run, work / "root-kill9", cold, every, seed)
+    # the baselines and the report
+    ref = {r["index"]: r["tokens"] for r in results["recompute"]["requests"]} if "recompute" in results else None
+    own = {m: {r["index"]: r["tokens"] for r in results[m]["requests"]} for m in ("cpu", "fs") if m in results}
+    for mode, res in results.items():
+        s = _summary(res, ref, {k: v for k, v in own.items() if k != mode}, chunk_bytes)
+        if res.get("tier_roots"):
+            s["verify"] = [_verify(r) for r in sorted(set(res["tier_roots"]))]
+        for k in ("killed_after", "kill_detail"):
+            if k in res:
+                s[k] = res[k]
+        report["modes"][mode] = s
+    rec = results.get("recompute", {})
+    report["gpu_hit_ttft_s"] = rec.get("gpu_hit_ttft_s")
+    report["h2d_gbps"] = rec.get("h2d_gbps")
+    if fio:
+        from tiercache.bench.fiobase import best_fio
+
+        log("  fio: best random read at the chunk's file size on the same directory")
+        report["fio"] = best_fio(work, chunk_bytes + 4096, min(8 << 30, prefixes * prefix_tokens * kv_tok), 8.0,
+                                 ops=("read",))
+    report.update(_bounds(report, cfg, results))
+    report["ok"] = _ok(report)
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        report["work"] = str(work)
+    return report
+
+
+def _shared_pair(run: _Run, root: Path, cold: list[int], repeats: list[int], gpu_util: float) -> dict:
+    """Two engine processes at once on one shared root: A runs the cold round and stays up; B
+    runs the repeats. Returns B's measurements with A's cold requests in front (one mode row)."""
+    hold = run.work / "shared-release"
+    a = run.spec("tiercache-shared", cold, root, gpu_util=gpu_util / 2, hold=str(hold))
+    pa = run.start(a)
+    run.log(f"  tiercache-shared: engine A, {len(cold)} cold request(s), stays up")
+    deadline = time.monotonic() + 1800
+    while not Path(a["out"]).exists():
+        if pa.poll() is not None or time.monotonic() > deadline:
+            hold.touch()
+            return run.finish(pa, a)
+        time.sleep(0.5)
+    run.log(f"  tiercache-shared: engine B beside it, {len(repeats)} repeat(s)")
+    try:
+        sb = run.spec("tiercache-shared", repeats, root, gpu_util=gpu_util / 2)
+        b = run.finish(run.start(sb), sb)
+    finally:
+        hold.touch()
+    ra = run.finish(pa, a)
+    return {"startup_s": max(ra["startup_s"], b["startup_s"]), "run_s": ra["run_s"] + b["run_s"],
+            "requests": ra["requests"] + b["requests"], "tier_roots": ra["tier_roots"] + b["tier_roots"]}
+
+
+def _kill9(run: _Run, root: Path, cold: list[int], every: list[int], seed: int) -> dict:
+    """SIGKILL an engine in the middle of its cold round (after a random number of finished
+    requests, a random moment into the next one, while its chunks are being stored), then run
+    every request on a fresh engine over the same root."""
+    rng = random.Random(seed + 9)
+    progress = run.work / "kill9-progress"
+    after = rng.randrange(1, max(2, len(cold)))
+    spec = run.spec("tiercache+kill9", cold, root, progress=str(progress))
+    p = run.start(spec)
+    run.log(f"  tiercache+kill9: killing the engine after {after} request(s)")
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline and p.poll() is None:
+        if progress.exists() and len(progress.read_text().split()) >= after:
+            break
+        time.sleep(0.05)
+    delay = rng.uniform(0.05, 0.5)
+    time.sleep(delay)
+    done = len(progress.read_text().split()) if progress.exists() else 0
+    if p.poll() is None:
+        p.send_signal(signal.SIGKILL)
+    p.wait()
+    res = run.run(run.spec("tiercache+kill9", every, root))
+    res["killed_after"] = done
+    res["kill_detail"] = f"SIGKILL {delay:.2f} s after request {after} finished ({done} done when it fell)"
+    return res
+
+
+def _bounds(report: dict, cfg: dict, results: dict) -> dict:
+    """The bound for a repeat from files, the ratio reached, and the break-even arithmetic."""
+    out: dict = {}
+    kv_prefix = report["prefix_tokens"] * report["kv_bytes_per_token"]
+    read = (report.get("fio") or {}).get("read_gbps")
+    h2d, gpu_hit = report.get("h2d_gbps"), report.get("gpu_hit_ttft_s")
+    if read and h2d and gpu_hit is not None:
+        bound = kv_prefix / (read * 1e9) + kv_prefix / (h2d * 1e9) + gpu_hit
+        out["file_hit_bound_s"] = bound
+        for mode in ("fs", "tiercache", "fs+restart", "tiercache+restart", "tiercache-shared"):
+            m = report["modes"].get(mode)
+            if m and m.get("ttft_repeat_p50_s"):
+                m["bound_over_ttft"] = bound / m["ttft_repeat_p50_s"]
+    rec = report["modes"].get("recompute")
+    if rec and rec.get("ttft_cold_p50_s"):
+        per_token = rec["ttft_cold_p50_s"] / (report["prefix_tokens"] + report["suffix_tokens"])
+        out["prefill_s_per_token"] = per_token
+        out["prefill_tflops"] = prefill_flops_per_token(cfg, report["prefix_tokens"] + report["suffix_tokens"]) \
+            / per_token / 1e12
+        # reading a token's KV at R GB/s costs kv/R; recompute costs per_token: files win above
+        out["break_even_gbps"] = report["kv_bytes_per_token"] / per_token / 1e9
+        disks = {"this disk (fio's best read)": read} if read else {}
+        disks.update({f"NVMe {g:g} GB/s": g for g in NVME_GBPS})
+        out["read_over_recompute"] = {k: (report["kv_bytes_per_token"] / (g * 1e9)) / per_token
+                                      for k, g in disks.items()}
+    fs, tc = report["modes"].get("fs"), report["modes"].get("tiercache")
+    if fs and tc and fs.get("ttft_repeat_p50_s") and tc.get("ttft_repeat_p50_s"):
+        out["tiercache_over_fs_speed"] = fs["ttft_repeat_p50_s"] / tc["ttft_repeat_p50_s"]
+    return out
+
+
+def _ok(report: dict) -> bool:
+    """Every engine ran, every verified root is clean, and the tiercache modes' tokens equal
+    vLLM's own tiers' wherever both loaded the same prefixes."""
+    for mode, m in report["modes"].items():
+        for v in m.get("verify", ()):
+            if v.get("exit") != 0 or v.get("bad"):
+                return False
+    return True
+
+
+# -- the text report ---------------------------------------------------------------------------
+def format_serve_report(rep: dict) -> str:
+    """The report as text: one row per mode, then the baselines, the bound and the break-even."""
+    ms = lambda x: "-" if x is None else f"{x * 1e3:8.1f}"  # noqa: E731
+    lines = [f"tiercache vllm-serve: {rep['model']} (vLLM {rep['vllm']}), {rep['prefixes']} prefixes x "
+             f"{rep['prefix_tokens']} tokens + {rep['suffix_tokens']}, {rep['rounds']} rounds, {rep['max_tokens']} "
+             f"tokens each; KV {rep['kv_bytes_per_token']} B/token; seed {rep['seed']}",
+             f"{'mode':<20}{'cold p50':>9}{'p99':>9}{'rep p50':>9}{'p99':>9} ms {'req/s':>6} "
+             f"{'GPU':>6}{'CPU':>7}{'files':>7}{'comp':>7} tok  {'=rec':>5}{'=cpu':>5}{'=fs':>5} verify"]
+    for mode, m in rep["modes"].items():
+        def n(k):
+            v = m.get(k)
+            return "-" if v is None else str(v)
+
+        ver = m.get("verify")
+        vtxt = "-" if not ver else ", ".join(f"{v.get('checked', '?')} files {v.get('bad', '?')} bad" for v in ver)
+        lines.append(f"{mode:<20}{ms(m['ttft_cold_p50_s'])}{ms(m['ttft_cold_p99_s'])}{ms(m['ttft_repeat_p50_s'])}"
+                     f"{ms(m['ttft_repeat_p99_s'])}    {m['requests_per_s']:6.2f} {n('repeat_gpu_tokens'):>6}"
+                     f"{n('repeat_cpu_tokens'):>7}{n('repeat_file_tokens'):>7}{n('repeat_computed_tokens'):>7}     "
+                     f"{n('same_tokens_as_recompute'):>5}{n('same_tokens_as_cpu'):>5}{n('same_tokens_as_fs'):>5}"
+                     f" {vtxt}")
+    lines.append("(token columns: prompt tokens of the repeats by source; =rec/=cpu/=fs: requests whose tokens "
+                 f"equal that mode's, of {next(iter(rep['modes'].values()))['compared'] if rep['modes'] else 0})")
+    fio = rep.get("fio") or {}
+    if fio.get("read_gbps"):
+        lines.append(f"fio best random read at {rep['chunk_bytes'] + 4096} B: {fio['read_gbps']:.2f} GB/s "
+                     f"({fio.get('read_config')})")
+    if rep.get("h2d_gbps"):
+        lines.append(f"pinned host -> GPU: {rep['h2d_gbps']:.1f} GB/s; GPU prefix hit TTFT "
+                     f"{ms(rep.get('gpu_hit_ttft_s')).strip()} ms")
+    if rep.get("file_hit_bound_s"):
+        ratios = ", ".join(f"{k} {m['bound_over_ttft']:.2f}" for k, m in rep["modes"].items() if "bound_over_ttft" in m)
+        lines.append(f"bound for a repeat from files: {rep['file_hit_bound_s'] * 1e3:.1f} ms; bound / repeat p50: {ratios}")
+    if rep.get("tiercache_over_fs_speed"):
+        lines.append(f"tiercache vs fs tier, repeat TTFT p50 (speed ratio): {rep['tiercache_over_fs_speed']:.2f}")
+    if rep.get("break_even_gbps"):
+        lines.append(f"recompute: {rep['prefill_s_per_token'] * 1e6:.1f} us/token ({rep['prefill_tflops']:.0f} TFLOP/s); "
+                     f"reading the KV beats it above {rep['break_even_gbps']:.2f} GB/s; read/recompute time: "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in rep["read_over_recompute"].items()))
+    lines.append("ok" if rep["ok"] else "NOT OK (a verify found bad files or failed)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1]))
