@@ -87,7 +87,8 @@ def test_tiny_model_in_a_real_vllm_tokens_match_and_files_verify(tmp_path):
                           prefix_tokens=2048, suffix_tokens=64, rounds=2, max_tokens=4, restart=False, fio=False,
                           gpu_util=0.3, seed=3)
     tc, fs = rep["modes"]["tiercache"], rep["modes"]["fs"]
-    assert tc["repeat_file_tokens"] >= 2 * 2048 * 0.95, tc
+    # a repeat's prefix comes from files (the last blocks may still be in the GPU's prefix cache)
+    assert tc["repeat_file_tokens"] + tc["repeat_gpu_tokens"] >= 2 * 2048 and tc["repeat_file_tokens"] >= 2 * 1024, tc
     assert tc["same_tokens_as_fs"] == tc["compared"] == 4
     assert rep["ok"] and tc["verify"] and all(v["bad"] == 0 and v["checked"] > 0 for v in tc["verify"])
     assert fs["repeat_file_tokens"] > 0
