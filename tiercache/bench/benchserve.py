@@ -396,6 +396,8 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
                 "repeat_cpu_tokens": None if conn is None else max(0, conn - file_tokens),
                 "repeat_computed_tokens": tot("computed_tokens", reps),
                 "file_bytes_read": sum(r["file_chunks"] for r in rows) * chunk_bytes})
+    out["per_request"] = [{k: r[k] for k in ("index", "prefix", "round", "ttft_s", "gpu_tokens", "connector_tokens",
+                                             "computed_tokens", "file_chunks")} for r in rows]
     toks = {r["index"]: r["tokens"] for r in rows}
     if reference is not None:
         out["same_tokens_as_recompute"] = sum(toks[i] == reference.get(i) for i in toks)
