@@ -109,6 +109,27 @@ m.shutdown()
     assert "LOADED TierCacheTieringSpec TierCacheTier" in out.stdout.splitlines()
 
 
+def test_the_readme_serve_line_builds_the_tier(tmp_path):
+    """The ``--kv-transfer-config`` of README.md's ``vllm serve`` line, as vLLM's connector reads
+    it (root and sizes scaled to a test), builds TierCacheTieringSpec with the tier below."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = re.search(r"^vllm serve \S+ --kv-transfer-config '(.*)'$", readme, re.M).group(1)
+    extra = json.loads(line)["kv_connector_extra_config"]
+    extra["cpu_bytes_to_use"] = 16 * (64 << 10)
+    extra["secondary_tiers"][0].update(root=str(tmp_path), capacity_bytes=1 << 26)
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    spec = OffloadingSpecFactory.create_spec(compat.offloading_config(row_bytes=64 << 10, extra_config=extra,
+                                                                      engine_id="tc-readme"))
+    m = spec.get_manager()
+    try:
+        assert type(spec).__name__ == "TierCacheTieringSpec" and type(m.secondary_tiers[0]) is TierCacheTier
+    finally:
+        m.shutdown()
+
+
 def test_factory_creates_it_with_locality(tmp_path):
     spec, m = H.build({"root": str(tmp_path / "a")})
     view = m.primary_tier.get_kv_memoryview()

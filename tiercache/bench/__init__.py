@@ -11,6 +11,7 @@ baseline in the same run:
 - :mod:`.benchshared`: N processes on one shared root against one;
 - :mod:`.benchscale`: a root of millions of block files: open, memory, lookups, verify, purge;
 - :mod:`.benchvllm`: vLLM's storage tier against vLLM's fs tier through vLLM's interface;
+- :mod:`.benchserve`: a real vLLM engine on the GPU, TierCacheTier against vLLM's own tiers and recompute;
 - :mod:`.benchhf`: transformers generate with its caches and TieredCache;
 - :mod:`.fiospec`, :mod:`.fiorun`: fio-style jobs through the transfer engine;
 - :mod:`.calibrate`: where the copy engines overtake the SM kernels on this GPU;
