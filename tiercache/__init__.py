@@ -33,6 +33,7 @@ from tiercache.errors import (
     TierCacheError,
     TierFullError,
     TierUnavailableError,
+    SpillError,
     TransferError,
     UnknownPoolError,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "SlotRangeError",
     "TierFullError",
     "TierUnavailableError",
+    "SpillError",
     "TransferError",
     "UnknownPoolError",
 ]

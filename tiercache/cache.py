@@ -422,7 +422,7 @@ class TierCache:
         ts = self.placement.tiers[name]
         # old copies in other tiers go after the new bytes are in; in this tier, reuse slots
         new = [k for k in ks if k not in ts]
-        self.mover.make_room(name, len(new), set(ks))
+        self.mover.room_for(name, len(new), ks)  # a failed spill: nothing of this piece stored or replaced
         ts.add(new)
         rows = [ts.slot_of[k] for k in ks]
         failed = self.mover.transfer(ks, "caller", name, np.arange(len(ks)), rows, src_arrays=arrays)
@@ -464,7 +464,7 @@ class TierCache:
                     raise SlotRangeError(f"{len(wanted)} slots given for {len(ks)} keys")
                 ts.claim(ks, wanted)
             else:
-                self.mover.make_room(name, len(ks), set(ks))
+                self.mover.room_for(name, len(ks), ks)
                 wanted = ts.add(ks)
             self.counters["allocated_blocks"] += len(ks)
             return np.array(wanted, dtype=np.int64)

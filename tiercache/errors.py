@@ -73,6 +73,25 @@ class TransferError(TierCacheError, RuntimeError):
         self.failed_keys = list(failed_keys)
 
 
+class SpillError(TransferError):
+    """Room could not be made in a tier for a call's blocks: copying the tier's least recently
+    used blocks (``victims``) down failed. The victims stay where they were, valid and
+    registered; ``failed_keys`` lists the call's blocks that were therefore not stored, moved
+    or replaced (a replaced key keeps its earlier bytes); ``reason`` says why, without them."""
+
+    def __init__(self, reason: str, failed_keys: list | tuple = (), victims: list | tuple = ()) -> None:
+        from tiercache.keys import format_keys
+
+        keys = list(failed_keys)
+        super().__init__(f"{len(keys)} block(s) not stored: {format_keys(keys)}: {reason}" if keys else reason, keys)
+        self.reason = reason
+        self.victims = list(victims)
+
+    def for_keys(self, keys) -> SpillError:
+        """The same failure, reported for the caller's ``keys`` (raise it ``from`` this one)."""
+        return SpillError(self.reason, keys, self.victims)
+
+
 class CorruptBlockError(TierCacheError, ValueError):
     """A block file whose header, geometry, size or checksum does not verify."""
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tiercache.errors import CorruptBlockError, TransferError
+from tiercache.errors import CorruptBlockError, SpillError, TransferError
 from tiercache.files import FileTier
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, format_keys
@@ -102,8 +102,9 @@ class BlockMover:
         otherwise (recursively making room there), or evicted from the bottom tier.
 
         Raises:
-            TierFullError: too few blocks may leave. TransferError: a spill failed (the
-            victims stay where they were).
+            TierFullError: too few blocks may leave. SpillError: a spill failed (the victims
+            stay where they were; its ``failed_keys`` is empty: callers report their own keys
+            with :meth:`SpillError.for_keys`).
         """
         ts = self.placement.tiers[tier]
         need = count - ts.free_count
@@ -113,7 +114,12 @@ class BlockMover:
         spill = [k for k in victims if not self.placement.has_copy_below(k, tier)]
         below = self.placement.below(tier)
         if spill and below:
-            self.copy_into(spill, below[0], protect | set(victims))
+            try:
+                self.copy_into(spill, below[0], protect | set(victims))
+            except TransferError as exc:
+                raise SpillError(f"no room in the {tier} tier: spilling its least recently used block(s) "
+                                 f"{format_keys(spill)} to {below[0]} failed (they stay in {tier}): {exc}",
+                                 victims=spill) from exc
             self.counters["spilled_blocks"] += len(spill)
             self.counters[f"spilled_blocks_{tier}"] += len(spill)
         elif spill:  # bottom tier: the block leaves the cache (a shared root: this process's index)
@@ -126,6 +132,15 @@ class BlockMover:
                     self.tiers["file"].evict(spill)
         ts.remove(victims)
 
+    def room_for(self, tier: str, count: int, keys: list[Key], protect: set[Key] | None = None) -> None:
+        """:meth:`make_room` for a call that stores ``keys`` (``count`` of them new to ``tier``):
+        a failed spill is a :class:`SpillError` whose ``failed_keys`` are ``keys`` (none of them
+        was stored), not the victims (which stay where they were)."""
+        try:
+            self.make_room(tier, count, set(keys) if protect is None else protect)
+        except SpillError as exc:
+            raise exc.for_keys(keys) from exc
+
     def copy_into(self, keys: list[Key], dst: str, protect: set[Key]) -> np.ndarray:
         """Copy ``keys`` into tier ``dst`` from the nearest tier holding each (keys already in
         ``dst`` stay as they are) and mark them recently used.
@@ -135,11 +150,12 @@ class BlockMover:
 
         Raises:
             TierFullError. TransferError: after the other keys completed; the failed keys are
-            not registered in ``dst`` and stay registered where they were.
+            not registered in ``dst`` and stay registered where they were. SpillError: no room
+            could be made in ``dst``; ``failed_keys`` lists the keys not already there.
         """
         ts = self.placement.tiers[dst]
         new = [k for k in keys if k not in ts]
-        self.make_room(dst, len(new), protect | set(keys))
+        self.room_for(dst, len(new), new, protect | set(keys))
         dst_slots = dict(zip(new, ts.add(new)))
         groups: dict[str, list[Key]] = {}
         order = self.placement.order

@@ -101,7 +101,7 @@ class EngineSlots:
                 return self._offload_to_file_direct(ks, dev, num_tokens, stream)
             ts = self.placement.tiers["host"]
             new = [k for k in ks if k not in ts]
-            self.mover.make_room("host", len(new), set(ks))
+            self.mover.room_for("host", len(new), ks)
             ts.add(new)
             host_slots = np.array([ts.slot_of[k] for k in ks], dtype=np.int64)
             groups, dev_ledger, host_ledger = plan_device_host(
@@ -134,7 +134,7 @@ class EngineSlots:
         self._host_sync(self.engine_stream(stream))
         ts = self.placement.tiers["file"]
         new = [k for k in ks if k not in ts]
-        self.mover.make_room("file", len(new), set(ks))
+        self.mover.room_for("file", len(new), ks)
         ts.add(new)
         failed = self.mover.transfer(ks, "device", "file", dev[:, 0], [ts.slot_of[k] for k in ks])
         ts.remove([k for k in failed if k in new])
