@@ -13,7 +13,7 @@ from rich.progress import Progress
 
 from tiercache.errors import RootError
 from tiercache.files import (QUARANTINE, VERIFY, RootCheck, RootDir, RootLock, classify, entry_path, gc_paused,
-                             is_root, lock_holder, native_status, quick_gil_handoff, survey)
+                             is_root, lock_holder, native_status, quick_gil_handoff, recheck, survey)
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
 
@@ -65,8 +65,20 @@ def verify(
                         "ignores it, so it is a stray copy or junk", entry_path(rd, e))
             for e in sv.foreign if classify(e.name) == "foreign" and LOOKS_LIKE_BLOCK.match(e.name)]
         bad += [(problem.split(" ", 1)[0], problem, None) for problem in sv.problems]  # e.g. a symlinked subdirectory
-        bad += [(e.name, problem, entry_path(rd, e)) for e, problem in found]
-        moved, unmoved = 0, []
+        # each bad file once more as it is now: one that vanished or was replaced by a good one
+        # (a shared root in use) is not bad; only one still bad and still the same inode may move
+        changed, unmoved = 0, []
+        for e, _ in found:
+            again = recheck(rd, e)
+            if again.problem is None:
+                changed += 1
+            elif again.same_file:
+                bad.append((e.name, again.problem, entry_path(rd, e)))
+            else:
+                bad.append((e.name, again.problem, None))
+                if quarantine:
+                    unmoved.append(f"{e.relpath}: not moved to quarantine/ (replaced while it was checked)")
+        moved = 0
         if quarantine and bad:
             for name, _, path in bad:
                 if path is None:
@@ -81,7 +93,8 @@ def verify(
         rd.close()
     if as_json:
         typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p, _ in bad],
-                               "quarantined": moved, "not_quarantined": unmoved, "survey_s": t1 - t0, "seconds": t2 - t0,
+                               "quarantined": moved, "not_quarantined": unmoved, "changed_while_checked": changed,
+                               "survey_s": t1 - t0, "seconds": t2 - t0,
                                "bytes": sum(max(e.size, 0) for e in sv.blocks)}, indent=2))
     else:
         for _, problem, _ in bad:
@@ -89,6 +102,7 @@ def verify(
         for line in unmoved:
             typer.echo(f"LEFT {line}")
         typer.echo(f"checked {len(files)} block file(s) in {root}: {len(bad)} bad"
-                   + (f", {moved} moved to quarantine/" if moved else ""))
+                   + (f", {moved} moved to quarantine/" if moved else "")
+                   + (f"; {changed} removed or replaced while checked (not bad)" if changed else ""))
     if bad:
         raise typer.Exit(EXIT_FINDING)

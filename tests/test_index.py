@@ -222,3 +222,32 @@ def test_files_changed_behind_the_index_while_open_are_found(saved, rng, make_co
         assert nk in c and keys[0] not in c and keys[1] not in c
         assert_bytes(c, {nk: new[nk]})
         assert_bytes(c, {k: v for k, v in exp.items() if k not in keys[:2]})
+
+
+def test_rowstore_default_capacity_counts_the_blocks_already_there(tmp_path, rng, monkeypatch):
+    """Without capacity_bytes / capacity_blocks the store takes 90% of the free space plus the
+    blocks the root already holds: a reopen on a disk its own blocks filled evicts none of them
+    (the blocks live in subdirectories, not at the root's top)."""
+    import shutil
+
+    from tiercache.serving.rowstore import RowStore
+
+    n, row_bytes = 56, 8192
+    rows = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    keys = [rng.bytes(16) for _ in range(n)]
+    root = tmp_path / "rows"
+    real = shutil.disk_usage
+    file_bytes = row_bytes + 4096
+    free = [100 * file_bytes]  # a small disk: 100 blocks' worth free at first
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free[0]))
+    with RowStore(rows, root) as st:
+        st.submit_store(keys, list(range(n)))
+        assert st.drain(30) and all(r.success for r in st.finished()) and len(st) == n
+    free[0] -= n * file_bytes  # what the blocks took
+    out = np.zeros_like(rows)
+    with RowStore(out, root) as st:
+        assert st.wait_reconciled(30)
+        assert st.capacity_blocks >= n and len(st) == n and st.counters["evicted_blocks"] == 0
+        st.submit_load(keys, list(range(n)))
+        assert st.drain(30) and all(r.success for r in st.finished())
+    assert np.array_equal(out, rows)

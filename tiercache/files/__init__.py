@@ -31,12 +31,12 @@ from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
 from .rootsurvey import (STATS, FileEntry, RootSurvey, classify, entry_path, gc_paused, is_own_block_file, survey, verify_file,
                          write_stats)
-from .rootcheck import DELETE, OWN, VERIFY, RootCheck, delete_own, quick_gil_handoff, own_entries, unlink_all, verify_entries
+from .rootcheck import DELETE, OWN, VERIFY, Recheck, RootCheck, delete_own, quick_gil_handoff, own_entries, recheck, unlink_all, verify_entries
 
 __all__ = [
     "DATA_OFFSET", "DIR_MODE", "FANOUT", "FREE_FILES", "FileEntry", "FileTier", "SUBDIRS", "block_relpath",
     "block_subdir", "block_subdir_index", "entry_path", "when_all_settled", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
     "RootPath", "RootSurvey",
     "INDEX", "STATS", "IndexUnusable", "SavedIndex", "changed_dirs", "dir_times", "index_summary", "load_index", "save_index", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
-    "select_io_path", "survey", "gc_paused", "verify_file", "RootCheck", "quick_gil_handoff", "VERIFY", "OWN", "DELETE", "verify_entries", "own_entries", "delete_own", "unlink_all", "write_stats", "BOOT_TAG", "tmp_abandoned", "tmp_name", "tmp_owner",
+    "select_io_path", "survey", "gc_paused", "verify_file", "RootCheck", "quick_gil_handoff", "VERIFY", "OWN", "DELETE", "verify_entries", "own_entries", "delete_own", "Recheck", "recheck", "unlink_all", "write_stats", "BOOT_TAG", "tmp_abandoned", "tmp_name", "tmp_owner",
 ]

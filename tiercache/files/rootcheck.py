@@ -504,3 +504,30 @@ def unlink_all(paths: list[RootPath], threads: int = 8, on_done: Callable[[int],
         if native is not None:
             native.close()
     return out
+
+
+class Recheck(NamedTuple):
+    """A bad file looked at again: ``problem`` is None when it is gone (removed or replaced
+    under its name by a good file since it was checked, as on a shared root in use);
+    ``same_file``: the name still holds the file (inode) found bad, checked once more."""
+
+    problem: str | None
+    same_file: bool
+
+
+def recheck(rd: RootDir, entry: FileEntry) -> Recheck:
+    """Check one file that a verify found bad once more, as it is now: a file that vanished or
+    was replaced by a good one is not bad; only a file that is still bad, and still the same
+    inode before and after the check, may be quarantined (``same_file``)."""
+    path = entry_path(rd, entry)
+    before = path.lstat()
+    if before is None:
+        return Recheck(None, False)
+    problem = verify_file(path)
+    after = path.lstat()
+    if problem is None or after is None:
+        return Recheck(None, False)
+    if "unreadable (No such file or directory)" in problem:  # went between the lstat and the open
+        return Recheck(None, False)
+    same = after.st_ino == before.st_ino and (not entry.ino or entry.ino == before.st_ino)
+    return Recheck(problem, same)

@@ -53,8 +53,8 @@ from tiercache.errors import (
     SlotRangeError,
     TierFullError,
 )
-from tiercache.files import (FREE_FILES, IO_ENGINES, FileTier, IOPath, block_subdir_index, file_size, when_all_settled,
-                             write_stats)
+from tiercache.files import (FREE_FILES, IO_ENGINES, SUBDIRS, FileTier, IOPath, block_subdir_index, file_size,
+                             when_all_settled, write_stats)
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
 from tiercache.placement import CompactSlots, RootIndex
@@ -269,12 +269,20 @@ class RowStore:
             while not probe.exists() and probe != probe.parent:
                 probe = probe.parent
             free = shutil.disk_usage(probe).free
-            have = 0
-            if self.root.is_dir():
-                with os.scandir(self.root) as it:
-                    have = sum(1 for e in it if e.name.startswith("block_") and e.name.endswith(".bin"))
-            caps.append(max(1, int(free * 0.9) // self.file_bytes + have))
+            caps.append(max(1, int(free * 0.9) // self.file_bytes + self._blocks_there()))
         return min(caps)
+
+    def _blocks_there(self) -> int:
+        """Block files already in the root (its subdirectories, and its top from a flat root of
+        an earlier version): names only, no stat."""
+        count = 0
+        for d in (self.root, *(self.root / sub for sub in SUBDIRS)):
+            try:
+                with os.scandir(d) as it:
+                    count += sum(1 for e in it if e.name.startswith("block_") and e.name.endswith(".bin"))
+            except OSError:  # no such subdirectory yet (or unreadable: the open reports it)
+                continue
+        return count
 
     # -- keys and rows -----------------------------------------------------------------------
     def _keys_rows(self, keys, rows) -> tuple[list[bytes], list[int]]:
