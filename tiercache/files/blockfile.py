@@ -30,8 +30,11 @@ and cuFile (GDS) move it without bounce copies. The checksum is xxHash's XXH3-64
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
 import re
+import socket
 import struct
 from dataclasses import dataclass, field
 
@@ -51,9 +54,29 @@ _PREFIX = struct.Struct("<8sIIQ")
 FILE_RE = re.compile(r"block_(0|[1-9][0-9]*|x(?:[0-9a-f]{2})+)_pool_([A-Za-z0-9][A-Za-z0-9_.-]*)\.bin", re.ASCII)
 TMP_PREFIX = ".tmp."
 #: temporary files tiercache writes: a block file's (``.tmp.<name>.<pid>.<hex>``) or its own
-#: marker and stats files' (``.tmp.own.<name>.<pid>``; ``.tmp.stats.<pid>`` from before)
-TMP_RE = re.compile(r"\.tmp\.(?:(block_[A-Za-z0-9_.-]+\.bin)\.[0-9]+\.[0-9a-f]+|own\.[A-Za-z0-9_.-]+\.[0-9]+|stats\.[0-9]+)",
-                    re.ASCII)
+#: marker, index and stats files' (``.tmp.own.<name>.<pid>.<tag>``; without the tag, and
+#: ``.tmp.stats.<pid>``, from before)
+TMP_RE = re.compile(r"\.tmp\.(?:(block_[A-Za-z0-9_.-]+\.bin)\.[0-9]+\.[0-9a-f]+|own\.[A-Za-z0-9_.-]+\.[0-9]+"
+                    r"(?:\.[0-9a-f]{8})?|stats\.[0-9]+)", re.ASCII)
+
+
+def _boot_tag() -> str:
+    ident = b""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as fh:
+            ident = fh.read().strip()
+    except OSError:  # not Linux: the host name and the boot time stand in
+        ident = socket.gethostname().encode() + str(int(os.stat("/").st_ctime)).encode()
+    try:  # a pid means something only in its own PID namespace (containers share the boot id)
+        ident += b":pidns:" + str(os.stat("/proc/self/ns/pid").st_ino).encode()
+    except OSError:
+        pass
+    return hashlib.blake2b(ident, digest_size=4).hexdigest()
+
+
+#: this machine, boot and PID namespace, as 8 hex digits: temporary file names carry it beside
+#: their writer's pid, whose liveness is only checked where the tag is the checker's own
+BOOT_TAG = _boot_tag()
 
 
 #: subdirectories of a root that hold its block files

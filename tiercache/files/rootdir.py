@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from tiercache.errors import RootError
-from tiercache.files.blockfile import FORMAT_VERSION, SUBDIRS, block_filename, block_subdir
+from tiercache.files.blockfile import BOOT_TAG, FORMAT_VERSION, SUBDIRS, block_filename, block_subdir
 from tiercache.keys import Key
 
 MARKER = ".tiercache-root"
@@ -336,7 +336,7 @@ def write_atomic(root: RootDir, name: str, data: bytes, fsync: bool = False) -> 
     Raises:
         OSError: the temporary file is removed and ``name`` is untouched.
     """
-    tmp = root.child(f"{TMP_OWN}{name.lstrip('.')}.{os.getpid()}")
+    tmp = root.child(f"{TMP_OWN}{name.lstrip('.')}.{os.getpid()}.{BOOT_TAG}")
     fd = tmp.open(os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC)
     try:
         try:

@@ -3,42 +3,33 @@ system: who wrote a temporary file and whether it is provably abandoned, whether
 process has published a block, and the root's usage as a whole.
 
 Temporary block files are named ``.tmp.<final>.<pid>.<tag><counter>`` (:func:`tmp_name`), where
-``tag`` is :data:`BOOT_TAG`, 8 hex digits of this machine's boot id: on the same machine and
-boot a writer is provably gone when its pid is, and a file from another machine or boot is
-abandoned only once it is older than a limit (a live writer renames its temporary file within
+``tag`` is :data:`BOOT_TAG`, 8 hex digits of this machine's boot id and PID namespace (the
+root's own index, stats and marker files: ``.tmp.own.<name>.<pid>.<tag>``): on the same machine,
+boot and PID namespace a writer is provably gone when its pid is, and a file from another
+machine, boot or container (whose pids this process cannot see) is abandoned only once it is
+older than a limit (a live writer renames its temporary file within
 seconds; one older than the limit loses it, and its write then fails cleanly: never a torn
 block). Names without a tag (older releases) fall under the age limit.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import re
 import secrets
-import socket
 import stat
 
-from tiercache.files.blockfile import TMP_PREFIX, file_size
+from tiercache.files.blockfile import BOOT_TAG, TMP_PREFIX, file_size
 from tiercache.files.rootdir import RootDir
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key
 
 
-def _boot_tag() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as fh:
-            ident = fh.read().strip()
-    except OSError:  # not Linux: the host name and the boot time stand in
-        ident = socket.gethostname().encode() + str(int(os.stat("/").st_ctime)).encode()
-    return hashlib.blake2b(ident, digest_size=4).hexdigest()
-
-
-#: this machine and boot, as 8 hex digits
-BOOT_TAG = _boot_tag()
 _tmp_ids = itertools.count(secrets.randbits(32))
 _TMP_OWNER = re.compile(r"\.tmp\.block_[A-Za-z0-9_.-]+\.bin\.([0-9]+)\.([0-9a-f]+)", re.ASCII)
+#: the root's own temporary files (index, stats, marker): ``.tmp.own.<name>.<pid>[.<tag>]``
+_TMP_OWN_OWNER = re.compile(r"\.tmp\.own\.[A-Za-z0-9_.-]+?\.([0-9]+)(?:\.([0-9a-f]{8}))?", re.ASCII)
 
 
 def tmp_name(final_name: str) -> str:
@@ -48,12 +39,14 @@ def tmp_name(final_name: str) -> str:
 
 
 def tmp_owner(name: str) -> tuple[int, str | None] | None:
-    """``(pid, boot tag or None)`` of a temporary block file's writer; None for other names."""
+    """``(pid, boot tag or None)`` of a temporary file's writer (a block file's, or the root's
+    index, stats or marker file's); None for other names."""
     m = _TMP_OWNER.fullmatch(name)
-    if m is None:
-        return None
-    hexpart = m.group(2)
-    return int(m.group(1)), (hexpart[:8] if len(hexpart) > 8 else None)
+    if m is not None:
+        hexpart = m.group(2)
+        return int(m.group(1)), (hexpart[:8] if len(hexpart) > 8 else None)
+    m = _TMP_OWN_OWNER.fullmatch(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
 
 
 def pid_alive(pid: int) -> bool:
@@ -71,8 +64,9 @@ def pid_alive(pid: int) -> bool:
 
 def tmp_abandoned(name: str, age_s: float, max_age_s: float) -> bool:
     """Whether a temporary file may be removed while other processes use the root: written on
-    this machine and boot by a pid that no longer exists, or older than ``max_age_s``
-    (seconds) whoever wrote it. Names that are not temporary block files: never."""
+    this machine and boot, in this PID namespace, by a pid that no longer exists, or older than
+    ``max_age_s`` (seconds) whoever wrote it (another machine, boot or container: its pid is not
+    ours to check). Names that are not tiercache's temporary files: never."""
     owner = tmp_owner(name)
     if owner is None:
         return False
