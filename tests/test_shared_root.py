@@ -432,3 +432,36 @@ def test_puts_straight_to_the_file_tier_hold_a_shared_root_to_its_capacity(tmp_p
             c.put(_keys(rng, 1), random_blocks(rng, POOL, 1), tier="file")
         on_disk = len(list(files(tmp_path / "r", "block_*.bin")))
         assert on_disk <= 16 and c.stats()["counters"]["evicted_blocks"] >= 24
+
+
+@pytest.mark.parametrize("first_call", ["wait_reconciled", "put", "get"])
+def test_opening_a_shared_root_fuller_than_its_slots_adopts_what_fits(tmp_path, rng, first_call):
+    """Processes with identical configs let a shared root hold more blocks than any one's
+    file_slots (each sweeps to the root's capacity only with a grace). A process opening it
+    finds them all in its reconciliation: it adopts the newest that fit, and its first call,
+    whatever it is, works (it raised an unrelated TierFullError and dropped the adoption)."""
+    from tiercache import CacheConfig
+    from tiercache.geometry import PoolSpec
+
+    pools = (PoolSpec("kv", (256,), "uint8"),)
+
+    def cfg(slots):
+        return CacheConfig(pools=pools, device_slots=0, host_slots=8, file_slots=slots, root=tmp_path / "root",
+                           fsync="none", sharing="shared")
+
+    keys = [rng.bytes(16) for _ in range(70)]
+    data = rng.integers(0, 256, (70, 256), dtype=np.uint8)
+    with TierCache(cfg(100)) as a:
+        a.put(keys, data, tier="file")
+        with TierCache(cfg(30)) as b:
+            if first_call == "put":
+                b.put([b"fresh-key"], data[:1], tier="file")
+            elif first_call == "get":
+                np.testing.assert_array_equal(b.get([keys[-1]], pool="kv"), data[-1:])
+            assert b.wait_reconciled(30)
+            held = b.keys("file")
+            assert 29 <= len(held) <= 30 and b.stats()["counters"]["adopted_blocks"] >= 29
+            idx = [keys.index(k) for k in held if k in keys]
+            np.testing.assert_array_equal(b.get([keys[i] for i in idx], pool="kv"), data[idx])
+        assert len(a.keys("file")) == 70
+        np.testing.assert_array_equal(a.get(keys, pool="kv"), data)  # nothing of the root was lost

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tiercache.errors import RootError
+from tiercache.errors import RootError, TierFullError
 from tiercache.files import (SUBDIRS, FileTier, IndexUnusable, SavedIndex, ScanResult, changed_dirs, dir_times,
                              load_index, save_index)
 from tiercache.keys import Key
@@ -283,11 +283,17 @@ class RootIndex:
             ft.delete(dropped)
         adopt = [(k, m) for k, m in scan.blocks if self.accepts(k) and not self.contains(k)
                  and ft.path(k, next(iter(ft.pools))).lstat() is not None]
-        room = ts.free_count
-        if len(adopt) > room:
+        if len(adopt) > ts.free_count:
+            # the newest that the tier can hold at all (a shared root may hold more blocks than
+            # this process's slots: other processes' files); room made for them where blocks may
+            # leave (pinned ones may not: then only what is free is adopted)
             adopt.sort(key=lambda km: km[1])
-            self.make_room(len(adopt) - room, set())
-            adopt = adopt[len(adopt) - ts.free_count:]
+            adopt = adopt[max(0, len(adopt) - ts.num_slots):]
+            try:
+                self.make_room(len(adopt) - ts.free_count, set())
+            except TierFullError:
+                pass
+            adopt = adopt[max(0, len(adopt) - ts.free_count):]
         ts.add([k for k, _ in adopt])
         for k, _ in adopt:
             self.found_meta(k, scan.extra.get(k, {}))
