@@ -79,17 +79,11 @@ class SpillError(TransferError):
     registered; ``failed_keys`` lists the call's blocks that were therefore not stored, moved
     or replaced (a replaced key keeps its earlier bytes); ``reason`` says why, without them."""
 
-    def __init__(self, reason: str, failed_keys: list | tuple = (), victims: list | tuple = ()) -> None:
-        from tiercache.keys import format_keys
-
-        keys = list(failed_keys)
-        super().__init__(f"{len(keys)} block(s) not stored: {format_keys(keys)}: {reason}" if keys else reason, keys)
-        self.reason = reason
+    def __init__(self, message: str, failed_keys: list | tuple = (), victims: list | tuple = (),
+                 reason: str | None = None) -> None:
+        super().__init__(message, failed_keys)
         self.victims = list(victims)
-
-    def for_keys(self, keys) -> SpillError:
-        """The same failure, reported for the caller's ``keys`` (raise it ``from`` this one)."""
-        return SpillError(self.reason, keys, self.victims)
+        self.reason = message if reason is None else reason
 
 
 class CorruptBlockError(TierCacheError, ValueError):

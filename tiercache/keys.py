@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterable
 
+import xxhash
+
 from tiercache.errors import InvalidKeyError
 
 Key = int | bytes
@@ -94,3 +96,16 @@ def key_from_text(text: str) -> Key:
             raise InvalidKeyError(f"int key {text} out of range: int keys are in [0, 2**63) (at most {MAX_INT_KEY})")
         return k
     raise InvalidKeyError(f"{text!r} is not a key text (decimal int or x<hex>)")
+
+
+_MASK64 = (1 << 64) - 1
+#: odd: multiplying by it is a bijection on 64-bit ints
+KEY_HASH_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def key_hash(key: Key) -> int:
+    """64-bit hash of a key: a bijective mix of an int key (``key * KEY_HASH_GOLDEN mod
+    2**64``), XXH3-64 of a bytes key. What the file tier's index sorts and saves."""
+    if isinstance(key, int):
+        return (key * KEY_HASH_GOLDEN) & _MASK64
+    return xxhash.xxh3_64_intdigest(key)

@@ -39,6 +39,7 @@ import xxhash
 from tiercache.files.blockfile import SUBDIRS, checked_metadata, file_size, pack_metadata
 from tiercache.files.rootdir import INDEX, RootDir, write_atomic
 from tiercache.geometry import PoolSpec
+from tiercache.keys import KEY_HASH_GOLDEN, key_hash
 
 MAGIC = b"TCINDEX\0"
 INDEX_FORMAT = 1
@@ -155,13 +156,80 @@ def index_summary(rd: RootDir) -> dict | None:
         os.close(fd)
 
 
+#: the largest tick or clock an index may carry (a put adds ticks from there without overflow)
+MAX_CLOCK = 1 << 62
+#: the most entries an index may hold, and its metadata's most bytes (positions of partial blocks)
+MAX_ENTRIES, MAX_META = 1 << 32, 1 << 30
+#: entries whose key hash is recomputed at load (all of them for int keys): a wrong hash would
+#: leave its slot unreachable by key
+HASH_SAMPLE = 4096
+
+
+def _int(meta: dict, name: str, lo: int, hi: int) -> int:
+    v = meta.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise IndexUnusable(f"{name} = {v!r} not an integer in [{lo}, {hi}]")
+    return v
+
+
+def _checked_meta(meta) -> tuple[int, int, int, dict[str, int], dict[str, int | None]]:
+    """``(count, arena bytes, clock, positions, dir_times)`` of the metadata, every field's type
+    and range checked (an index's checksums prove it is whole, not that it is sane)."""
+    if not isinstance(meta, dict):
+        raise IndexUnusable("metadata is not an object")
+    n = _int(meta, "count", 0, MAX_ENTRIES)
+    arena = _int(meta, "arena", 0, 64 * n)
+    clock = _int(meta, "clock", 0, MAX_CLOCK)
+    _int(meta, "body_xxh3", 0, (1 << 64) - 1)
+    positions, times = meta.get("positions"), meta.get("dir_times")
+    if not isinstance(positions, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
+            for k, v in positions.items()):
+        raise IndexUnusable("positions is not a map of key text to a mask")
+    if not isinstance(times, dict) or not all(
+            k in SUBDIRS and (v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0))
+            for k, v in times.items()):
+        raise IndexUnusable("dir_times is not a map of subdirectory to a time")
+    return n, arena, clock, positions, times
+
+
+def _check_hashes(index: SavedIndex) -> None:
+    """Every int key's hash, and those of a sample of the bytes keys, recomputed."""
+    ints = np.flatnonzero(index.klen == 255)
+    if len(ints):
+        want = index.kval[ints].astype(np.uint64) * np.uint64(KEY_HASH_GOLDEN)  # key_hash, vectorized
+        if not np.array_equal(want, index.hash[ints]):
+            raise IndexUnusable("an entry's hash does not match its key")
+    byt = np.flatnonzero(index.klen != 255)
+    if len(byt) > HASH_SAMPLE:
+        byt = np.random.default_rng().choice(byt, HASH_SAMPLE, replace=False)
+    arena = memoryview(index.arena)
+    for i in byt.tolist():
+        o, n = int(index.kval[i]), int(index.klen[i])
+        if key_hash(bytes(arena[o:o + n])) != int(index.hash[i]):
+            raise IndexUnusable("an entry's hash does not match its key")
+
+
 def load_index(rd: RootDir, pools: tuple[PoolSpec, ...]) -> SavedIndex | None:
-    """The root's saved index, or None when it has none.
+    """The root's saved index, or None when it has none. Its header and metadata are read and
+    checked first (types, ranges, and the file's size against the entries it announces), the
+    body only then; the entries are checked too (ranges, ticks below the clock, no key twice,
+    key hashes: :func:`_check_hashes`).
 
     Raises:
         IndexUnusable: truncated, corrupt, another format version, another root, other pools,
-            or not a regular file (the reason in the message).
+            not a regular file, or any field or entry out of its range (the reason in the
+            message). Nothing else: a crafted or damaged index is rebuilt from the files.
     """
+    try:
+        return _load_index(rd, pools)
+    except IndexUnusable:
+        raise
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError, MemoryError) as exc:
+        raise IndexUnusable(f"{type(exc).__name__}: {exc}"[:300]) from None
+
+
+def _load_index(rd: RootDir, pools: tuple[PoolSpec, ...]) -> SavedIndex | None:
     p = rd.child(INDEX)
     if p.lstat() is None:
         return None
@@ -170,31 +238,43 @@ def load_index(rd: RootDir, pools: tuple[PoolSpec, ...]) -> SavedIndex | None:
     except OSError as exc:
         raise IndexUnusable(f"cannot be opened ({exc.strerror or exc})") from None
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read()
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 24, 0)
+        meta_len = int.from_bytes(head[12:16], "little") if len(head) == 24 else 0
+        if meta_len > min(MAX_META, size):
+            raise IndexUnusable(f"metadata length {meta_len} out of range")
+        prefix = head + os.pread(fd, meta_len, 24)
+        try:
+            _, meta_raw, body_at = checked_metadata(prefix, MAGIC, INDEX_FORMAT, len(prefix), "index")
+        except ValueError as exc:
+            raise IndexUnusable(str(exc)) from None
+        meta = json.loads(meta_raw)
+        n, arena_len, clock, positions, times = _checked_meta(meta)
+        if meta.get("root") != root_identity(rd):
+            raise IndexUnusable("written for another root directory")
+        if meta.get("pools") != pools_signature(pools):
+            raise IndexUnusable(f"written for pools {meta.get('pools')}, not {pools_signature(pools)}")
+        if size != body_at + 26 * n + arena_len:
+            raise IndexUnusable(f"{size} bytes where its {n} entries need {body_at + 26 * n + arena_len}")
+        body = bytearray(size - body_at)
+        got = os.preadv(fd, [body], body_at) if body else 0
     finally:
         os.close(fd)
-    try:
-        _, meta_raw, body_at = checked_metadata(data, MAGIC, INDEX_FORMAT, len(data), "index")
-    except ValueError as exc:
-        raise IndexUnusable(str(exc)) from None
-    meta = json.loads(meta_raw)
-    if meta["root"] != root_identity(rd):
-        raise IndexUnusable("written for another root directory")
-    if meta["pools"] != pools_signature(pools):
-        raise IndexUnusable(f"written for pools {meta['pools']}, not {pools_signature(pools)}")
-    body = memoryview(data)[body_at:]
-    n, arena_len = int(meta["count"]), int(meta["arena"])
-    if len(body) != 26 * n + arena_len or xxhash.xxh3_64_intdigest(body) != meta["body_xxh3"]:
+    if got != len(body) or xxhash.xxh3_64_intdigest(body) != meta["body_xxh3"]:
         raise IndexUnusable("body truncated or corrupt")
+    body = memoryview(bytes(body))
     klen = np.frombuffer(body, np.uint8, n, 0)
     kval = np.frombuffer(body, np.int64, n, n)
     index = SavedIndex(klen, kval, np.frombuffer(body, np.uint64, n, 9 * n),
                        np.frombuffer(body, np.uint64, n, 17 * n), np.frombuffer(body, np.uint8, n, 25 * n),
-                       bytes(body[26 * n:]), int(meta["clock"]),
-                       {str(k): int(v) for k, v in meta["positions"].items()}, meta["dir_times"])
+                       bytes(body[26 * n:]), clock, positions, times)
     byt = klen != 255
     if ((klen == 0) | (klen > 64) & byt).any() or (index.group >= len(SUBDIRS)).any() or (byt.any() and int((kval[byt] + klen[byt]).max()) > arena_len) \
             or (byt.any() and int(kval[byt].min()) < 0) or ((~byt).any() and int(kval[~byt].min()) < 0):
         raise IndexUnusable("entries out of range")
+    if n and int(index.tick.max()) >= clock:
+        raise IndexUnusable("an entry's tick is not below the index's clock")
+    if n and len(np.unique(index.hash)) != n:
+        raise IndexUnusable("a key appears twice")
+    _check_hashes(index)
     return index

@@ -25,24 +25,14 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
-import xxhash
 
 from tiercache.errors import SlotRangeError, TierFullError
-from tiercache.keys import Key, key_text
+from tiercache.keys import Key, key_hash, key_text
 
 INT_KEY = 255  # klen of a slot holding an int key
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15  # odd: multiplying by it is a bijection on 64-bit ints
 _CANDIDATES = 1024  # oldest slots cached per refresh (at least)
 ARENA_SLACK = 1 << 20  # bytes of removed keys' bytes tolerated in the arena (beyond half of it)
 MERGE_MIN = 4096  # recent keys kept in the dict before a merge (at least; else 1/8 of the sorted array)
-
-
-def key_hash(key: Key) -> int:
-    """64-bit hash of a key: a bijective mix of an int key, XXH3-64 of a bytes key."""
-    if isinstance(key, int):
-        return (key * _GOLDEN) & _MASK64
-    return xxhash.xxh3_64_intdigest(key)
 
 
 def check_claim(name: str, num_slots: int, slots: list[int], key_at) -> None:

@@ -104,7 +104,7 @@ class BlockMover:
         Raises:
             TierFullError: too few blocks may leave. SpillError: a spill failed (the victims
             stay where they were; its ``failed_keys`` is empty: callers report their own keys
-            with :meth:`SpillError.for_keys`).
+            through :meth:`room_for`).
         """
         ts = self.placement.tiers[tier]
         need = count - ts.free_count
@@ -139,7 +139,9 @@ class BlockMover:
         try:
             self.make_room(tier, count, set(keys) if protect is None else protect)
         except SpillError as exc:
-            raise exc.for_keys(keys) from exc
+            keys = list(keys)
+            raise SpillError(f"{len(keys)} block(s) not stored: {format_keys(keys)}: {exc.reason}", keys, exc.victims,
+                             exc.reason) from exc
 
     def copy_into(self, keys: list[Key], dst: str, protect: set[Key]) -> np.ndarray:
         """Copy ``keys`` into tier ``dst`` from the nearest tier holding each (keys already in
