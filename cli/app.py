@@ -37,7 +37,8 @@ def one_line(exc: Exception) -> str:
 class OneLineErrors(TyperGroup):
     """Every usage error (a bad option value, an unknown option, a missing argument), whether
     typer or a command raises it, is one line on stderr with exit code 2, like the errors the
-    commands report themselves; an abort (no answer to a question) is exit code 2 too."""
+    commands report themselves; an abort (no answer to a question) is exit code 2 too, and so
+    is a tiercache error or an OS error a command let through (an unreadable root, say)."""
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         try:
@@ -51,6 +52,9 @@ class OneLineErrors(TyperGroup):
                 rv = exc.exit_code
             elif _is(exc, "Abort"):
                 typer.echo("tiercache: error: aborted", err=True)
+                rv = 2
+            elif isinstance(exc, (TierCacheError, OSError)):  # what a command did not report itself
+                typer.echo(f"tiercache: error: {' '.join(str(exc).split())}", err=True)
                 rv = 2
             else:
                 raise

@@ -218,8 +218,14 @@ def top(
         fail(str(exc))
     if url is not None and "://" not in url:
         url = f"http://{url}"
-    if url is not None and urllib.parse.urlsplit(url).path in ("", "/"):
-        url = url.rstrip("/") + "/metrics"
+    if url is not None:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 - a bad port raises here
+        except ValueError as exc:
+            fail(f"--url {url!r} is not a URL ({exc}); give http://HOST:PORT/metrics")
+        if parts.path in ("", "/"):
+            url = url.rstrip("/") + "/metrics"
     source = url or str(root)
 
     def read() -> tuple[dict, str]:

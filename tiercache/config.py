@@ -479,12 +479,17 @@ def load_config(path: str | os.PathLike, **overrides: Any) -> CacheConfig:
     """Read a TOML configuration file (see the module docstring for its form).
 
     Raises:
-        ConfigError: the file is missing, is not valid TOML, or holds invalid values.
+        ConfigError: ``path`` is not a path, the file is missing, unreadable, not UTF-8, not
+            valid TOML, or holds invalid values.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"config {path!r}: give a CacheConfig or the path of a TOML file")
     p = Path(path)
     try:
         with p.open("rb") as fh:
             data = tomllib.load(fh)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {exc.start}): not a TOML file") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} does not exist") from None
     except tomllib.TOMLDecodeError as exc:

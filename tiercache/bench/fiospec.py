@@ -170,12 +170,17 @@ def load_job_file(path: Path, overrides: dict | None = None) -> list[FioJob]:
     """Jobs from a fio INI or TOML job file; ``overrides`` (command-line options) apply to all.
 
     Raises:
-        ConfigError: missing file, syntax error, no jobs, or bad options.
+        ConfigError: missing or unreadable file, not UTF-8, syntax error, no jobs, or bad options.
     """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"job file {str(p)!r} does not exist")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"job file {str(p)!r} is not UTF-8 text (byte {exc.start}): not a fio job file") from None
+    except OSError as exc:
+        raise ConfigError(f"job file {str(p)!r} cannot be read: {exc.strerror}") from None
     if p.suffix == ".toml":
         try:
             doc = tomllib.loads(text)

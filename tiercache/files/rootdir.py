@@ -226,6 +226,10 @@ class RootDir:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise RootError(f"{self.path / name} is a symlink or not a directory; tiercache keeps its own "
                                     f"files there: remove it") from None
+                if exc.errno in (errno.EACCES, errno.EPERM):
+                    raise RootError(f"{self.path / name}: permission denied (mode {_mode_of(self.fd, name)}); "
+                                    "tiercache needs to read and enter its root's directories: give the root's "
+                                    "user access (chmod 700) or use another root") from None
                 raise
             sub = RootDir.__new__(RootDir)
             sub.path, sub.fd, sub._subdirs, sub._subdir_lock = self.path / name, fd, {}, threading.Lock()
@@ -353,6 +357,14 @@ def write_atomic(root: RootDir, name: str, data: bytes, fsync: bool = False) -> 
         raise
 
 
+def _mode_of(dir_fd: int, name: str) -> str:
+    """``name``'s permission bits in octal (``?`` when even that cannot be read)."""
+    try:
+        return oct(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode & 0o7777)
+    except OSError:
+        return "?"
+
+
 #: prefix of tiercache's own temporary files other than block files' (marker, stats)
 TMP_OWN = ".tmp.own."
 
@@ -425,6 +437,9 @@ class RootLock:
                 self.fd = rd.child(LOCK).open(os.O_RDWR | os.O_CREAT)
             except NotRegularFileError:
                 raise RootError(f"{self.path} is not a regular file (a symlink?): refusing the root") from None
+            except PermissionError:
+                raise RootError(f"{self.path}: permission denied (mode {_mode_of(rd.fd, LOCK)}); the root's lock "
+                                "must be readable and writable by its user (chmod 600)") from None
             if os.fstat(self.fd).st_nlink != 1:
                 os.close(self.fd)
                 raise RootError(f"{self.path} has other hard links: refusing the root")

@@ -286,6 +286,10 @@ class RowStore:
 
     # -- keys and rows -----------------------------------------------------------------------
     def _keys_rows(self, keys, rows) -> tuple[list[bytes], list[int]]:
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            raise InvalidKeyError(f"keys = {keys!r:.60}: give a sequence of content keys (bytes)")
+        if isinstance(rows, (str, bytes)) or not isinstance(rows, (Iterable, np.ndarray)):
+            raise SlotRangeError(f"rows = {rows!r:.60}: give a sequence of row numbers")
         ks = [_content_key(k) for k in keys]
         if len(set(ks)) != len(ks):
             dup = next(k for i, k in enumerate(ks) if k in ks[:i])
