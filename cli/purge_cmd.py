@@ -37,6 +37,7 @@ from tiercache.files import (
     tmp_abandoned,
     unlink_all,
 )
+from tiercache.geometry import POOL_NAME_RE
 from tiercache.keys import key_from_text
 
 from .common import fail, human_bytes, not_a_root, parse_duration, resolve_root
@@ -68,6 +69,9 @@ def purge(
         fail(f"root {str(root)!r} does not exist or is not a directory")
     if not is_root(root):
         fail(f"refusing to purge: {not_a_root(root)}, so tiercache did not create it")
+    bad = [name for name in pool or () if not POOL_NAME_RE.fullmatch(name)]
+    if bad:
+        fail(f"--pool {bad[0]!r} is not a pool name (1-64 characters of [A-Za-z0-9_.-], starting alphanumeric)")
     try:
         wanted_keys = {key_from_text(k) for k in keys} if keys else None
     except InvalidKeyError as exc:

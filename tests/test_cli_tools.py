@@ -146,7 +146,7 @@ def test_verify(populated, rng):
     lock = RootLock(cfg.root)  # as a running cache holds it (opening one would quarantine on scan)
     res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--quarantine"])
     lock.release()
-    assert res.exit_code == 2 and "in use by another process" in res.output
+    assert res.exit_code == 2 and "already open in this process" in res.output
     res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--quarantine"])
     assert res.exit_code == 1 and "2 moved to quarantine/" in res.output
     assert (cfg.root / "quarantine" / bad.name).exists()

@@ -22,7 +22,7 @@ def test_second_writer_is_refused_until_the_first_closes(make_config):
     cfg = make_config()
     c1 = TierCache(cfg)
     assert lock_holder(cfg.root) == str(os.getpid())
-    with pytest.raises(RootError, match=r"in use by another process \(pid \d+\)"):
+    with pytest.raises(RootError, match=r"already open in this process"):
         TierCache(cfg)
     c1.close()
     assert lock_holder(cfg.root) is None

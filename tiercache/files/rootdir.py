@@ -458,6 +458,10 @@ class RootLock:
             if not holder:
                 raise RootError(f"file-tier root {where!r} is in use by processes in shared mode; open it with "
                                 "[file] sharing = \"shared\" too, or give this process its own root") from None
+            if holder == str(os.getpid()):
+                raise RootError(f"file-tier root {where!r} is already open in this process (exclusive mode): close "
+                                "that cache first, use one cache for it, or open both with [file] sharing = \"shared\""
+                                ) from None
             raise RootError(
                 f"file-tier root {where!r} is in use by another process (pid {holder}); one process writes a root "
                 "at a time in exclusive mode: give each process (rank) its own root, e.g. root/rank0, or open "

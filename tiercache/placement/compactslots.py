@@ -21,18 +21,27 @@ swapped as one tuple, and dict lookups are atomic.
 
 from __future__ import annotations
 
+import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from tiercache.errors import SlotRangeError, TierFullError
+from tiercache.errors import ConfigError, SlotRangeError, TierFullError
 from tiercache.keys import Key, key_hash, key_text
 
 INT_KEY = 255  # klen of a slot holding an int key
 _CANDIDATES = 1024  # oldest slots cached per refresh (at least)
 ARENA_SLACK = 1 << 20  # bytes of removed keys' bytes tolerated in the arena (beyond half of it)
 MERGE_MIN = 4096  # recent keys kept in the dict before a merge (at least; else 1/8 of the sorted array)
+
+
+def _physical_memory() -> int:
+    """This machine's memory in bytes (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def check_claim(name: str, num_slots: int, slots: list[int], key_at) -> None:
@@ -112,7 +121,17 @@ class CompactSlots:
             subdirectory, so that a reconciliation finds a subdirectory's keys): :meth:`in_group`.
     """
 
+    #: bytes per slot when every slot is used (klen, group, kval, hash, tick, the sorted copy of
+    #: hash and slot), not counting bytes keys' bytes
+    BYTES_PER_SLOT = 42
+
     def __init__(self, name: str, num_slots: int, group: Callable[[Key], int] | None = None) -> None:
+        need = num_slots * self.BYTES_PER_SLOT
+        ram = _physical_memory()
+        if ram and need > ram:
+            raise ConfigError(f"{name} tier: {num_slots} slots would need {need / 2**30:.1f} GiB of index memory when "
+                              f"full ({self.BYTES_PER_SLOT} B per block), more than this machine's "
+                              f"{ram / 2**30:.1f} GiB: give fewer slots (file_slots, capacity_bytes)")
         self.name = name
         self.num_slots = num_slots
         self.group = group

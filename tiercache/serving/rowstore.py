@@ -188,10 +188,15 @@ class RowStore:
         _check_choice("io_engine", io_engine, IO_ENGINES)
         _check_int("io_threads", io_threads, 1, 256)
         _check_int("open_files", open_files, -1, 1 << 30)
-        for name, v in (("min_age_s", min_age_s), ("negative_ttl_s", negative_ttl_s),
-                        ("tmp_max_age_s", tmp_max_age_s), ("sweep_interval_s", sweep_interval_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e9:
-                raise ConfigError(f"{name} = {v!r} must be a number of seconds in [0, 1e9)")
+        # the ranges of CacheConfig's [file] settings of the same names
+        for name, v, lo, hi in (("min_age_s", min_age_s, 0, 86400), ("negative_ttl_s", negative_ttl_s, 0, 3600),
+                                ("tmp_max_age_s", tmp_max_age_s, 60, 604800),
+                                ("sweep_interval_s", sweep_interval_s, 0, 3600)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise ConfigError(f"{name} = {v!r} must be a number of seconds in [{lo}, {hi}]")
+        for name, v in (("verify", verify), ("direct_io", direct_io), ("check_root_owner", check_root_owner)):
+            if not isinstance(v, bool):
+                raise ConfigError(f"{name} = {v!r} must be true or false")
         if isinstance(index_checkpoint_s, bool) or not isinstance(index_checkpoint_s, (int, float)) \
                 or not 1 <= index_checkpoint_s <= 86400:
             raise ConfigError(f"index_checkpoint_s = {index_checkpoint_s!r} must be a number of seconds in [1, 86400]")
@@ -218,6 +223,7 @@ class RowStore:
         self._pins: collections.Counter = collections.Counter()
         self._evicting: dict[bytes, _Eviction] = {}
         self._jobs_in_flight = 0
+        self._open_ids: set = set()  # job ids submitted and not yet reported by finished()
         self._finished: list[RowJobResult] = []
         self._removed: list[bytes] = []
         self.counters: collections.Counter = collections.Counter()
@@ -436,6 +442,7 @@ class RowStore:
                 else:
                     why = "is still being stored" if k in self._storing else "is not stored"
                     result.failed[k] = KeyNotFoundError(f"block {k.hex()} {why} in {self.root}")
+                    self.rows[r].fill(0)  # as for any failed load: no stale byte looks like the block
             self._pins.update(k for k, _ in go)
             self.index.touch(k for k, _ in go)
             job = _Job(result, go, time.monotonic())
@@ -443,9 +450,21 @@ class RowStore:
             return job_id
 
     def _job_id(self, job_id):
+        """``job_id`` (or the next number), registered until :meth:`finished` reports it.
+
+        Raises:
+            ConfigError: ``job_id`` is a job's still in flight or not yet reported.
+        """
         if job_id is None:
-            self.counters["jobs"] += 1
-            return self.counters["jobs"]
+            while True:
+                self.counters["jobs"] += 1
+                if self.counters["jobs"] not in self._open_ids:
+                    job_id = self.counters["jobs"]
+                    break
+        elif job_id in self._open_ids:
+            raise ConfigError(f"job_id {job_id!r} is a job still in flight or not yet reported by finished(): "
+                              "give each job its own id")
+        self._open_ids.add(job_id)
         return job_id
 
     def _launch(self, job: _Job, kind: str, deps: list) -> None:
@@ -577,6 +596,7 @@ class RowStore:
         with self._lock:
             self._apply()
             out, self._finished = self._finished, []
+            self._open_ids.difference_update(r.job_id for r in out)
             return out
 
     def take_removed(self) -> list[bytes]:
