@@ -25,21 +25,23 @@ def _flip(path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
-def _root(make_config, rng, n=6):
+def _damaged_root(make_config, rng, bad: int):
+    """A root of 6 flushed blocks whose first ``bad`` blocks' kv files have a flipped data
+    byte; returns the config, those files, and the good bytes of the second one."""
     cfg = make_config(host_slots=8, pools=None)
     with TierCache(cfg) as c:
-        keys = random_keys(rng, n, "int")
+        keys = random_keys(rng, 6, "int")
         put_random(c, keys, rng)
         c.flush()
-    return cfg, keys
-
-
-def test_recheck_tells_gone_replaced_and_still_bad(make_config, rng, tmp_path):
-    cfg, keys = _root(make_config, rng)
-    paths = [bpath(cfg.root, k, "kv") for k in keys[:4]]
+    paths = [bpath(cfg.root, k, "kv") for k in keys[:bad]]
     good = paths[1].read_bytes()
     for p in paths:
         _flip(p, 4096 + 7)
+    return cfg, paths, good
+
+
+def test_recheck_tells_gone_replaced_and_still_bad(make_config, rng, tmp_path):
+    cfg, paths, good = _damaged_root(make_config, rng, 4)
     sv = survey(cfg.root)
     entries = {e.relpath: e for e in sv.blocks}
     ent = [entries[str(p.relative_to(cfg.root))] for p in paths]
@@ -61,11 +63,7 @@ def test_recheck_tells_gone_replaced_and_still_bad(make_config, rng, tmp_path):
 
 
 def test_verify_quarantine_moves_only_files_still_bad(make_config, rng, monkeypatch):
-    cfg, keys = _root(make_config, rng)
-    paths = [bpath(cfg.root, k, "kv") for k in keys[:3]]
-    good = paths[1].read_bytes()
-    for p in paths:
-        _flip(p, 4096 + 11)
+    cfg, paths, good = _damaged_root(make_config, rng, 3)
     real = RootCheck.results
 
     def results_then_changes(self):
