@@ -459,7 +459,7 @@ class RootLock:
                 raise RootError(f"file-tier root {where!r} is in use by processes in shared mode; open it with "
                                 "[file] sharing = \"shared\" too, or give this process its own root") from None
             if holder == str(os.getpid()):
-                raise RootError(f"file-tier root {where!r} is already open in this process (exclusive mode): close "
+                raise RootError(f"file-tier root {where!r} is in use: already open in this process (exclusive mode): close "
                                 "that cache first, use one cache for it, or open both with [file] sharing = \"shared\""
                                 ) from None
             raise RootError(
