@@ -65,7 +65,9 @@ def test_a_failing_engine_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_CRASH", "TierCacheTier")
     with pytest.raises(ConfigError, match="(?s)the tiercache engine exited 1; its log ends:.*fake engine asked to fail"):
         run_serve_bench(tmp_path, model="tiny-llama", modes=("recompute", "tiercache"), prefixes=2, prefix_tokens=64,
-                        suffix_tokens=256, rounds=1, restart=False, fio=False)
+                        suffix_tokens=256, rounds=1, restart=False, fio=False, cpu_tier_prefixes=1.25)
+    with pytest.raises(ConfigError, match=r"cpu_tier_prefixes=2.0 must be in \[0.1, 2\)"):
+        run_serve_bench(tmp_path, prefixes=2)
     with pytest.raises(ConfigError, match="mode 'disk'; valid: recompute"):
         run_serve_bench(tmp_path, modes=("disk",))
 
@@ -85,7 +87,7 @@ def test_tiny_model_in_a_real_vllm_tokens_match_and_files_verify(tmp_path):
         pytest.skip("needs vLLM with a GPU build")
     rep = run_serve_bench(tmp_path, model="tiny-llama", modes=("recompute", "fs", "tiercache"), prefixes=2,
                           prefix_tokens=2048, suffix_tokens=64, rounds=2, max_tokens=4, restart=False, fio=False,
-                          gpu_util=0.3, seed=3)
+                          gpu_util=0.3, seed=3, cpu_tier_prefixes=1.25)
     tc, fs = rep["modes"]["tiercache"], rep["modes"]["fs"]
     # a repeat's prefix comes from files (the last blocks may still be in the GPU's prefix cache)
     assert tc["repeat_file_tokens"] + tc["repeat_gpu_tokens"] >= 2 * 2048 and tc["repeat_file_tokens"] >= 2 * 1024, tc

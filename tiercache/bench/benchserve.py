@@ -422,10 +422,11 @@ def _verify(root: str) -> dict:
 def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[str, ...] = MODES,
                     prefixes: int = 4, prefix_tokens: int = 8192, suffix_tokens: int = 256, rounds: int = 3,
                     max_tokens: int = 8, restart: bool = True, kill9: bool = False, fio: bool = True,
-                    seed: int | None = None, gpu_util: float = 0.9, keep: bool = False, log=lambda s: None) -> dict:
+                    seed: int | None = None, gpu_util: float = 0.9, keep: bool = False,
+                    cpu_tier_prefixes: float = CPU_TIER_PREFIXES, log=lambda s: None) -> dict:
     """Run the modes on ``model`` over files under ``directory`` (module docstring) and return
     the report: per mode its TTFTs, requests/s, tokens by source, token agreement and verify
-    results; the baselines (fio's best read at the chunk's file size, host -> GPU rate, GPU-hit
+    results (``cpu_tier_prefixes``: vLLM's CPU tier in prefixes' worth of KV); the baselines (fio's best read at the chunk's file size, host -> GPU rate, GPU-hit
     TTFT), the bound for a repeat from files, its ratio, and the break-even arithmetic.
 
     Units: seconds, bytes, tokens, GB/s (1e9 bytes per second).
@@ -453,7 +454,10 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     prompt_len = prefix_tokens + suffix_tokens
     max_model_len = prompt_len + max_tokens + TOKENS_PER_CHUNK
     gpu_blocks = math.ceil(max_model_len / TOKENS_PER_CHUNK) + 8
-    cpu_bytes = int(CPU_TIER_PREFIXES * prefix_tokens * kv_tok)
+    if not 0.1 <= cpu_tier_prefixes < prefixes:
+        raise ConfigError(f"vllm-serve: cpu_tier_prefixes={cpu_tier_prefixes} must be in [0.1, {prefixes}) (below the "
+                          "working set, so that repeats come from files)")
+    cpu_bytes = int(cpu_tier_prefixes * prefix_tokens * kv_tok)
     directory.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"vllm-serve-{name}-", dir=directory))
     model_dir = work / "model"
