@@ -107,8 +107,8 @@ class CacheConfig:
         host_huge_pages: where the host tier's memory comes from: ``auto`` (default: huge
             pages, registered with CUDA, when enough are reserved and free, else ordinary pinned
             memory), ``on`` (huge pages or :class:`~tiercache.errors.TierUnavailableError`) or
-            ``off``. Pinning huge pages is faster (16 GiB: 6.2 s against 10.6 s on a lent
-            H100 machine) and copies run at the same speed (see :mod:`tiercache.memory.hostmem`);
+            ``off``. Pinning huge pages is faster (16 GiB: 6.2 s against 10.6 s on an H100
+            test machine) and copies run at the same speed (see :mod:`tiercache.memory.hostmem`);
             reserve them with ``sysctl vm.nr_hugepages=N`` (N x 2 MiB).
         root: directory of the file tier (created if missing).
         io_mode: ``auto`` (GDS if present, else kvikio compat mode with CUDA, else POSIX),
@@ -169,7 +169,7 @@ class CacheConfig:
             token-major block are one segment), of at least this many bytes go to
             ``cuMemcpyBatchAsync`` (copy engines, no SMs) where the driver has it; default
             128 KiB, where ``tiercache calibrate`` measured the copy engines at 100-105% of the
-            bulk kernel on a lent H100 and a lent H200 (64 KiB: 96-102%, 32 KiB: 66-99%).
+            bulk kernel on H100 and H200 test machines (64 KiB: 96-102%, 32 KiB: 66-99%).
             ``tiercache calibrate`` measures this machine's crossover.
         batch_streams: streams (and so copy engines) one ``cuMemcpyBatchAsync`` batch is split
             over, 1..16; default 2 (256 KiB blocks: 97-100% of contiguous, against 97-102% on one

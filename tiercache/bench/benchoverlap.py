@@ -95,7 +95,7 @@ def overlap_rounds(product, carve, cs, xfer, ts, t_xfer: float, k: int, rounds: 
     """``rounds`` rounds of: the product alone on every SM, alone with carve-out ``k`` (when
     ``k``), and with carve-out ``k`` beside ``ceil(product / t_xfer)`` calls of ``xfer()`` on
     ``ts`` queued up front, after one round not counted (the first round after a method change
-    read 10-20% slow on the lent H100s). Returns medians (see the module docstring);
+    read 10-20% slow on the H100 test machines). Returns medians (see the module docstring);
     ``beside_s`` is the transfers' span per call."""
     import cupy
 

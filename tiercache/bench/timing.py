@@ -23,7 +23,7 @@ def time_one(fn, stream, reps: int, warmup: int = 2, back_to_back: int = 1) -> f
 def time_many(fns: dict, stream, reps: int, warmup: int = 2, back_to_back: int = 1) -> dict:
     """:func:`time_one` of each of ``fns`` (name -> callable), their samples taken in turn (one of
     each per repetition), so that the machine's drift over the measurement (the contiguous
-    baseline moved by up to 4% between consecutive measurements on the lent H100s) reaches
+    baseline moved by up to 4% between consecutive measurements on the H100 test machines) reaches
     every method alike. Returns name -> median seconds."""
     import cupy
 
