@@ -1,7 +1,7 @@
 #!/bin/bash
 # Run ON the GPU machine from the project root: vLLM 0.26 end to end (tiercache bench --job
-# vllm-serve). Carried: .vllm-gpu/p2 (after an earlier call left .vllm-gpu/p1's piece in
-# /tmp/stage: ../shared/device/vllm-gpu/README.md), .whl (tools/fetch-wheels.sh), .tools/fio.
+# vllm-serve). Copied over: .vllm-gpu/p2 (vLLM 0.26.0's wheel, split in two pieces; the first,
+# .vllm-gpu/p1/part.00, copied to /tmp/stage beforehand), .whl (tools/fetch-wheels.sh), .tools/fio.
 #   bash tools/gpu-serve.sh setup               install vLLM, kvikio and the project (idempotent)
 #   bash tools/gpu-serve.sh tests [PYTEST ARGS] the vLLM tests there (default: serve GPU test, tier tests)
 #   bash tools/gpu-serve.sh bench NAME ARGS...  tiercache bench --job vllm-serve ARGS (JSON in $OUT/NAME.json)
