@@ -185,6 +185,8 @@ def bench(
     kill9: Annotated[bool, typer.Option(help="vllm-serve: SIGKILL an engine while it stores, rerun on its root.", rich_help_panel="vllm-serve job")] = False,
     gpu_util: Annotated[float, typer.Option(help="vllm-serve: gpu_memory_utilization of one engine (the shared pair: half each).", min=0.05, max=0.98, rich_help_panel="vllm-serve job")] = 0.9,
     cpu_prefixes: Annotated[float, typer.Option(help="vllm-serve: vLLM's CPU tier, in prefixes' worth of KV (below --prefixes).", min=0.1, max=64, rich_help_panel="vllm-serve job")] = 2.0,
+    tensor_parallel: Annotated[int, typer.Option(help="vllm-serve: GPUs per engine (vLLM's tensor_parallel_size).", min=1, max=8, rich_help_panel="vllm-serve job")] = 1,
+    shared_gpus: Annotated[Optional[str], typer.Option(help="vllm-serve: 'A,B': the shared pair's engines on GPUs A and B (default: halves of one GPU).", rich_help_panel="vllm-serve job")] = None,
     context: Annotated[Optional[list[int]], typer.Option(help="hf job: context lengths in tokens (repeat the option; "
                                                               "default 16384 and 32768).", min=64)] = None,
     new_tokens: Annotated[int, typer.Option(help="hf job: tokens generated per run.", min=2, max=4096)] = 32,
@@ -243,7 +245,8 @@ def bench(
     if job is Job.vllm_serve:
         _vllm_serve_job(config, output_format, root, model, serve_mode, prefixes, prefix_tokens, suffix_tokens, rounds,
                         max_tokens, restart, kill9, gpu_util, seed, keep,
-                        not no_baseline and (baseline is None or baseline.value != "none"), quick, cpu_prefixes)
+                        not no_baseline and (baseline is None or baseline.value != "none"), quick, cpu_prefixes,
+                        tensor_parallel, shared_gpus)
         return
     if job is Job.vllm_tier:
         _vllm_tier_job(config, output_format, root, bs, size, batch, iodepth or 8, repeat if repeat > 1 else 3, seed,
@@ -377,12 +380,19 @@ def _vllm_tier_job(config: Path | None, output_format: OutputFormat, root: Path 
 def _vllm_serve_job(config: Path | None, output_format: OutputFormat, root: Path | None, models: list[str] | None,
                     modes: list[str] | None, prefixes: int, prefix_tokens: int, suffix_tokens: int, rounds: int,
                     max_tokens: int, restart: bool, kill9: bool, gpu_util: float, seed: int | None, keep: bool,
-                    fio: bool, quick: bool, cpu_prefixes: float = 2.0) -> None:
+                    fio: bool, quick: bool, cpu_prefixes: float = 2.0, tensor_parallel: int = 1,
+                    shared_gpus: str | None = None) -> None:
     from tiercache.bench.benchserve import MODES, format_serve_report, run_serve_bench
 
     if quick:
         prefix_tokens, prefixes, rounds = min(prefix_tokens, 2048), min(prefixes, 3), min(rounds, 2)
     reports = []
+    pair = None
+    if shared_gpus is not None:
+        try:
+            pair = tuple(int(g) for g in shared_gpus.split(","))
+        except ValueError:
+            _fail(f"--shared-gpus {shared_gpus!r}: give two GPU indices, e.g. 0,1")
     try:
         base = root or load_config(config or _default_config()).root
         log = (lambda s: None) if output_format is OutputFormat.json else (lambda s: typer.echo(s, err=True))
@@ -390,7 +400,8 @@ def _vllm_serve_job(config: Path | None, output_format: OutputFormat, root: Path
             rep = run_serve_bench(Path(base), model=name, modes=tuple(modes or MODES), prefixes=prefixes,
                                   prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens, rounds=rounds,
                                   max_tokens=max_tokens, restart=restart, kill9=kill9, fio=fio, seed=seed,
-                                  gpu_util=gpu_util, keep=keep, cpu_tier_prefixes=cpu_prefixes, log=log)
+                                  gpu_util=gpu_util, keep=keep, cpu_tier_prefixes=cpu_prefixes,
+                                  tensor_parallel=tensor_parallel, shared_gpus=pair, log=log)
             reports.append(rep)
             if output_format is not OutputFormat.json:
                 typer.echo(format_serve_report(rep))

@@ -53,6 +53,10 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
     assert rep["modes"]["recompute"]["repeat_connector_tokens"] == 0
     assert rep["modes"]["fs"]["repeat_connector_tokens"] == 3 * 512  # each repeat's prefix, once seen
     assert rep["modes"]["tiercache+restart"]["requests"] == 3
+    # the shared pair's second engine finds every prefix in the first one's files: the first one
+    # drained its last request's stores before it went idle
+    assert rep["modes"]["tiercache-shared"]["repeat_connector_tokens"] == 3 * 512
+    assert rep["modes"]["tiercache+restart"]["repeat_connector_tokens"] == 3 * 512
     assert rep["modes"]["tiercache+kill9"]["requests"] == 6 and "SIGKILL" in rep["modes"]["tiercache+kill9"]["kill_detail"]
     assert rep["ok"] and rep["break_even_gbps"] > 0
     text = format_serve_report(rep)

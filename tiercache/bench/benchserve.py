@@ -249,7 +249,7 @@ def worker_main(spec_path: str) -> int:
     llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               dtype="bfloat16", seed=0, max_model_len=spec["max_model_len"], gpu_memory_utilization=spec["gpu_util"],
               num_gpu_blocks_override=spec["gpu_blocks"], max_num_seqs=4, enable_prefix_caching=True,
-              disable_log_stats=False, **kw)
+              disable_log_stats=False, tensor_parallel_size=spec.get("tensor_parallel", 1), **kw)
     startup = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], detokenize=False)
 
@@ -285,6 +285,7 @@ def worker_main(spec_path: str) -> int:
             with open(spec["progress"], "a") as f:
                 f.write(f"{i}\n")
     run_s = time.perf_counter() - t_run
+    extra["drain_s"] = _drain_stores(llm)
     if spec.get("h2d_probe"):
         extra["h2d_gbps"] = _h2d_gbps()
     Path(spec["out"]).write_text(json.dumps({"mode": spec["mode"], "startup_s": startup, "run_s": run_s,
@@ -316,6 +317,36 @@ def _h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float | None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def _drain_stores(llm, timeout_s: float = 300.0) -> float | None:
+    """Step an in-process engine until its connector has no store in flight; returns the
+    seconds it took (None: the engine has no in-process scheduler to ask, e.g. a multiprocess
+    engine, whose own loop keeps stepping).
+
+    ``LLM.generate`` returns once its requests finish, but the chunks of the last requests are
+    still on their way: vLLM's scheduler hands a finished GPU -> CPU store to the secondary
+    tiers only on a later step. ``vllm serve`` (and the multiprocess engine core) keeps stepping
+    while ``scheduler.has_requests()`` says the connector has pending work; an idle in-process
+    engine does not, so without this the last requests' chunks never reach the files (a second
+    engine would recompute them).
+
+    Raises:
+        TimeoutError: stores still pending after ``timeout_s`` seconds.
+    """
+    try:
+        engine = llm.llm_engine
+        sched = engine.engine_core.engine_core.scheduler
+        has_requests = sched.has_requests
+    except AttributeError:
+        return None
+    t0 = time.perf_counter()
+    while has_requests():
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"vllm-serve: the engine's connector still had stores in flight after {timeout_s} s")
+        engine.step()
+        time.sleep(0.001)
+    return time.perf_counter() - t0
 
 
 def _shutdown(llm) -> None:
@@ -353,6 +384,8 @@ class _Run:
         path = self.work / f"spec-{self.n}.json"
         path.write_text(json.dumps(spec))
         env = {**os.environ, **_ENV}
+        if spec.get("gpu") is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(spec["gpu"])
         errlog = open(self.work / f"engine-{self.n}-{spec['mode']}.log", "w")
         return subprocess.Popen([sys.executable, "-m", "tiercache.bench.benchserve", str(path)], env=env,
                                 stdout=errlog, stderr=subprocess.STDOUT)
@@ -423,11 +456,15 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     prefixes: int = 4, prefix_tokens: int = 8192, suffix_tokens: int = 256, rounds: int = 3,
                     max_tokens: int = 8, restart: bool = True, kill9: bool = False, fio: bool = True,
                     seed: int | None = None, gpu_util: float = 0.9, keep: bool = False,
-                    cpu_tier_prefixes: float = CPU_TIER_PREFIXES, log=lambda s: None) -> dict:
+                    cpu_tier_prefixes: float = CPU_TIER_PREFIXES, tensor_parallel: int = 1,
+                    shared_gpus: tuple[int, int] | None = None, log=lambda s: None) -> dict:
     """Run the modes on ``model`` over files under ``directory`` (module docstring) and return
     the report: per mode its TTFTs, requests/s, tokens by source, token agreement and verify
-    results (``cpu_tier_prefixes``: vLLM's CPU tier in prefixes' worth of KV); the baselines (fio's best read at the chunk's file size, host -> GPU rate, GPU-hit
-    TTFT), the bound for a repeat from files, its ratio, and the break-even arithmetic.
+    results (``cpu_tier_prefixes``: vLLM's CPU tier in prefixes' worth of KV;
+    ``tensor_parallel``: GPUs per engine; ``shared_gpus``: the shared pair's two engines on
+    these two GPUs instead of halves of one); the baselines (fio's best read at the chunk's file
+    size, host -> GPU rate, GPU-hit TTFT), the bound for a repeat from files, its ratio, and
+    the break-even arithmetic.
 
     Units: seconds, bytes, tokens, GB/s (1e9 bytes per second).
 
@@ -454,6 +491,12 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     prompt_len = prefix_tokens + suffix_tokens
     max_model_len = prompt_len + max_tokens + TOKENS_PER_CHUNK
     gpu_blocks = math.ceil(max_model_len / TOKENS_PER_CHUNK) + 8
+    if not 1 <= tensor_parallel <= 8:
+        raise ConfigError(f"vllm-serve: tensor_parallel={tensor_parallel} (valid 1..8)")
+    if shared_gpus is not None and (len(shared_gpus) != 2 or shared_gpus[0] == shared_gpus[1]
+                                    or min(shared_gpus) < 0 or tensor_parallel != 1):
+        raise ConfigError(f"vllm-serve: shared_gpus={shared_gpus}: give two different GPU indices (with "
+                          "tensor_parallel=1), one per engine of the shared pair")
     if not 0.1 <= cpu_tier_prefixes < prefixes:
         raise ConfigError(f"vllm-serve: cpu_tier_prefixes={cpu_tier_prefixes} must be in [0.1, {prefixes}) (below the "
                           "working set, so that repeats come from files)")
@@ -468,7 +511,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     wl = work / "workload.json"
     wl.write_text(json.dumps(reqs))
     common = {"max_model_len": max_model_len, "gpu_blocks": gpu_blocks, "cpu_bytes": cpu_bytes,
-              "max_tokens": max_tokens, "suffix_tokens": suffix_tokens, "gpu_util": gpu_util}
+              "max_tokens": max_tokens, "suffix_tokens": suffix_tokens, "gpu_util": gpu_util,
+              "tensor_parallel": tensor_parallel}
     run = _Run(work, model_dir, wl, common, log)
     every = list(range(len(reqs)))
     cold = [i for i, r in enumerate(reqs) if r["round"] == 0]
@@ -480,6 +524,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     "prefixes": prefixes, "prefix_tokens": prefix_tokens, "suffix_tokens": suffix_tokens,
                     "rounds": rounds, "max_tokens": max_tokens, "kv_bytes_per_token": kv_tok,
                     "chunk_bytes": chunk_bytes, "gpu_kv_blocks": gpu_blocks, "cpu_tier_bytes": cpu_bytes,
+                    "tensor_parallel": tensor_parallel, "shared_gpus": list(shared_gpus) if shared_gpus else None,
                     "modes": {}, "experiments": {}}
     report["vllm"] = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
     results: dict[str, dict] = {}
@@ -488,7 +533,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
         root = work / f"root-{mode}"
         roots[mode] = root
         if mode == "tiercache-shared":
-            results[mode] = _shared_pair(run, root, cold, repeats, gpu_util)
+            results[mode] = _shared_pair(run, root, cold, repeats, gpu_util, shared_gpus)
             continue
         extra = {"gpu_hit_probe": True, "h2d_probe": True} if mode == "recompute" else {}
         results[mode] = run.run(run.spec(mode, every, root, **extra))
@@ -505,7 +550,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
         s = _summary(res, ref, {k: v for k, v in own.items() if k != mode}, chunk_bytes)
         if res.get("tier_roots"):
             s["verify"] = [_verify(r) for r in sorted(set(res["tier_roots"]))]
-        for k in ("killed_after", "kill_detail", "stores_skipped_after_finish"):
+        for k in ("killed_after", "kill_detail", "stores_skipped_after_finish", "drain_s"):
             if k in res:
                 s[k] = res[k]
         report["modes"][mode] = s
@@ -527,11 +572,15 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     return report
 
 
-def _shared_pair(run: _Run, root: Path, cold: list[int], repeats: list[int], gpu_util: float) -> dict:
+def _shared_pair(run: _Run, root: Path, cold: list[int], repeats: list[int], gpu_util: float,
+                 gpus: tuple[int, int] | None = None) -> dict:
     """Two engine processes at once on one shared root: A runs the cold round and stays up; B
-    runs the repeats. Returns B's measurements with A's cold requests in front (one mode row)."""
+    runs the repeats. Both on one GPU, each with half ``gpu_util``; or, with ``gpus``, A on the
+    first GPU and B on the second, each with ``gpu_util``. Returns B's measurements with A's cold
+    requests in front (one mode row)."""
     hold = run.work / "shared-release"
-    a = run.spec("tiercache-shared", cold, root, gpu_util=gpu_util / 2, hold=str(hold))
+    each = {"gpu_util": gpu_util / 2} if gpus is None else {"gpu_util": gpu_util, "gpu": gpus[0]}
+    a = run.spec("tiercache-shared", cold, root, hold=str(hold), **each)
     pa = run.start(a)
     run.log(f"  tiercache-shared: engine A, {len(cold)} cold request(s), stays up")
     deadline = time.monotonic() + 1800
@@ -542,13 +591,16 @@ def _shared_pair(run: _Run, root: Path, cold: list[int], repeats: list[int], gpu
         time.sleep(0.5)
     run.log(f"  tiercache-shared: engine B beside it, {len(repeats)} repeat(s)")
     try:
-        sb = run.spec("tiercache-shared", repeats, root, gpu_util=gpu_util / 2)
+        if gpus is not None:
+            each["gpu"] = gpus[1]
+        sb = run.spec("tiercache-shared", repeats, root, **each)
         b = run.finish(run.start(sb), sb)
     finally:
         hold.touch()
     ra = run.finish(pa, a)
     return {"startup_s": max(ra["startup_s"], b["startup_s"]), "run_s": ra["run_s"] + b["run_s"],
-            "requests": ra["requests"] + b["requests"], "tier_roots": ra["tier_roots"] + b["tier_roots"]}
+            "requests": ra["requests"] + b["requests"], "tier_roots": ra["tier_roots"] + b["tier_roots"],
+            "drain_s": ra.get("drain_s")}
 
 
 def _kill9(run: _Run, root: Path, cold: list[int], every: list[int], seed: int) -> dict:
