@@ -147,6 +147,51 @@ def _lookups(v, tier, present: list[bytes], rng: np.random.Generator) -> dict:
             "verdict_p99_us": pct(verdicts, 99), "calls": len(calls), "wrong": wrong}
 
 
+def _wait_job(v, tier, job_id: int, others: set[int]) -> tuple[float, bool]:
+    """Poll ``get_finished_jobs`` until ``job_id`` is reported; returns (seconds, success).
+    Results of ``others`` seen meanwhile are removed from that set."""
+    t0 = time.perf_counter()
+    while True:
+        for r in tier.get_finished_jobs():
+            if r.job_id == job_id:
+                return time.perf_counter() - t0, bool(r.success)
+            others.discard(r.job_id)
+        time.sleep(0.0002)
+
+
+def _load_under_store(v, tier, keys: list[bytes], rows: np.ndarray, data: np.ndarray, per_job: int,
+                      rng: np.random.Generator) -> dict:
+    """A prefix's load while the tier is busy storing, as in a serving engine (a repeat's
+    prefix comes back while the chunks of the requests before it are being written): a quarter
+    of the stored chunks (the most recently used: no store evicts them) loaded as one job,
+    alone, then again right after a quarter of the buffer's worth of new chunks was submitted
+    for storing. Returns the two load latencies (seconds) and whether the loaded bytes were the
+    stored ones."""
+    n = len(keys)
+    m = max(1, n // 4)
+    ctx = v["ReqContext"](req_id="under")
+    mk = v["vllmcompat"].make_job
+    dst = np.arange(n // 2, n // 2 + m)
+    got: dict = {}
+    for phase, first in (("alone", 3 << 20), ("under_store", 4 << 20)):
+        pending: set[int] = set()
+        if phase == "under_store":
+            new = [v["make_offload_key"](rng.bytes(32), 0) for _ in range(m)]
+            for j, i in enumerate(range(0, m, per_job)):
+                tier.submit_store(mk(first + 1 + j, new[i:i + per_job], np.arange(i, min(m, i + per_job)), False, ctx))
+                pending.add(first + 1 + j)
+        rows[dst] = 0
+        tier.submit_load(mk(first, keys[-m:], dst, True, ctx))
+        dt, ok = _wait_job(v, tier, first, pending)
+        ok &= bool(np.array_equal(rows[dst], data[-m:]))
+        while pending:  # the stores finish before the next phase
+            for r in tier.get_finished_jobs():
+                pending.discard(r.job_id)
+            time.sleep(0.0005)
+        got[f"load_{phase}_s"], got["under_ok"] = dt, got.get("under_ok", True) and ok
+    return got
+
+
 def _disk_bytes(directory: Path) -> int:
     total = 0
     for dirpath, _, files in os.walk(directory):
@@ -183,6 +228,8 @@ def _system_pass(v, system: str, work: Path, view, rows: np.ndarray, data: np.nd
         if lookups:
             out["lookup"] = _lookups(v, tier, keys, rng)
             out["ok"] &= out["lookup"]["wrong"] == 0
+        out.update(_load_under_store(v, tier, keys, rows, data, per_job, rng))
+        out["ok"] &= out.pop("under_ok")
         more = [v["make_offload_key"](rng.bytes(32), 0) for _ in range(n)]
         rows[:] = data
         os.sync()
@@ -274,9 +321,12 @@ def _summary(row_bytes: int, passes: list[dict]) -> dict:
     out = {"row_bytes": row_bytes, "passes": passes}
     for s in SYSTEMS:
         out[s] = {"store_gbps": med(col(s, "store_gbps")), "load_gbps": med(col(s, "load_gbps")),
-                  "store2_gbps": med(col(s, "store2_gbps"))}
+                  "store2_gbps": med(col(s, "store2_gbps")), "load_alone_s": med(col(s, "load_alone_s")),
+                  "load_under_store_s": med(col(s, "load_under_store_s"))}
     for op in ("store", "load", "store2"):
         out[f"{op}_vs_fs"] = ratio("tiercache", f"{op}_gbps", "fs", f"{op}_gbps")
+    # a prefix's load while stores are in flight: fs tier's seconds / tiercache's (speed ratio)
+    out["load_under_store_vs_fs"] = ratio("fs", "load_under_store_s", "tiercache", "load_under_store_s")
     out["durable_store_vs_fs"] = ratio("tiercache-durable", "store_gbps", "fs", "store_gbps")
     if passes[0]["fio"].get("read_gbps"):
         for sys_ in ("fs", "tiercache"):
@@ -312,6 +362,10 @@ def format_vllm_tier_report(rep: dict) -> str:
                                                       f"store {r['tiercache_store_vs_fio']}; fs load "
                                                       f"{r['fs_load_vs_fio']}, store {r['fs_store_vs_fio']}"
                                                       if r.get("fio_read_gbps") else ""))
+        if r.get("load_under_store_vs_fs"):
+            lines.append(f"  {'':>8}  a quarter's load, alone / while a quarter is stored: " + "; ".join(
+                f"{s} {r[s]['load_alone_s'] * 1e3:.0f} / {r[s]['load_under_store_s'] * 1e3:.0f} ms"
+                for s in ("fs", "tiercache")) + f"; speed tiercache / fs under stores {r['load_under_store_vs_fs']}")
         for s, lk in r["lookup"].items():
             if lk:
                 lines.append(f"  {'':>8}  lookup {s:<10} call p50 {lk['call_p50_us']} us p99 {lk['call_p99_us']} us; "

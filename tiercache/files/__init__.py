@@ -15,7 +15,8 @@
 - :mod:`.indexfile`: the root's saved index (what an open starts from instead of every header);
 - :mod:`.rootsurvey`: a read-only survey of a root (for ``inspect``, ``verify``, ``purge``);
 - :mod:`.rootcheck`: ``verify`` and ``purge`` of a whole root in native chunks;
-- :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, I/O threads.
+- :mod:`.iothreads`: the I/O threads (reads that wait for nothing go ahead of queued writes);
+- :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, submitting I/O.
 
 Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """

@@ -304,7 +304,8 @@ class BlockBatches:
         directory: the root.
         pools: the tier's pools by name.
         native: the C thread pool.
-        executor: the tier's I/O threads (one task per chunk).
+        executor: the tier's I/O threads (:class:`~tiercache.files.iothreads.IOThreads`; one
+            task per chunk, reads without dependencies ahead of queued writes).
         fsync, verify, direct_io, device_id: as :class:`~tiercache.files.FileTier`.
         block_meta: per key, extra header metadata for its next write.
         delete: ``delete([key])`` removes a block's files.
@@ -416,7 +417,7 @@ class BlockBatches:
             outcome = Outcome()
             for i in idx:
                 out[i] = (items[i][0], BlockFuture(outcome, i))
-            self.executor.submit(self._read_chunk, idx, items, outcome, deps, delay_s, skip)
+            self.executor.submit(self._read_chunk, idx, items, outcome, deps, delay_s, skip, read=not deps)
         return out
 
     def _read_chunk(self, idx, items, outcome: Outcome, deps, delay_s, skip) -> None:

@@ -16,7 +16,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from tiercache.files.batchio import NativeIO, choose_engine
 from tiercache.files.blockbatch import BlockBatches, GroupCommit, before_io, python_rename_all, settle_futures
 from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, file_size, parse_filename
 from tiercache.files.iopath import IOPath
+from tiercache.files.iothreads import IOThreads
 from tiercache.files.openfiles import FREE_FILES, OpenFiles
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, open_root
 from tiercache.files.rootsurvey import classify
@@ -152,7 +153,7 @@ class FileTier:
         self.direct_io = direct_io
         self._max_nbytes = max(p.block_nbytes for p in pools)
         self._local = threading.local()
-        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercache-io")
+        self._executor = IOThreads(io_threads)
         #: per key, extra header metadata for its next write (set by the cache)
         self.block_meta: dict[Key, dict] = {}
         if io_path.kvikio:
@@ -569,7 +570,8 @@ class FileTier:
             before_io(i, deps, delay_s, skip)
             fn(key, bufs)
 
-        return [(key, self._executor.submit(task, i, key, bufs)) for i, (key, bufs) in enumerate(items)]
+        read = kind == "read" and not deps
+        return [(key, self._executor.submit(task, i, key, bufs, read=read)) for i, (key, bufs) in enumerate(items)]
 
     def _submit_group(self, items, deps, delay_s, skip) -> list[tuple[Key, Future]]:
         futures = [Future() for _ in items]
@@ -595,8 +597,9 @@ class FileTier:
         return [(key, f) for (key, _), f in zip(items, futures)]
 
     def run_task(self, fn: Callable[[], None]) -> Future:
-        """Run ``fn()`` on the tier's I/O threads, after every task queued before it has
-        started (first in, first out): work that must not hold up its caller, such as
+        """Run ``fn()`` on the tier's I/O threads, after every write (and every read that
+        waits for another job) queued before it has started (first in, first out; reads that
+        wait for nothing may go ahead): work that must not hold up its caller, such as
         removing evicted files."""
         return self._executor.submit(fn)
 
