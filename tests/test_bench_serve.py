@@ -57,6 +57,8 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
     # drained its last request's stores before it went idle
     assert rep["modes"]["tiercache-shared"]["repeat_connector_tokens"] == 3 * 512
     assert rep["modes"]["tiercache+restart"]["repeat_connector_tokens"] == 3 * 512
+    assert rep["modes"]["fs"]["served_repeats"] == 3 and rep["modes"]["recompute"]["served_repeats"] == 0
+    assert set(rep["tiercache_over_fs_served_speed"]) == {"p50", "p99"}
     assert rep["modes"]["tiercache+kill9"]["requests"] == 6 and "SIGKILL" in rep["modes"]["tiercache+kill9"]["kill_detail"]
     assert rep["ok"] and rep["break_even_gbps"] > 0
     text = format_serve_report(rep)

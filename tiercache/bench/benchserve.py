@@ -19,9 +19,13 @@ Each mode runs in its own engine process (:func:`worker_main`), one after the ot
 - ``fs``: vLLM's ``TieringOffloadingSpec``, CPU tier and vLLM's own ``fs`` tier (blocking O_DIRECT
   writes and reads on 16 + 16 threads);
 - ``tiercache``: ``TierCacheTieringSpec``, the same CPU tier and :class:`TierCacheTier`;
-- ``tiercache-shared``: two engine processes at once on one shared root, each with part of the
-  GPU's memory: the first runs the cold round and stays up; the second runs the repeats, which
-  must be hits on the first one's files.
+- ``tiercache-shared``: two engine processes at once on one shared root, each with half of the
+  GPU's memory (or, with ``shared_gpus``, one GPU each): the first runs the cold round, drains
+  its stores and stays up; the second runs the repeats, which must be hits on the first one's
+  files.
+
+``tensor_parallel``: every engine on that many GPUs (vLLM's ``tensor_parallel_size``). Each engine
+steps until its connector has no store in flight before it reports (:func:`_drain_stores`).
 
 and, with ``restart`` (default on): a fresh engine process on the roots the ``fs`` and
 ``tiercache`` modes left, running the repeats only (every prefix should come from files); with
@@ -408,7 +412,7 @@ class _Run:
 
 
 def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str, dict[int, list[int]]],
-             chunk_bytes: int) -> dict:
+             chunk_bytes: int, prefix_tokens: int) -> dict:
     rows = res["requests"]
     cold = [r["ttft_s"] for r in rows if r["round"] == 0]
     rep = [r["ttft_s"] for r in rows if r["round"] > 0]
@@ -421,6 +425,11 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
     out = {"startup_s": res["startup_s"], "requests": len(rows), "requests_per_s": len(rows) / res["run_s"],
            "ttft_cold_p50_s": _percentile(cold, 50), "ttft_cold_p99_s": _percentile(cold, 99),
            "ttft_repeat_p50_s": _percentile(rep, 50), "ttft_repeat_p99_s": _percentile(rep, 99)}
+    # repeats whose whole prefix came through the connector (the engine recomputes some repeats:
+    # a prefix whose stores vLLM dropped, or one it chose not to wait for)
+    served = [r["ttft_s"] for r in reps if (r["connector_tokens"] or 0) >= prefix_tokens]
+    out.update({"served_repeats": len(served), "ttft_served_repeat_p50_s": _percentile(served, 50),
+                "ttft_served_repeat_p99_s": _percentile(served, 99)})
     file_tokens = sum(r["file_chunks"] for r in reps) * TOKENS_PER_CHUNK
     conn = tot("connector_tokens", reps)
     out.update({"repeat_prompt_tokens": sum(r["prompt_tokens"] for r in reps),
@@ -541,13 +550,13 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
         for mode in ("fs", "tiercache"):
             if mode in results:
                 results[f"{mode}+restart"] = run.run(run.spec(f"{mode}+restart", repeats, roots[mode]))
-    if kill9 and "tiercache" in modes:
+    if kill9:
         results["tiercache+kill9"] = _kill9(run, work / "root-kill9", cold, every, seed)
     # the baselines and the report
     ref = {r["index"]: r["tokens"] for r in results["recompute"]["requests"]} if "recompute" in results else None
     own = {m: {r["index"]: r["tokens"] for r in results[m]["requests"]} for m in ("cpu", "fs") if m in results}
     for mode, res in results.items():
-        s = _summary(res, ref, {k: v for k, v in own.items() if k != mode}, chunk_bytes)
+        s = _summary(res, ref, {k: v for k, v in own.items() if k != mode}, chunk_bytes, prefix_tokens)
         if res.get("tier_roots"):
             s["verify"] = [_verify(r) for r in sorted(set(res["tier_roots"]))]
         for k in ("killed_after", "kill_detail", "stores_skipped_after_finish", "drain_s"):
@@ -658,6 +667,9 @@ def _bounds(report: dict, cfg: dict, results: dict) -> dict:
     fs, tc = report["modes"].get("fs"), report["modes"].get("tiercache")
     if fs and tc and fs.get("ttft_repeat_p50_s") and tc.get("ttft_repeat_p50_s"):
         out["tiercache_over_fs_speed"] = fs["ttft_repeat_p50_s"] / tc["ttft_repeat_p50_s"]
+    if fs and tc and fs.get("ttft_served_repeat_p50_s") and tc.get("ttft_served_repeat_p50_s"):
+        out["tiercache_over_fs_served_speed"] = {
+            q: fs[f"ttft_served_repeat_{q}_s"] / tc[f"ttft_served_repeat_{q}_s"] for q in ("p50", "p99")}
     return out
 
 
@@ -707,6 +719,12 @@ def format_serve_report(rep: dict) -> str:
         lines.append(f"bound for a repeat from files: {rep['file_hit_bound_s'] * 1e3:.1f} ms; bound / repeat p50: {ratios}")
     if rep.get("tiercache_over_fs_speed"):
         lines.append(f"tiercache vs fs tier, repeat TTFT p50 (speed ratio): {rep['tiercache_over_fs_speed']:.2f}")
+    if rep.get("tiercache_over_fs_served_speed"):
+        sv = rep["tiercache_over_fs_served_speed"]
+        lines.append("repeats served through the connector, TTFT p50 / p99 ms: " + "; ".join(
+            f"{k} {ms(m['ttft_served_repeat_p50_s']).strip()} / {ms(m['ttft_served_repeat_p99_s']).strip()} "
+            f"({m['served_repeats']})" for k, m in rep["modes"].items() if m.get("served_repeats"))
+            + f"; tiercache vs fs speed p50 {sv['p50']:.2f}, p99 {sv['p99']:.2f}")
     if rep.get("break_even_gbps"):
         lines.append(f"recompute: {rep['prefill_s_per_token'] * 1e6:.1f} us/token ({rep['prefill_tflops']:.0f} TFLOP/s); "
                      f"reading the KV beats it above {rep['break_even_gbps']:.2f} GB/s; read/recompute time: "
