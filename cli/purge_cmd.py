@@ -16,7 +16,7 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import InvalidKeyError, RootError
-from tiercache.config import CacheConfig
+from tiercache.settings import default
 from tiercache.files import (
     INDEX,
     QUARANTINE,
@@ -42,7 +42,7 @@ from tiercache.keys import key_from_text
 
 from .common import fail, human_bytes, not_a_root, parse_duration, resolve_root
 
-TMP_MAX_AGE_S = CacheConfig.tmp_max_age_s  # the default [file] tmp_max_age_s
+TMP_MAX_AGE_S = default("sharing", "tmp_max_age_s")  # the one default (tiercache.settings)
 #: purge's default threads: a million files purged in 34.7 s on 8 threads, 29.6 s on 32
 #: (CPU machine, ext4 mounted with discard; docs/performance.md)
 PURGE_THREADS = 32

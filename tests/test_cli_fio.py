@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache.cli import app
 from typer.testing import CliRunner
 
@@ -69,7 +70,7 @@ def test_separate_timing_agrees(root_args, tmp_path):
     assert res.exit_code == 0, res.output
     fio_bw = json.loads(res.stdout)["jobs"][0]["write"]["bw_bytes"]
     pool = PoolSpec("bench", (256 * 1024,), "uint8")
-    ft = FileTier(tmp_path / "sep", (pool,), 64, IOPath("posix", "t"), fsync="data", direct_io=True)
+    ft = FileTier((pool,), 64, IOPath("posix", "t"), FileSettings(root=tmp_path / "sep", fsync="data", direct_io=True))
     data = np.random.default_rng(0).integers(0, 256, (64, pool.block_nbytes), dtype=np.uint8)
     t = time.perf_counter()
     ft.write([(k, {"bench": data[k]}) for k in range(64)])

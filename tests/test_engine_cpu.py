@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from engine_model import Mirror
 
+from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache import ArrayMismatchError, PoolSpec, SlotRangeError
 from tiercache.files import FileTier, IOPath
 from tiercache.memory import make_host_tier
@@ -15,7 +16,8 @@ from tiercache.transfer import TransferEngine
 
 def make_engine(tmp_path, pools, host_slots=16, file_slots=16, ordering=True, host2=False):
     tiers = {"host": make_host_tier(host_slots, pools, pinned=False)}
-    tiers["file"] = FileTier(tmp_path / "root", pools, file_slots, IOPath("posix", "test"), fsync="none", io_threads=4)
+    tiers["file"] = FileTier(pools, file_slots, IOPath("posix", "test"),
+                             FileSettings(root=tmp_path / "root", fsync="none", io_threads=4))
     eng = TransferEngine(tiers, pools, ordering=ordering)
     eng.gpu = False  # these tests exercise the CPU paths even on GPU machines
     eng.launcher = None

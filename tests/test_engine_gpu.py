@@ -11,6 +11,7 @@ import pytest
 from engine_model import Mirror
 from helpers import partial_round_trip
 
+from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache import PoolSpec
 from tiercache.files import FileTier, select_io_path
 from tiercache.memory import make_device_tier, make_host_tier
@@ -23,8 +24,10 @@ DELAY_NS = 80_000_000  # 80 ms: the first copy of each hazard is still in flight
 def make_engine(tmp_path, pools, device_slots=16, host_slots=16, file_slots=16, ordering=True, **kw):
     tiers = {"device": make_device_tier(device_slots, pools), "host": make_host_tier(host_slots, pools)}
     if file_slots:
-        tiers["file"] = FileTier(tmp_path / "root", pools, file_slots, select_io_path("auto"), fsync="none", io_threads=4)
-    return TransferEngine(tiers, pools, ordering=ordering, streams_per_direction=2, **kw)
+        tiers["file"] = FileTier(pools, file_slots, select_io_path("auto"),
+                                 FileSettings(root=tmp_path / "root", fsync="none", io_threads=4))
+    settings = TransferSettings(**{"copy_kernel_sms": None, "streams_per_direction": 2, **kw})
+    return TransferEngine(tiers, pools, ordering=ordering, settings=settings)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 from conftest import bpath, files, random_keys
 from helpers import assert_bytes, put_random
 
+from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache import PoolSpec, TierCache, TransferError
 from tiercache.files import FileTier, IOPath, block_filename, posix_io
 
@@ -20,8 +21,8 @@ from tiercache.files import FileTier, IOPath, block_filename, posix_io
 def tier(tmp_path, io_engine):
     def make(fsync="data", direct=True):
         pool = PoolSpec("kv", (4096 * 3,), "uint8")
-        return FileTier(tmp_path / "root", (pool,), 64, IOPath("posix", "test"), fsync=fsync, io_threads=4,
-                        direct_io=direct, io_engine=io_engine), pool
+        return FileTier((pool,), 64, IOPath("posix", "test"), FileSettings(
+            root=tmp_path / "root", fsync=fsync, io_threads=4, direct_io=direct, io_engine=io_engine)), pool
     return make
 
 

@@ -2,7 +2,7 @@
 path, whole blocks and the first tokens of KV blocks, and a cache whose host tier lives there.
 
 Needs reserved huge pages (``sysctl vm.nr_hugepages``; tools/gpu-check.sh reserves them on the
-lent machine): skips without them.
+GPU test machine): skips without them.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ def test_file_slots_beyond_this_machines_memory_are_one_clear_error(make_config)
 
 @pytest.mark.parametrize("bad, match", [
     ({"tmp_max_age_s": 1.5}, r"tmp_max_age_s = 1.5 must be a number of seconds in \[60, 604800\]"),
-    ({"verify": "yes"}, "verify = 'yes' must be true or false"),
+    ({"verify_checksums": "yes"}, "verify_checksums = 'yes' must be true or false"),
+    ({"verify": True}, r"RowStore: unknown setting\(s\) verify; valid: .*verify_checksums"),
     ({"direct_io": 1}, "direct_io = 1 must be true or false"),
     ({"check_root_owner": None}, "check_root_owner = None must be true or false"),
 ])

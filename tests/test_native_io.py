@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import ENGINES, bpath, names, random_keys
 
+from tiercache.settings import sections
 from tiercache import ConfigError, CorruptBlockError, PoolSpec
 from tiercache.files import FileTier, IOPath, batchio, block_filename, choose_engine
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches
@@ -28,7 +29,9 @@ def _pools(rng):
 
 def _tier(root, pools, engine, **kw):
     kw.setdefault("io_threads", 4)
-    return FileTier(root, pools, 4096, IOPath("posix", "test"), io_engine=engine, **kw)
+    kw.setdefault("direct_io", False)
+    s = sections(root=root, io_engine=engine, **kw)
+    return FileTier(pools, 4096, IOPath("posix", "test"), s["file"], s["sharing"])
 
 
 def _free_names(ft):

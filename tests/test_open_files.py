@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import ENGINES, bpath, names, random_keys
 
+from tiercache.settings import sections
 from tiercache import CacheConfig, PoolSpec, TierCache
 from tiercache.files import FileTier, IOPath, batchio, block_filename, block_subdir
 
@@ -24,7 +25,8 @@ def _pools(rng):
 
 
 def _tier(root, pools, engine, **kw):
-    return FileTier(root, pools, 4096, IOPath("posix", "test"), io_engine=engine, io_threads=4, direct_io=True, **kw)
+    s = sections(root=root, io_engine=engine, io_threads=4, direct_io=True, **kw)
+    return FileTier(pools, 4096, IOPath("posix", "test"), s["file"], s["sharing"])
 
 
 def _rows(rng, pools, n):

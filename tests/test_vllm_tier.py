@@ -81,7 +81,7 @@ def test_vllm_loads_the_tier_from_its_config_line(tmp_path, route):
         assert tier.root.parent == tmp_path and tier.root.name.startswith("org_tiny-model_")
         assert tier.root.name.endswith("_r0") and (tier.root / ".tiercache-root").is_file()
         assert json.loads((tmp_path / tier.root.name[:-3] / "config.json").read_text())["model_name"] == "org/tiny-model"
-        assert tier.store.row_bytes == 64 << 10 and tier.store.sharing == "exclusive" and tier.store.fsync == "none"
+        assert tier.store.row_bytes == 64 << 10 and tier.store.sharing == "exclusive" and tier.store.fsync == "data"  # the cache's default
     finally:
         m.shutdown()
 
@@ -147,13 +147,13 @@ def test_factory_creates_it_with_locality(tmp_path):
 
 @pytest.mark.parametrize("bad, match", [
     ({"rooot": "/x"}, "unknown config key.*'rooot'.*valid keys: root"),
-    ({"sharing": "public"}, "sharing = 'public'; valid: exclusive, shared"),
-    ({"fsync": "always"}, "fsync = 'always'; valid: none, data, data\\+dir"),
+    ({"sharing": "public"}, "sharing = 'public' is not valid; choose one of: exclusive, shared"),
+    ({"fsync": "always"}, "fsync = 'always' is not valid; choose one of: none, data, data\\+dir"),
     ({"capacity_bytes": 1000}, "capacity_bytes = 1000 must be an integer in \\[69632,"),
     ({"io_threads": 0}, "io_threads = 0 must be an integer in \\[1, 256\\]"),
-    ({"io_engine": "aio"}, "io_engine = 'aio'; valid: auto, io_uring, threads, python"),
+    ({"io_engine": "aio"}, "io_engine = 'aio' is not valid; choose one of: auto, io_uring, threads, python"),
     ({"locality": "local"}, "'locality' = 'local'; valid: LOCAL, REMOTE"),
-    ({"verify": "yes"}, "'verify' = 'yes' must be true or false"),
+    ({"verify": "yes"}, "TierCacheTier: verify = 'yes' must be true or false"),
     ({"root": None}, "'root' = None"),
 ])
 def test_a_bad_key_or_value_is_one_clear_error(tmp_path, bad, match):

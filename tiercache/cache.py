@@ -101,32 +101,20 @@ class TierCache:
         if config.host_slots:
             self.tiers["host"] = make_host_tier(config.host_slots, config.pools, huge_pages=config.host_huge_pages)
         if config.file_slots:
-            self.tiers["file"] = FileTier(
-                config.root, config.pools, config.file_capacity_slots, self.io_path, fsync=config.fsync,
-                verify=config.verify_checksums, io_threads=config.io_threads, device_id=config.device_id,
-                direct_io=config.direct_io, kvikio_task_size=config.kvikio_task_size,
-                kvikio_gds_threshold=config.kvikio_gds_threshold, check_root_owner=config.check_root_owner,
-                io_engine=config.io_engine, sharing=config.sharing, min_age_s=config.min_age_s,
-                tmp_max_age_s=config.tmp_max_age_s,
-                open_files=config.open_files,
-            )
+            self.tiers["file"] = FileTier(config.pools, config.file_capacity_slots, self.io_path,
+                                          config.file_settings, config.sharing_settings, config.device_id)
         if not self.tiers:
             raise TierUnavailableError("no tier is usable: the device tier needs CUDA; give host_slots or file_slots")
         # the engine allocates its own device blocks: tiercache never places keys there
         self.placement = Placement({name: self._capacity(name) for name in self.tiers
                                     if not (name == "device" and device_pools is not None)},
                                    file_group=block_subdir_index)
-        self.engine = TransferEngine(
-            self.tiers, config.pools, config.device_id, streams_per_direction=config.streams_per_direction,
-            copy_kernel_sms=config.copy_kernel_sms, memcpy_min_bytes=config.memcpy_min_bytes,
-            batch_min_bytes=config.batch_min_bytes, batch_streams=config.batch_streams, bulk_shape=config.bulk_shape,
-            bulk_sms=config.bulk_sms, staged_min_run_bytes=config.staged_min_run_bytes,
-            carveout_sms=config.carveout_sms, offload_staged_min_run_bytes=config.offload_staged_min_run_bytes,
-            record_stats=config.metrics,
-        )
+        self.engine = TransferEngine(self.tiers, config.pools, config.device_id, settings=config.transfer_settings,
+                                     record_stats=config.metrics)
         self.mover = BlockMover(self.tiers, self.placement, self.engine, config.pools, self.counters)
         self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters)
         self.file_index.negative_ttl_s = config.negative_ttl_s
+        self.file_index.sweep_interval_s = config.sweep_interval_s
         self.file_index.checkpoint_interval_s = config.index_checkpoint_s
         self.mover.after_file_write = self.file_index.after_write
         self.mover.after_file_read = self.file_index.after_read

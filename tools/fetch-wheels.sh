@@ -1,5 +1,5 @@
 #!/bin/bash
-# Download (here, with network) the wheels the lent GPU machine lacks into .whl/: kvikio and what
+# Download (here, with network) the wheels the GPU test machine lacks into .whl/: kvikio and what
 # it needs (../shared/device/fetch-wheels.sh). The machine already has everything else tiercache
 # uses (numpy, typer, aiofiles, xxhash, CuPy, PyTorch...): carrying those replaces working
 # packages there (a newer typer needs pydantic, which it lacks). EXTRA="pkg==ver" adds more.

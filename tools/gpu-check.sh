@@ -1,5 +1,5 @@
 #!/bin/bash
-# Run ON the lent GPU machine from the project root, with .whl carried (see tools/fetch-wheels.sh):
+# Run ON the GPU test machine from the project root, with .whl carried (see tools/fetch-wheels.sh):
 # installs the wheels and the project (no network there), runs the whole test suite (GPU tests
 # included), then the main job, leaving logs and JSON in $OUT. Extra benchmark commands can be
 # passed as arguments; each runs after the tests, its output in $OUT/extra-N.log.

@@ -29,6 +29,7 @@ from tiercache.bench.timing import host_device_buffers, scattered_slots, time_ma
 from tiercache.copypaths import BatchCopy, CopyLauncher, Segments, segments_for
 from tiercache.geometry import PoolSpec
 from tiercache.memory import MEMCPY_DEFAULT
+from tiercache.settings import TransferSettings
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -175,7 +176,7 @@ def bench_planning(blocks: int = 4096, block: int = 16 * KiB, reps: int = 20, de
 
     pool = PoolSpec("blk", (block,), "uint8")
     tiers = {"device": make_device_tier(blocks, (pool,), device_id), "host": make_host_tier(blocks, (pool,))}
-    eng = TransferEngine(tiers, (pool,), device_id)
+    eng = TransferEngine(tiers, (pool,), device_id, settings=TransferSettings(copy_kernel_sms=None))  # all SMs
     rng = np.random.default_rng(2)
     s, d = scattered_slots(rng, blocks), scattered_slots(rng, blocks)
     eng.copy("host", s, "device", d).wait()

@@ -25,6 +25,7 @@ import numpy as np
 from tiercache.files import DATA_OFFSET, FileTier, IOPath, select_io_path
 from tiercache.geometry import PoolSpec
 from tiercache.memory import alloc_host
+from tiercache.settings import FileSettings
 
 CHUNK = 8 << 20
 
@@ -129,8 +130,8 @@ def run_file_bench(root: Path, pool: PoolSpec, blocks: int = 256, io_threads: in
         keys = list(range(blocks))
         results = {}
         for direct in (False, True):
-            ft = FileTier(work / f"tier-{int(direct)}", (pool,), blocks, IOPath("posix", "bench"), fsync="data",
-                          verify=True, io_threads=io_threads, direct_io=direct)
+            ft = FileTier((pool,), blocks, IOPath("posix", "bench"), FileSettings(
+                root=work / f"tier-{int(direct)}", fsync="data", io_threads=io_threads, direct_io=direct))
             items = [(k, {pool.name: rows_view[k]}) for k in keys]
             t = time.perf_counter()
             errs = ft.write(items)
@@ -244,8 +245,8 @@ def _gpu_stages(work, pool, blocks, host, io_threads, io_mode, add, rep) -> None
     rows_dev = dev.reshape(blocks, pool.block_nbytes)
     for p in paths:
         label = p.label + (" + O_DIRECT" if p.name == "posix" else "")
-        ft = FileTier(work / f"tier-gpu-{p.name}", (pool,), blocks, p, fsync="data", verify=True,
-                      io_threads=io_threads, direct_io=True)
+        ft = FileTier((pool,), blocks, p, FileSettings(root=work / f"tier-gpu-{p.name}", fsync="data",
+                                                       io_threads=io_threads, direct_io=True))
         t = time.perf_counter()
         errs = ft.write([(k, {pool.name: rows_dev[k]}) for k in keys])
         add("block files durable write from VRAM", label, time.perf_counter() - t)

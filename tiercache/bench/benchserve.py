@@ -143,7 +143,8 @@ def kv_transfer(mode: str, root: Path | None, cpu_bytes: int) -> dict | None:
     if mode == "fs":
         extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "fs", "root_dir": str(root)}])
     elif mode.startswith("tiercache"):
-        tier = {"type": "TierCacheTier", "root": str(root)}
+        # matched to the fs tier: no flush before a store is reported, and its 16 + 16 threads
+        tier = {"type": "TierCacheTier", "root": str(root), "fsync": "none", "io_threads": 16}
         if mode.startswith("tiercache-shared"):
             tier["sharing"] = "shared"
         extra.update(spec_name="TierCacheTieringSpec", spec_module_path="tiercache.integrations.vllm",

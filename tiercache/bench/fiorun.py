@@ -33,7 +33,7 @@ import numpy as np
 from tiercache.bench.fiobase import fio_binary, run_fio
 from tiercache.bench.fiospec import FioJob
 from tiercache.cuda import cuda_status
-from tiercache.config import MAX_IO_THREADS
+from tiercache.settings import MAX_IO_THREADS, FileSettings, TransferSettings
 from tiercache.errors import ConfigError
 from tiercache.files import FileTier, select_io_path
 from tiercache.geometry import PoolSpec
@@ -91,9 +91,10 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
             elif t == "host":
                 tiers[t] = make_host_tier(total, (pool,))
             else:
-                tiers[t] = FileTier(work, (pool,), total, io_path, fsync="data", verify=job.verify,
-                                    io_threads=io_threads, direct_io=job.direct, io_engine=job.ioengine)
-        eng = TransferEngine(tiers, (pool,))
+                tiers[t] = FileTier((pool,), total, io_path, FileSettings(
+                    root=work, fsync="data", verify_checksums=job.verify, io_threads=io_threads,
+                    direct_io=job.direct, io_engine=job.ioengine))
+        eng = TransferEngine(tiers, (pool,), settings=TransferSettings(copy_kernel_sms=None))
         source, _owner = alloc_host(total * pool.block_nbytes)
         source[:] = np.frombuffer(np.random.default_rng(7).bytes(source.nbytes), dtype=np.uint8)
         src_rows = source.reshape(total, pool.block_nbytes)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tiercache.errors import ConfigError
 from tiercache.files import IO_ENGINES
+from tiercache.settings import IO_MODES
 
 RW = ("read", "write", "randread", "randwrite", "rw", "randrw", "readwrite")
 TIER_PAIRS = ("device:host", "host:file", "device:file")
-IO_MODES = ("auto", "gds", "compat", "posix")
 #: what a job is compared with: fio on the same directory (``auto``: fio where installed, else
 #: the naive way), the naive way in Python, or nothing
 BASELINES = ("auto", "fio", "naive", "none")

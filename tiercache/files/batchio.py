@@ -34,13 +34,13 @@ import threading
 import numpy as np
 
 from tiercache.errors import ConfigError
+from tiercache.settings import IO_ENGINES
 
 READ, WRITE, RENAME, HASHONLY, UNLINK = 0, 1, 2, 3, 4
 DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH, CHECK = 1, 2, 4, 8, 16, 32, 64, 128
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file
 NOT_REGULAR = -1
 HEADER_BYTES = 4096
-IO_ENGINES = ("auto", "io_uring", "threads", "python")
 
 
 class _Batch(ctypes.Structure):

@@ -35,6 +35,7 @@ from tiercache.files.rootsurvey import classify
 from tiercache.files.sharing import published, tmp_abandoned, tmp_name, tmp_owner
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
+from tiercache.settings import FileSettings, SharingSettings
 from tiercache.memory import copy_sync
 
 log = logging.getLogger("tiercache")
@@ -81,36 +82,27 @@ class FileTier:
     """Block files under ``root``, read and written by a pool of I/O threads.
 
     Args:
-        root: directory (created if missing; see :func:`open_root`).
         pools: the cache's pools.
         num_slots: blocks the tier may hold (enforced by the cache's policy).
         io_path: how device buffers reach files (:class:`~tiercache.files.iopath.IOPath`).
-        fsync: ``none | data | data+dir``.
-        verify: verify checksums on read.
-        io_threads: worker threads.
-        device_id: CUDA device of device buffers.
-        check_root_owner: refuse a root owned by another user or writable by others.
-        io_engine: ``auto | io_uring | threads | python``: who runs the POSIX path's per-file syscalls
+        settings: the ``[file]`` settings (:class:`~tiercache.settings.FileSettings`): the root
+            (created if missing; see :func:`open_root`), ``fsync``, checksums, I/O threads
+            (:class:`~tiercache.files.iothreads.IOThreads`), the I/O engine
             (:mod:`tiercache.files.batchio`; the chosen one is :attr:`engine`, with
-            :attr:`engine_reason`).
-        sharing: ``exclusive`` (one process holds the root) or ``shared`` (any number of
-            processes, :mod:`tiercache.files.sharing`): the shared lock, only abandoned
-            temporary files removed, published files never deleted by a failed write, and
-            evictions by policy sparing files younger than ``min_age_s``.
-        min_age_s: shared mode: a block file younger than this (seconds) is not evicted by
-            policy (another process may have just published it for a reader).
-        tmp_max_age_s: shared mode: a temporary file older than this (seconds) is abandoned
-            whoever wrote it.
-        open_files: descriptors of block files the native engine keeps open
-            (:mod:`tiercache.files.openfiles`): -1 (auto) holds every block file and
-            :data:`~tiercache.files.openfiles.FREE_FILES` free files per size, within the
-            process's budget; 0 opens and closes every file per operation and recycles none.
-            Exclusive roots only: they also recycle replaced and evicted files
-            (:attr:`open_files`). While a tier is open its root is its own: a held descriptor
-            keeps serving the verified bytes its file was published with even if something
-            else deletes or replaces the name (the next open's scan sees what is on disk).
-            Shared roots hold none: a descriptor would keep the disk space of files other
-            processes delete, and hide their deletions.
+            :attr:`engine_reason`), O_DIRECT, the root owner check, and ``open_files``: the
+            descriptors of block files the native engine keeps open
+            (:mod:`tiercache.files.openfiles`; exclusive roots only, which also recycle
+            replaced and evicted files. While a tier is open its root is its own: a held
+            descriptor keeps serving the verified bytes its file was published with even if
+            something else deletes or replaces the name. Shared roots hold none: a descriptor
+            would keep the disk space of files other processes delete, and hide their
+            deletions).
+        sharing: the ``[sharing]`` settings: ``exclusive`` (one process holds the root) or
+            ``shared`` (any number of processes, :mod:`tiercache.files.sharing`: the shared lock,
+            only abandoned temporary files removed, published files never deleted by a failed
+            write, evictions by policy sparing files younger than ``min_age_s``, temporary files
+            older than ``tmp_max_age_s`` abandoned whoever wrote them).
+        device_id: CUDA device of device buffers.
         free_files: recycled files kept per file size (their disk space is beyond
             ``num_slots``' blocks).
 
@@ -121,18 +113,19 @@ class FileTier:
         ConfigError: an ``io_engine`` that cannot run here.
     """
 
-    def __init__(self, root: Path, pools: tuple[PoolSpec, ...], num_slots: int, io_path: IOPath,
-                 fsync: str = "data", verify: bool = True, io_threads: int = 8, device_id: int = 0,
-                 direct_io: bool = False, kvikio_task_size: int | None = None,
-                 kvikio_gds_threshold: int | None = None, check_root_owner: bool = True,
-                 io_engine: str = "auto", sharing: str = "exclusive", min_age_s: float = 30.0,
-                 tmp_max_age_s: float = 900.0, open_files: int = -1,
-                 free_files: int = FREE_FILES) -> None:
+    def __init__(self, pools: tuple[PoolSpec, ...], num_slots: int, io_path: IOPath,
+                 settings: FileSettings = FileSettings(), sharing: SharingSettings = SharingSettings(),
+                 device_id: int = 0, free_files: int = FREE_FILES) -> None:
+        root, fsync, verify, io_threads = settings.root, settings.fsync, settings.verify_checksums, settings.io_threads
+        direct_io, open_files = settings.direct_io, settings.open_files
+        self.settings, self.sharing = settings, sharing
+        io_engine = settings.io_engine
+        min_age_s, tmp_max_age_s = sharing.min_age_s, sharing.tmp_max_age_s
         self.engine, self.engine_reason = choose_engine(io_engine)
-        self.shared = sharing == "shared"
+        self.shared = sharing.shared
         self.min_age_s = min_age_s
         self.tmp_max_age_s = tmp_max_age_s
-        self.dir = open_root(root, check_root_owner)
+        self.dir = open_root(root, settings.check_root_owner)
         self._lock = None
         try:
             self._lock = RootLock(self.dir, shared=self.shared)
@@ -157,7 +150,7 @@ class FileTier:
         #: per key, extra header metadata for its next write (set by the cache)
         self.block_meta: dict[Key, dict] = {}
         if io_path.kvikio:
-            kvikio_io.configure(io_threads, kvikio_task_size, kvikio_gds_threshold)
+            kvikio_io.configure(io_threads, settings.kvikio_task_size, settings.kvikio_gds_threshold)
         self._native = self._batches = None
         #: the native engine's held descriptors and free files (None with the python engine)
         self.open_files: OpenFiles | None = None

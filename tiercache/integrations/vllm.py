@@ -30,23 +30,25 @@ groups; the KV-cache group is part of the ``OffloadKey``), so several models sha
 and several vLLM instances share one model's files with ``"sharing": "shared"`` (one instance's
 stores are hits for another's lookups).
 
-Config keys (beside vLLM's ``type``, ``module_path`` and ``backpressure``):
+Config keys (beside vLLM's ``type``, ``module_path`` and ``backpressure``); those that are
+tiercache settings have the cache's defaults and ranges (:mod:`tiercache.settings`,
+docs/configuration.md; ``verify`` is ``verify_checksums`` there):
 
 =====================  ==========================  ===========================================
 key                    default                     meaning
 =====================  ==========================  ===========================================
 ``root``               (required)                  directory under which the tier's roots live
-``capacity_bytes``     90% of the free space       disk bytes the tier's files may take (each
+``capacity_bytes``     0: 90% of the free space    disk bytes the tier's files may take (each
                        at start, plus the files    chunk: its row plus a 4 KiB header); least
                        already there               recently used chunks are evicted beyond it
 ``capacity_blocks``    none                        the same bound in chunks (the smaller holds)
 ``sharing``            ``"exclusive"``             ``"shared"``: several vLLM instances (or
                                                    processes) on one root
-``fsync``              ``"none"``                  ``"data"`` / ``"data+dir"``: durable before
+``fsync``              ``"data"``                  ``"none"`` / ``"data+dir"``: durable before
                                                    a store is reported (README, fsync policies)
 ``verify``             ``true``                    check each load's XXH3-64
 ``io_engine``          ``"auto"``                  ``io_uring`` | ``threads`` | ``python``
-``io_threads``         16                          I/O threads
+``io_threads``         8                           I/O threads
 ``open_files``         -1                          held descriptors (-1 auto, 0 none)
 ``direct_io``          ``true``                    O_DIRECT where rows are page-aligned
 ``enable_kv_events``   ``false``                   emit stored/removed ``OffloadingEvent``\\ s
@@ -107,22 +109,28 @@ from tiercache.integrations.vllmcompat import SecondaryTierManager, TransferJob
 
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.serving import KeyState, RowStore
+from tiercache.settings import default as settings_default
+from tiercache.settings import sections
 
 log = logging.getLogger("tiercache")
 _PRESENT, _PENDING = KeyState.PRESENT, KeyState.PENDING
 
-#: config keys and their defaults (``root`` has none)
-DEFAULTS: dict[str, Any] = {
-    "root": None, "capacity_bytes": None, "capacity_blocks": None, "sharing": "exclusive", "fsync": "none",
-    "verify": True, "io_engine": "auto", "io_threads": 16, "open_files": -1, "direct_io": True,
-    "enable_kv_events": False, "locality": None, "metrics_port": None, "check_root_owner": True,
-    "min_age_s": 30.0, "negative_ttl_s": 1.0, "tmp_max_age_s": 900.0, "index_checkpoint_s": 60.0,
+#: config keys that are tiercache settings -> (section, setting) (:mod:`tiercache.settings`: one
+#: default and one range for the cache, the row store and this tier)
+SETTING_KEYS: dict[str, tuple[str, str]] = {
+    "capacity_bytes": ("file", "capacity_bytes"), "fsync": ("file", "fsync"), "verify": ("file", "verify_checksums"),
+    "io_engine": ("file", "io_engine"), "io_threads": ("file", "io_threads"), "open_files": ("file", "open_files"),
+    "direct_io": ("file", "direct_io"), "check_root_owner": ("file", "check_root_owner"),
+    "index_checkpoint_s": ("file", "index_checkpoint_s"), "sharing": ("sharing", "sharing"),
+    "min_age_s": ("sharing", "min_age_s"), "negative_ttl_s": ("sharing", "negative_ttl_s"),
+    "tmp_max_age_s": ("sharing", "tmp_max_age_s"),
 }
-#: what RowStore takes of them, as is
-_STORE_KEYS = ("capacity_bytes", "capacity_blocks", "sharing", "fsync", "verify", "io_engine", "io_threads",
-               "open_files", "direct_io", "check_root_owner", "min_age_s", "negative_ttl_s", "tmp_max_age_s",
-               "index_checkpoint_s")
-_BOOL_KEYS = ("verify", "direct_io", "enable_kv_events", "check_root_owner")
+#: config keys and their defaults (``root`` has none; ``capacity_bytes`` 0: 90% of the free space)
+DEFAULTS: dict[str, Any] = {
+    "root": None, "capacity_blocks": None, "enable_kv_events": False, "locality": None, "metrics_port": None,
+    **{key: settings_default(*where) for key, where in SETTING_KEYS.items()},
+}
+_BOOL_KEYS = ("enable_kv_events",)
 
 # metric names (vLLM's Prometheus frontend adds nothing to them)
 STORED = "vllm:kv_offload_tiercache_stored_chunks"
@@ -143,7 +151,7 @@ def parse_config(config: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         ConfigError: an unknown key (named, with the valid ones), ``root`` missing, or a value
-            of the wrong type (values in range are checked by :class:`RowStore`).
+            out of range (the ranges of :mod:`tiercache.settings`).
     """
     unknown = sorted(set(config) - set(DEFAULTS))
     if unknown:
@@ -152,6 +160,16 @@ def parse_config(config: dict[str, Any]) -> dict[str, Any]:
     out = {**DEFAULTS, **config}
     if not isinstance(out["root"], (str, os.PathLike)) or not str(out["root"]):
         raise ConfigError(f"TierCacheTier: 'root' = {out['root']!r}: give the directory for the tier's files")
+    if out["capacity_bytes"] is None:  # as before the settings had one default: no byte bound given
+        out["capacity_bytes"] = 0
+    try:
+        sections(**{where[1]: out[k] for k, where in SETTING_KEYS.items()})
+    except ConfigError as exc:
+        msg = str(exc)
+        for k, (_, name) in SETTING_KEYS.items():
+            if k != name and msg.startswith(name + " "):
+                msg = k + msg[len(name):]
+        raise ConfigError(f"TierCacheTier: {msg}") from None
     for k in _BOOL_KEYS:
         if not isinstance(out[k], bool):
             raise ConfigError(f"TierCacheTier: {k!r} = {out[k]!r} must be true or false")
@@ -198,7 +216,8 @@ class TierCacheTier(SecondaryTierManager):
                                                  parallel_agnostic=True)
         self.root = Path(f"{mapper.base_path}_r{mapper.rank}")
         self._write_run_config(mapper)
-        self.store = RowStore(primary_kv_view, self.root, **{k: self.settings[k] for k in _STORE_KEYS})
+        self.store = RowStore(primary_kv_view, self.root, capacity_blocks=self.settings["capacity_blocks"],
+                              **{where[1]: self.settings[k] for k, where in SETTING_KEYS.items()})
         self.events: list[OffloadingEvent] | None = None
         if self.settings["enable_kv_events"]:
             if offloading_spec.kv_events_config.enable_kv_cache_events:

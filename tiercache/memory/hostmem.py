@@ -24,9 +24,9 @@ import numpy as np
 
 from tiercache.cuda import cuda_status
 from tiercache.errors import ConfigError, TierUnavailableError
+from tiercache.settings import HUGE_PAGE_MODES
 
 PAGE = 4096
-HUGE_PAGE_MODES = ("auto", "on", "off")
 MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)  # Linux; the value on x86-64 and arm64
 REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 REGISTER_MAPPED = 2  # cudaHostRegisterMapped: reachable from kernels (implied with unified addressing)

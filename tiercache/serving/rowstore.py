@@ -30,6 +30,8 @@ Depends on :mod:`tiercache.files` and :mod:`tiercache.placement`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import collections
 import enum
 import logging
@@ -53,17 +55,18 @@ from tiercache.errors import (
     SlotRangeError,
     TierFullError,
 )
-from tiercache.files import (FREE_FILES, IO_ENGINES, SUBDIRS, FileTier, IOPath, block_subdir_index, file_size,
+from tiercache.files import (FREE_FILES, SUBDIRS, FileTier, IOPath, block_subdir_index, file_size,
                              when_all_settled, write_stats)
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
 from tiercache.placement import CompactSlots, RootIndex
+from tiercache.settings import FileSettings, SharingSettings, sections
 from tiercache.transfer import LATENCY_BUCKETS_S, TransferStats
 
 log = logging.getLogger("tiercache")
 
-SHARING_MODES = ("exclusive", "shared")
-FSYNC_POLICIES = ("none", "data", "data+dir")
+#: single settings RowStore takes by name: the [file] and [sharing] sections' (tiercache.settings)
+_ROWSTORE_KEYS = frozenset(f.name for c in (FileSettings, SharingSettings) for f in dataclasses.fields(c)) - {"root"}
 #: the one pool of a row store's files (``block_x<key>_pool_kv.bin``)
 POOL = "kv"
 
@@ -142,31 +145,29 @@ class RowStore:
             and written with O_DIRECT.
         root: the directory of the block files (a tiercache root: created, marked and locked,
             :class:`~tiercache.files.FileTier`).
-        capacity_bytes: disk bytes the blocks may take (each block takes
+        capacity_blocks: the most blocks the store holds (default: as ``capacity_bytes``
+            allows, and with ``capacity_bytes`` 0: 90% of the root's file system's free space
+            at open, plus what the root's blocks already take; each block takes
             ``file_size(row_bytes)``: its row plus the 4 KiB header, 4 KiB-padded).
-            ``None`` with ``capacity_blocks`` unset: 90% of the root's file system's free
-            space at open, plus what the root's blocks already take.
-        capacity_blocks: the same bound in blocks (the smaller of the two holds).
-        sharing: ``exclusive`` (one process writes the root; the default) or ``shared`` (any
-            number of processes, each seeing the others' blocks: README "Sharing a root").
-        fsync: ``none`` (the default here: a power loss may drop recent blocks; a stale file
-            then fails its checksum and is quarantined, never served), ``data`` (group
-            commit: data on the disk before the rename) or ``data+dir``.
-        verify: check every read's XXH3-64 (default True).
-        io_engine: ``auto | io_uring | threads | python`` (:mod:`tiercache.files.batchio`).
-        io_threads: I/O threads (1..256): each runs a chunk of a job's files at a time.
-        open_files: held descriptors (``FileTier``'s ``open_files``; -1 auto, 0 none).
-        direct_io: O_DIRECT where rows are aligned (default True).
-        check_root_owner: refuse a root owned by another user or writable by others.
-        min_age_s, negative_ttl_s, tmp_max_age_s: shared roots: files younger than
-            ``min_age_s`` are not swept; a key found in no file is not looked for again for
-            ``negative_ttl_s``; temporary files older than ``tmp_max_age_s`` are abandoned.
-        sweep_interval_s: shared roots: at most one capacity sweep per this many seconds
-            (longer where a sweep, a listing of the root, takes more than a tenth of that).
-        index_checkpoint_s: seconds between saves of the root's index (``.tiercache-index``:
-            what the next open starts from instead of reading every header; also saved at
-            close). The open reconciles it with the directory in the background
-            (:meth:`wait_reconciled`).
+        file_settings: the ``[file]`` settings (:class:`~tiercache.settings.FileSettings`;
+            their ``root`` is replaced by ``root``): ``capacity_bytes`` (disk bytes the blocks
+            may take; the smaller of it and ``capacity_blocks`` holds), ``fsync`` (``none``: a
+            power loss may drop recent blocks, a stale file then fails its checksum and is
+            quarantined, never served; ``data``: group commit, data on the disk before the
+            rename; ``data+dir``), ``verify_checksums``, ``io_engine``, ``io_threads`` (each
+            runs a chunk of a job's files at a time), ``open_files``, ``direct_io`` (where rows
+            are aligned), ``check_root_owner``, ``index_checkpoint_s`` (seconds between saves
+            of the root's index, what the next open starts from; also saved at close; the open
+            reconciles it with the directory in the background, :meth:`wait_reconciled`).
+        sharing_settings: the ``[sharing]`` settings: ``exclusive`` or ``shared`` (any number
+            of processes, each seeing the others' blocks: README "Sharing a root"); shared
+            roots: files younger than ``min_age_s`` are not swept, a key found in no file is
+            not looked for again for ``negative_ttl_s``, temporary files older than
+            ``tmp_max_age_s`` are abandoned, at most one capacity sweep per
+            ``sweep_interval_s`` (longer where a sweep takes more than a tenth of that).
+        **settings: single ``[file]`` and ``[sharing]`` settings by name (``fsync="none"``,
+            ``sharing="shared"``), over the two sections. Their defaults are the cache's
+            (:mod:`tiercache.settings`).
 
     Raises:
         ConfigError: a bad value (named, with the valid range).
@@ -175,44 +176,28 @@ class RowStore:
             another mode, a root that is not tiercache's, ...).
     """
 
-    def __init__(self, rows, root: str | os.PathLike, *, capacity_bytes: int | None = None,
-                 capacity_blocks: int | None = None, sharing: str = "exclusive", fsync: str = "none",
-                 verify: bool = True, io_engine: str = "auto", io_threads: int = 16, open_files: int = -1,
-                 direct_io: bool = True, check_root_owner: bool = True, min_age_s: float = 30.0,
-                 negative_ttl_s: float = 1.0, tmp_max_age_s: float = 900.0, sweep_interval_s: float = 1.0,
-                 index_checkpoint_s: float = 60.0) -> None:
+    def __init__(self, rows, root: str | os.PathLike, *, capacity_blocks: int | None = None,
+                 file_settings: FileSettings | None = None, sharing_settings: SharingSettings | None = None,
+                 **settings) -> None:
         self.rows = _row_view(rows)
         self.num_rows, self.row_bytes = self.rows.shape
-        _check_choice("sharing", sharing, SHARING_MODES)
-        _check_choice("fsync", fsync, FSYNC_POLICIES)
-        _check_choice("io_engine", io_engine, IO_ENGINES)
-        _check_int("io_threads", io_threads, 1, 256)
-        _check_int("open_files", open_files, -1, 1 << 30)
-        # the ranges of CacheConfig's [file] settings of the same names
-        for name, v, lo, hi in (("min_age_s", min_age_s, 0, 86400), ("negative_ttl_s", negative_ttl_s, 0, 3600),
-                                ("tmp_max_age_s", tmp_max_age_s, 60, 604800),
-                                ("sweep_interval_s", sweep_interval_s, 0, 3600)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-                raise ConfigError(f"{name} = {v!r} must be a number of seconds in [{lo}, {hi}]")
-        for name, v in (("verify", verify), ("direct_io", direct_io), ("check_root_owner", check_root_owner)):
-            if not isinstance(v, bool):
-                raise ConfigError(f"{name} = {v!r} must be true or false")
-        if isinstance(index_checkpoint_s, bool) or not isinstance(index_checkpoint_s, (int, float)) \
-                or not 1 <= index_checkpoint_s <= 86400:
-            raise ConfigError(f"index_checkpoint_s = {index_checkpoint_s!r} must be a number of seconds in [1, 86400]")
+        bad = sorted(set(settings) - _ROWSTORE_KEYS)
+        if bad:
+            raise ConfigError(f"RowStore: unknown setting(s) {', '.join(bad)}; valid: {', '.join(sorted(_ROWSTORE_KEYS))}")
+        got = sections({"file": file_settings, "sharing": sharing_settings}, **settings)
+        fs: FileSettings = got["file"].replace(root=Path(root))
+        ss: SharingSettings = got["sharing"]
+        self.file_settings, self.sharing_settings = fs, ss
         self.root = Path(root)
         self.file_bytes = file_size(self.row_bytes)
-        self.capacity_blocks = self._capacity(capacity_bytes, capacity_blocks)
-        self.shared = sharing == "shared"
-        self.sharing, self.fsync = sharing, fsync
-        self.negative_ttl_s, self.sweep_interval_s = float(negative_ttl_s), float(sweep_interval_s)
+        self.capacity_blocks = self._capacity(fs.capacity_bytes or None, capacity_blocks)
+        self.shared = ss.shared
+        self.sharing, self.fsync = ss.sharing, fs.fsync
+        self.negative_ttl_s, self.sweep_interval_s = float(ss.negative_ttl_s), float(ss.sweep_interval_s)
         self.pool = PoolSpec(POOL, (self.row_bytes,), "uint8")
         # recycled files (exclusive roots) take disk space too: they come out of the capacity
         free_files = 0 if self.shared else min(FREE_FILES, self.capacity_blocks // 16)
-        self.ft = FileTier(self.root, (self.pool,), self.capacity_blocks, IOPath("posix", "host rows"), fsync=fsync,
-                           verify=verify, io_threads=io_threads, direct_io=direct_io,
-                           check_root_owner=check_root_owner, io_engine=io_engine, sharing=sharing,
-                           min_age_s=min_age_s, tmp_max_age_s=tmp_max_age_s, open_files=open_files,
+        self.ft = FileTier((self.pool,), self.capacity_blocks, IOPath("posix", "host rows"), fs, ss,
                            free_files=free_files)
         self.capacity_blocks -= free_files
         self._lock = threading.RLock()
@@ -241,7 +226,7 @@ class RowStore:
         self._bg: threading.Thread | None = None
         #: the root's saved index (``.tiercache-index``): what the open starts from
         self.root_index = RootIndex(self.ft, self.index, self.counters, accepts=lambda k: isinstance(k, bytes))
-        self.root_index.checkpoint_interval_s = float(index_checkpoint_s)
+        self.root_index.checkpoint_interval_s = float(fs.index_checkpoint_s)
         try:
             self.scan = self.root_index.rebuild()
         except BaseException:
@@ -812,11 +797,6 @@ def _row_index(r) -> int:
     if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
         raise SlotRangeError(f"row {r!r} is not an integer")
     return int(r)
-
-
-def _check_choice(name: str, value, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ConfigError(f"{name} = {value!r}; valid: {', '.join(valid)}")
 
 
 def _check_int(name: str, value, lo: int, hi: int, note: str = "") -> None:

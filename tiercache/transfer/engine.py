@@ -41,6 +41,7 @@ from tiercache.transfer.jobs import Job, JobResult
 from tiercache.transfer.ordering import SlotLedger
 from tiercache.transfer.rowcopy import RowCopy
 from tiercache.transfer.transferstats import TransferStats
+from tiercache.settings import TransferSettings
 
 TIER_RANK = {"device": 0, "host": 1, "file": 2}
 
@@ -62,14 +63,11 @@ class TransferEngine:
         tiers: ``{"device": MemoryTier, "host": MemoryTier, "file": FileTier}`` (any subset).
         pools: the pools.
         device_id: CUDA device.
-        streams_per_direction: streams in each direction's pool (>= 1).
+        settings: the ``[transfer]`` settings (:class:`~tiercache.settings.TransferSettings`):
+            streams per direction, the SMs a copy kernel may occupy, the sizes that pick
+            ``cudaMemcpyAsync`` / ``cuMemcpyBatchAsync`` / the bulk and staged paths (see
+            :class:`~tiercache.copypaths.copykernels.CopyLauncher`).
         ordering: order conflicting copies per slot (turn off only to demonstrate hazards).
-        copy_kernel_sms: SMs a copy kernel may occupy (None: all).
-        memcpy_min_bytes: contiguous runs at least this long use ``cudaMemcpyAsync``.
-        batch_min_bytes: other blocks at least this long use ``cuMemcpyBatchAsync``.
-        batch_streams, bulk_shape, bulk_sms, staged_min_run_bytes, carveout_sms,
-        offload_staged_min_run_bytes: see
-            :class:`~tiercache.copypaths.copykernels.CopyLauncher`.
         keep_finished: results kept for :meth:`get_finished` (oldest dropped beyond it).
         record_stats: count every finished job in :attr:`transfer_stats` (blocks, bytes,
             failures and a latency histogram per source, destination and copy path).
@@ -81,10 +79,7 @@ class TransferEngine:
     REAP_ALL_AT = 64
 
     def __init__(self, tiers: dict, pools: tuple[PoolSpec, ...], device_id: int = 0, *,
-                 streams_per_direction: int = 2, ordering: bool = True, copy_kernel_sms: int | None = None,
-                 memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 128 << 10, batch_streams: int = 2,
-                 bulk_shape: str = "large", bulk_sms: int | None = None, staged_min_run_bytes: int = 0,
-                 carveout_sms: int = 0, offload_staged_min_run_bytes: int = 256 << 10,
+                 settings: TransferSettings = TransferSettings(), ordering: bool = True,
                  keep_finished: int = 100_000, record_stats: bool = True) -> None:
         self.tiers = tiers
         self.pools = {p.name: p for p in pools}
@@ -101,18 +96,20 @@ class TransferEngine:
         self.debug_delay_ns = 0  # tests: keep each GPU job's stream busy this long first
         self.debug_file_delay_s = 0.0  # tests: file tasks sleep this long before their I/O
         if self.gpu:
-            self._streams = StreamPool(device_id, max(1, streams_per_direction))
+            t = settings
+            self._streams = StreamPool(device_id, max(1, t.streams_per_direction))
             self._events = EventPool()
             import cupy
 
             with cupy.cuda.Device(device_id):
                 self._after_event = cupy.cuda.Event(disable_timing=True)  # wait_for_stream, run_prepared(after=)
-            self.launcher = CopyLauncher(device_id, max_sms=copy_kernel_sms, memcpy_min_bytes=memcpy_min_bytes,
-                                         batch_min_bytes=batch_min_bytes, batch_streams=batch_streams,
-                                         bulk=bulk_shape != "off", bulk_shape="small" if bulk_shape == "off" else bulk_shape,
-                                         bulk_sms=bulk_sms, staged_min_run_bytes=staged_min_run_bytes,
-                                         carveout_sms=carveout_sms,
-                                         offload_staged_min_run_bytes=offload_staged_min_run_bytes)
+            self.launcher = CopyLauncher(device_id, max_sms=t.copy_kernel_sms, memcpy_min_bytes=t.memcpy_min_bytes,
+                                         batch_min_bytes=t.batch_min_bytes, batch_streams=t.batch_streams,
+                                         bulk=t.bulk_shape != "off",
+                                         bulk_shape="small" if t.bulk_shape == "off" else t.bulk_shape,
+                                         bulk_sms=t.bulk_sms, staged_min_run_bytes=t.staged_min_run_bytes,
+                                         carveout_sms=t.carveout_sms,
+                                         offload_staged_min_run_bytes=t.offload_staged_min_run_bytes)
         else:
             self._streams = self._events = self.launcher = None
 
