@@ -14,7 +14,8 @@ from rich.table import Table
 from tiercache.config import load_config
 from tiercache.cuda import cuda_status
 from tiercache.errors import RootError, TierCacheError
-from tiercache.files import RootDir, index_summary, select_io_path, survey
+from tiercache.files import RootDir, index_summary, select_io_path
+from tiercache.rootops import survey
 
 from .common import DEFAULT_CONFIG, fail, human_bytes, roots_inside
 

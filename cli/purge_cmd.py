@@ -17,26 +17,9 @@ from rich.progress import Progress
 
 from tiercache.errors import InvalidKeyError, RootError
 from tiercache.settings import default
-from tiercache.files import (
-    INDEX,
-    QUARANTINE,
-    DELETE,
-    FileEntry,
-    RootCheck,
-    RootDir,
-    RootLock,
-    RootSurvey,
-    entry_path,
-    gc_paused,
-    is_root,
-    lock_holder,
-    native_status,
-    own_entries,
-    quick_gil_handoff,
-    survey,
-    tmp_abandoned,
-    unlink_all,
-)
+from tiercache.files import INDEX, QUARANTINE, RootDir, RootLock, is_root, lock_holder, native_status, tmp_abandoned
+from tiercache.rootops import (DELETE, FileEntry, RootCheck, RootSurvey, entry_path, gc_paused, own_entries, quick_gil_handoff,
+                               survey, unlink_all)
 from tiercache.geometry import POOL_NAME_RE
 from tiercache.keys import key_from_text
 

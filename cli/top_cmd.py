@@ -53,7 +53,7 @@ def read_root(root: Path) -> tuple[list, float | None]:
     Raises:
         OSError: the root cannot be read. LookupError: no cache has saved stats there.
     """
-    from tiercache.files import survey
+    from tiercache.rootops import survey
     from tiercache.metrics import families
 
     sv = survey(root)

@@ -12,8 +12,8 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import (QUARANTINE, VERIFY, RootCheck, RootDir, RootLock, classify, entry_path, gc_paused,
-                             is_root, lock_holder, native_status, quick_gil_handoff, recheck, survey)
+from tiercache.files import QUARANTINE, RootDir, RootLock, classify, is_root, lock_holder, native_status
+from tiercache.rootops import VERIFY, RootCheck, entry_path, gc_paused, quick_gil_handoff, recheck, survey
 
 from .common import EXIT_FINDING, fail, not_a_root, resolve_root
 

@@ -1,4 +1,4 @@
-"""The parallel checks behind ``tiercache verify`` and ``purge`` (tiercache/files/rootcheck.py):
+"""The parallel checks behind ``tiercache verify`` and ``purge`` (tiercache/rootops/check.py):
 on every I/O engine they say exactly what the one-file-at-a-time checks say, for random damage
 done to random files, and the deletion never goes through a name that stopped being a file."""
 
@@ -13,10 +13,11 @@ from conftest import random_keys
 from helpers import put_random
 
 from tiercache import TierCache
-from tiercache.files import RootDir, entry_path, is_own_block_file, survey, verify_file
-from tiercache.files import rootcheck
+from tiercache.files import RootDir
+from tiercache.rootops import entry_path, is_own_block_file, survey, verify_file
+from tiercache.rootops import check as rootcheck
 from tiercache.files.blockfile import DATA_OFFSET, encode_header
-from tiercache.files.rootcheck import delete_own, own_entries, unlink_all, verify_entries
+from tiercache.rootops.check import delete_own, own_entries, unlink_all, verify_entries
 from tiercache.geometry import PoolSpec
 
 
@@ -284,7 +285,7 @@ def test_gc_paused_and_quick_gil_handoff_put_things_back():
     import gc
     import sys
 
-    from tiercache.files import gc_paused, quick_gil_handoff
+    from tiercache.rootops import gc_paused, quick_gil_handoff
 
     before = sys.getswitchinterval()
     assert gc.isenabled()

@@ -14,7 +14,8 @@ from tiercache.cli import app
 from typer.testing import CliRunner
 
 from tiercache import TierCache
-from tiercache.files import RootCheck, RootDir, recheck, survey
+from tiercache.files import RootDir
+from tiercache.rootops import RootCheck, recheck, survey
 
 
 def _flip(path, offset: int) -> None:

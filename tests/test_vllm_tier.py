@@ -429,7 +429,7 @@ def test_drain_and_shutdown_cut_no_transfer_short(engine, rng):
     root = engine.tier.root
     engine.tier.shutdown()
     assert not names(root, ".tmp.")
-    from tiercache.files import verify_file
+    from tiercache.rootops import verify_file
 
     assert all(verify_file(f) is None for f in files(root, "block_*"))
     engine.m.shutdown = lambda: engine.m.primary_tier.shutdown()  # the tier is already down

@@ -111,14 +111,12 @@ class TierCache:
                                    file_group=block_subdir_index)
         self.engine = TransferEngine(self.tiers, config.pools, config.device_id, settings=config.transfer_settings,
                                      record_stats=config.metrics)
-        self.mover = BlockMover(self.tiers, self.placement, self.engine, config.pools, self.counters)
-        self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters)
-        self.file_index.negative_ttl_s = config.negative_ttl_s
-        self.file_index.sweep_interval_s = config.sweep_interval_s
-        self.file_index.checkpoint_interval_s = config.index_checkpoint_s
-        self.mover.after_file_write = self.file_index.after_write
-        self.mover.after_file_read = self.file_index.after_read
-        self.file_index.make_room = lambda n, protect: self.mover.make_room("file", n, protect)
+        # the index makes room through the mover, the mover tells the index what it wrote and read
+        self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters,
+                                    config.sharing_settings, config.index_checkpoint_s,
+                                    make_room=lambda n, protect: self.mover.make_room("file", n, protect))
+        self.mover = BlockMover(self.tiers, self.placement, self.engine, config.pools, self.counters,
+                                after_file_write=self.file_index.after_write, after_file_read=self.file_index.after_read)
         self._engine_slots = None if device_pools is None else EngineSlots(
             device_pools, blocks_per_host_block, self.tiers, self.placement, self.mover, self.file_index,
             self.engine, self.counters, self._guarded, self._tier_name)

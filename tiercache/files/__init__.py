@@ -9,35 +9,38 @@
 - :mod:`.kvikio_io`: ``CuFile`` reads and writes straight between VRAM and files (GDS or
   kvikio's compat mode);
 - :mod:`.iopath`: which path device blocks take (GDS / compat / POSIX) and why;
-- :mod:`.rootdir`: the root's marker and single-writer lock;
+- :mod:`.rootdir`: the root's marker, single-writer lock, stats file and entry names;
 - :mod:`.sharing`: shared roots: boot-tagged temporary names, abandoned temporaries, published
   blocks;
 - :mod:`.indexfile`: the root's saved index (what an open starts from instead of every header);
-- :mod:`.rootsurvey`: a read-only survey of a root (for ``inspect``, ``verify``, ``purge``);
-- :mod:`.rootcheck`: ``verify`` and ``purge`` of a whole root in native chunks;
 - :mod:`.iothreads`: the I/O threads (reads that wait for nothing go ahead of queued writes);
 - :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, submitting I/O.
 
 Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """
 
-from .batchio import IO_ENGINES, choose_engine, native_status, uring_status
-from .blockfile import DATA_OFFSET, FANOUT, SUBDIRS, block_filename, block_relpath, block_subdir, block_subdir_index, file_size
+from .batchio import (CHECK, DIRECT, HASH, IO_ENGINES, NOT_REGULAR, READ, UNLINK, NativeIO, Ops, choose_engine, native_hash,
+                      native_status, uring_status)
+from .blockfile import (ALIGN, DATA_OFFSET, FANOUT, SUBDIRS, block_filename, block_relpath, block_subdir,
+                        block_subdir_index, checksum, decode_header, file_size, header_checksum, is_temporary_name,
+                        parse_filename,
+                        usual_header_tail)
 from .blockbatch import when_all_settled
 from .file_tier import FileTier, ScanResult
 from .openfiles import FREE_FILES
 from .iopath import IOPath, select_io_path
-from .rootdir import DIR_MODE, INDEX, QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, is_root, lock_holder
+from .rootdir import (DIR_MODE, INDEX, QUARANTINE, STATS, NotRegularFileError, RootDir, RootLock, RootPath, classify,
+                      is_root, lock_holder, write_stats)
 from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
-from .rootsurvey import (STATS, FileEntry, RootSurvey, classify, entry_path, gc_paused, is_own_block_file, survey, verify_file,
-                         write_stats)
-from .rootcheck import DELETE, OWN, VERIFY, Recheck, RootCheck, delete_own, quick_gil_handoff, own_entries, recheck, unlink_all, verify_entries
 
 __all__ = [
-    "DATA_OFFSET", "DIR_MODE", "FANOUT", "FREE_FILES", "FileEntry", "FileTier", "SUBDIRS", "block_relpath",
-    "block_subdir", "block_subdir_index", "entry_path", "when_all_settled", "IOPath", "IO_ENGINES", "choose_engine", "native_status", "uring_status", "NotRegularFileError", "QUARANTINE", "RootDir", "RootLock",
-    "RootPath", "RootSurvey",
-    "INDEX", "STATS", "IndexUnusable", "SavedIndex", "changed_dirs", "dir_times", "index_summary", "load_index", "save_index", "ScanResult", "block_filename", "classify", "file_size", "is_own_block_file", "is_root", "lock_holder",
-    "select_io_path", "survey", "gc_paused", "verify_file", "RootCheck", "quick_gil_handoff", "VERIFY", "OWN", "DELETE", "verify_entries", "own_entries", "delete_own", "Recheck", "recheck", "unlink_all", "write_stats", "BOOT_TAG", "tmp_abandoned", "tmp_name", "tmp_owner",
+    "ALIGN", "BOOT_TAG", "CHECK", "DATA_OFFSET", "DIRECT", "DIR_MODE", "FANOUT", "FREE_FILES", "FileTier", "HASH",
+    "INDEX", "IOPath", "IO_ENGINES", "IndexUnusable", "NOT_REGULAR", "NativeIO", "NotRegularFileError", "Ops",
+    "QUARANTINE", "READ", "RootDir", "RootLock", "RootPath", "STATS", "SUBDIRS", "SavedIndex", "ScanResult", "UNLINK",
+    "block_filename", "block_relpath", "block_subdir", "block_subdir_index", "changed_dirs", "checksum", "choose_engine",
+    "classify", "decode_header", "dir_times", "file_size", "header_checksum", "index_summary", "is_root", "is_temporary_name",
+    "load_index", "lock_holder", "native_hash", "native_status", "parse_filename", "save_index", "select_io_path",
+    "tmp_abandoned", "tmp_name", "tmp_owner", "uring_status", "usual_header_tail", "when_all_settled",
+    "write_stats",
 ]

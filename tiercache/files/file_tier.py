@@ -30,8 +30,8 @@ from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, fil
 from tiercache.files.iopath import IOPath
 from tiercache.files.iothreads import IOThreads
 from tiercache.files.openfiles import FREE_FILES, OpenFiles
-from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, open_root
-from tiercache.files.rootsurvey import classify
+from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, classify, open_root
+
 from tiercache.files.sharing import published, tmp_abandoned, tmp_name, tmp_owner
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text

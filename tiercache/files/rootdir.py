@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 from tiercache.errors import RootError
-from tiercache.files.blockfile import BOOT_TAG, FORMAT_VERSION, SUBDIRS, block_filename, block_subdir
+from tiercache.files.blockfile import (BOOT_TAG, FORMAT_VERSION, SUBDIRS, block_filename, block_subdir,
+                                      is_temporary_name, parse_filename)
 from tiercache.keys import Key
 
 MARKER = ".tiercache-root"
@@ -499,3 +500,28 @@ def lock_holder(root: os.PathLike | str) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+#: a cache's saved stats (``tiercache inspect``, ``tiercache top --root``)
+STATS = ".tiercache-root.stats.json"
+
+
+def classify(name: str) -> str:
+    """``block`` (a canonical block file name), ``temporary`` (one of tiercache's temporary
+    file names), ``own`` (marker, lock, stats, quarantine dir) or ``foreign``. Names only: the
+    callers check that the name is a regular file."""
+    if is_temporary_name(name):
+        return "temporary"
+    if name in (MARKER, LOCK, STATS, QUARANTINE, INDEX):
+        return "own"
+    return "block" if parse_filename(name) is not None else "foreign"
+
+
+def write_stats(root: RootDir, stats: dict) -> None:
+    """Save a cache's ``stats`` (with this pid and the time) as ``<root>/`` :data:`STATS`,
+    atomically; best effort: an OSError leaves the old file."""
+    snap = {**stats, "pid": os.getpid(), "time": time.time()}
+    try:
+        write_atomic(root, STATS, json.dumps(snap).encode())
+    except OSError:
+        pass

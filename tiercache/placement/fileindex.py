@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from tiercache.errors import InvalidKeyError, KeyNotFoundError
 from tiercache.files import FileTier
 from tiercache.keys import Key, key_from_text, key_text
 from tiercache.placement.policy import Placement
 from tiercache.placement.rootindex import RootIndex
+from tiercache.settings import SharingSettings
 
 
 class FileIndex(RootIndex):
@@ -29,17 +31,22 @@ class FileIndex(RootIndex):
         blocks_per_host_block: ``k``, device blocks per host block (positions are bits
             ``0 .. k-1``).
         counters: the cache's counters (``evicted_blocks``, ``quarantined_files``).
+        sharing: the ``[sharing]`` settings (shared roots: ``negative_ttl_s``, ``sweep_interval_s``).
+        checkpoint_interval_s: seconds between saves of the root's index.
+        make_room: frees file-tier slots for blocks found on disk (the mover's ``make_room``).
     """
 
     def __init__(self, file_tier: FileTier | None, placement: Placement, blocks_per_host_block: int,
-                 counters: Counter) -> None:
-        super().__init__(file_tier, None, counters, contains=placement.contains)
+                 counters: Counter, sharing: SharingSettings = SharingSettings(),
+                 checkpoint_interval_s: float = 60.0, make_room: Callable[[int, set], None] | None = None) -> None:
+        super().__init__(file_tier, None, counters, contains=placement.contains, make_room=make_room,
+                         checkpoint_interval_s=checkpoint_interval_s)
         self.placement = placement
         self.k = blocks_per_host_block
         #: shared mode: key -> time.monotonic() until which it is known to be in no file
         self._absent: dict[Key, float] = {}
-        self.negative_ttl_s = 1.0
-        self.sweep_interval_s = 1.0
+        self.negative_ttl_s = sharing.negative_ttl_s
+        self.sweep_interval_s = sharing.sweep_interval_s
         self._last_sweep = 0.0
         #: shared mode: key -> time.monotonic() of this process's last refresh of its use time
         self._touched: dict[Key, float] = {}

@@ -40,16 +40,17 @@ class BlockMover:
     """
 
     def __init__(self, tiers: dict, placement: Placement, engine: TransferEngine, pools: tuple[PoolSpec, ...],
-                 counters: Counter) -> None:
+                 counters: Counter, after_file_write: Callable[[set], None] | None = None,
+                 after_file_read: Callable[[list], None] | None = None) -> None:
         self.tiers = tiers
         self.placement = placement
         self.engine = engine
         self.pools = {p.name: p for p in pools}
         self.counters = counters
         #: called after blocks were written to the file tier (shared roots: the root-wide sweep)
-        self.after_file_write: Callable[[set], None] = lambda keep: None
+        self.after_file_write: Callable[[set], None] = after_file_write or (lambda keep: None)
         #: called with the keys read from the file tier (shared roots: refresh their use time)
-        self.after_file_read: Callable[[list], None] = lambda keys: None
+        self.after_file_read: Callable[[list], None] = after_file_read or (lambda keys: None)
 
     def transfer(self, keys: list[Key], src: str, dst: str, src_rows, dst_rows,
                  src_arrays: dict | None = None, dst_arrays: dict | None = None) -> dict[Key, BaseException]:

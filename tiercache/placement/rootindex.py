@@ -43,10 +43,14 @@ class RootIndex:
             ``dropped_blocks`` are counted.
         contains: whether a key is held already (not to be adopted); default: in ``slots``.
         accepts: which keys this index may hold (a RowStore's: content keys only); default all.
+        make_room: ``make_room(n, protect)`` frees ``n`` slots for adopted blocks, sparing the
+            keys ``protect`` (default: nothing to free).
+        checkpoint_interval_s: seconds between index checkpoints (``[file] index_checkpoint_s``).
     """
 
     def __init__(self, file_tier: FileTier | None, slots: CompactSlots | None, counters: Counter,
-                 contains: Callable[[Key], bool] | None = None, accepts: Callable[[Key], bool] | None = None) -> None:
+                 contains: Callable[[Key], bool] | None = None, accepts: Callable[[Key], bool] | None = None,
+                 make_room: Callable[[int, set], None] | None = None, checkpoint_interval_s: float = 60.0) -> None:
         self.file_tier = file_tier
         self._slots = slots
         self.counters = counters
@@ -54,11 +58,11 @@ class RootIndex:
         self.accepts = accepts or (lambda k: True)
         self.shared = file_tier is not None and file_tier.shared
         #: ``make_room(n, protect)`` frees ``n`` slots (for adopted blocks)
-        self.make_room: Callable[[int, set], None] = lambda n, protect: None
+        self.make_room: Callable[[int, set], None] = make_room or (lambda n, protect: None)
         #: the open's scan (:meth:`rebuild`)
         self.scan: ScanResult | None = None
         #: seconds between index checkpoints (taken at the next call: :meth:`checkpoint`)
-        self.checkpoint_interval_s = 60.0
+        self.checkpoint_interval_s = float(checkpoint_interval_s)
         self.checkpoint_at = float("inf")
         self._reconciling: tuple[threading.Event, dict] | None = None
         self._stop_reconcile = threading.Event()

@@ -225,8 +225,8 @@ class RowStore:
         self._bg_stop = False
         self._bg: threading.Thread | None = None
         #: the root's saved index (``.tiercache-index``): what the open starts from
-        self.root_index = RootIndex(self.ft, self.index, self.counters, accepts=lambda k: isinstance(k, bytes))
-        self.root_index.checkpoint_interval_s = float(fs.index_checkpoint_s)
+        self.root_index = RootIndex(self.ft, self.index, self.counters, accepts=lambda k: isinstance(k, bytes),
+                                    checkpoint_interval_s=fs.index_checkpoint_s)
         try:
             self.scan = self.root_index.rebuild()
         except BaseException:

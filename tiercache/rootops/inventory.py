@@ -20,31 +20,26 @@ from pathlib import Path
 from typing import Callable
 
 from tiercache.errors import CorruptBlockError, RootError
-from tiercache.files.blockfile import (
+from tiercache.files import (
     DATA_OFFSET,
-    SUBDIRS,
-    block_subdir,
-    checksum,
-    decode_header,
-    file_size,
-    is_temporary_name,
-    parse_filename,
-)
-from tiercache.files.rootdir import (
-    INDEX,
-    LOCK,
-    MARKER,
     QUARANTINE,
+    STATS,
+    SUBDIRS,
     NotRegularFileError,
     RootDir,
     RootPath,
+    block_subdir,
+    checksum,
+    classify,
+    decode_header,
+    file_size,
     is_root,
     lock_holder,
-    write_atomic,
+    is_temporary_name,
+    parse_filename,
 )
 from tiercache.keys import Key
 
-STATS = ".tiercache-root.stats.json"
 
 
 @dataclass(slots=True)
@@ -109,17 +104,6 @@ class RootSurvey:
             "pools": self.by_pool(), "temporary": total(self.temporary), "quarantined": total(self.quarantined),
             "foreign": [e.relpath for e in self.foreign], "problems": self.problems, "live_stats": self.stats,
         }
-
-
-def classify(name: str) -> str:
-    """``block`` (a canonical block file name), ``temporary`` (one of tiercache's temporary
-    file names), ``own`` (marker, lock, stats, quarantine dir) or ``foreign``. Names only: the
-    callers check that the name is a regular file."""
-    if is_temporary_name(name):
-        return "temporary"
-    if name in (MARKER, LOCK, STATS, QUARANTINE, INDEX):
-        return "own"
-    return "block" if parse_filename(name) is not None else "foreign"
 
 
 def _entries(d: RootDir, stat_blocks: bool = True) -> list[tuple[os.DirEntry, bool, int, float]]:
@@ -196,7 +180,7 @@ def survey(root: Path, sizes: bool = True, subdirs: bool = True,
             only (``inspect`` of a root of millions, whose blocks its saved index counts).
         on_blocks: called with the block files of the root itself and then of each
             subdirectory as soon as that directory is listed (``verify`` and ``purge`` start
-            checking them while the next one is listed: :class:`~tiercache.files.rootcheck.RootCheck`).
+            checking them while the next one is listed: :class:`~tiercache.rootops.check.RootCheck`).
 
     Raises:
         NotADirectoryError: no such directory.
@@ -308,13 +292,3 @@ def is_own_block_file(path: RootPath) -> bool:
     finally:
         os.close(fd)
     return (header.key, header.pool) == parsed
-
-
-def write_stats(root: RootDir, stats: dict) -> None:
-    """Save a cache's ``stats`` (with this pid and the time) as ``<root>/`` :data:`STATS`,
-    atomically; best effort: an OSError leaves the old file."""
-    snap = {**stats, "pid": os.getpid(), "time": time.time()}
-    try:
-        write_atomic(root, STATS, json.dumps(snap).encode())
-    except OSError:
-        pass

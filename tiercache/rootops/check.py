@@ -1,6 +1,6 @@
 """Checking a root's block files at the disk's speed: what ``tiercache verify`` and ``purge`` run.
 
-A block file is checked against itself (:func:`~tiercache.files.rootsurvey.verify_file` says
+A block file is checked against itself (:func:`~tiercache.rootops.inventory.verify_file` says
 what that means: a regular file, its header naming its key and pool, its exact size, the
 XXH3-64 of its data). Checking them one Python call at a time stops far below the disk for
 small blocks (measured in docs/performance.md, "Opening a root of a million blocks"), so here
@@ -33,12 +33,11 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from tiercache.errors import ConfigError, CorruptBlockError
-from tiercache.files.batchio import CHECK, DIRECT, HASH, NOT_REGULAR, READ, UNLINK, NativeIO, Ops, choose_engine, native_hash
-from tiercache.files.blockfile import (ALIGN, DATA_OFFSET, checksum, decode_header, file_size, header_checksum,
-                                       usual_header_tail)
-from tiercache.files.rootdir import RootDir, RootPath
-from tiercache.files.rootsurvey import FileEntry, entry_path, is_own_block_file, verify_file
+from tiercache.files import (ALIGN, CHECK, DATA_OFFSET, DIRECT, HASH, NOT_REGULAR, READ, UNLINK, NativeIO, Ops, RootDir,
+                             RootPath, checksum, choose_engine, decode_header, file_size, header_checksum, native_hash,
+                             usual_header_tail)
 from tiercache.geometry import PoolSpec
+from tiercache.rootops.inventory import FileEntry, entry_path, is_own_block_file, verify_file
 
 #: files of each pool checked in Python before the rest (its geometry learnt from the first
 #: of them whose header decodes)
@@ -316,7 +315,7 @@ class RootCheck:
 
     def add(self, entries: list[FileEntry]) -> None:
         """Queue ``entries`` (block files of the root, from
-        :func:`~tiercache.files.rootsurvey.survey`)."""
+        :func:`~tiercache.rootops.inventory.survey`)."""
         native = [e for e in entries if e.key is not None] if self._checker is not None else []
         rest = [e for e in entries if e.key is None] if self._checker is not None else entries
         for start in range(0, len(rest), CHUNK_FILES):  # spread over the threads, as the chunks are
@@ -408,7 +407,7 @@ class RootCheck:
 def verify_entries(rd: RootDir, entries: list[FileEntry], threads: int = 8,
                    on_done: Callable[[int], None] | None = None,
                    io_engine: str = "auto") -> list[tuple[FileEntry, str]]:
-    """Check the block files ``entries`` (from :func:`~tiercache.files.rootsurvey.survey` of
+    """Check the block files ``entries`` (from :func:`~tiercache.rootops.inventory.survey` of
     ``rd``'s root) on ``threads`` threads; returns ``(entry, problem)`` for each bad one
     (:class:`RootCheck`, ``verify``). A file that changed since the survey (its size) is
     checked as it is now.
