@@ -1,5 +1,5 @@
 """TierCacheTier through vLLM's own tiering code (CPU; CI runs this file against vLLM 0.33 and
-again against 0.26's sources: README, "Tests").
+again against 0.26's sources: README, "Quick start").
 
 vLLM's real spec factory loads ``TierCacheTieringSpec`` (or ``TieringOffloadingSpec`` with the
 tier's ``module_path``) and builds its real
@@ -270,7 +270,7 @@ def test_corrupt_file_fails_that_chunk_only_and_is_quarantined(engine, rng):
 
 @pytest.mark.parametrize("engine", [{"open_files": 0}], indirect=True)
 def test_file_deleted_behind_its_back_fails_that_chunk(engine, rng):
-    """(With held descriptors the tier's root is its own: README "Open files and recycled
+    """(With held descriptors the tier's root is its own: docs/io-engines.md "Open files and recycled
     files"; without them every load looks at the name.)"""
     keys = H.new_keys(rng, 3)
     engine.store(keys)

@@ -24,7 +24,7 @@ library's ``tomllib``)::
     sharing = "exclusive"          # exclusive (one process) | shared (many processes, content keys)
     min_age_s = 30.0               # shared: files younger than this are not evicted by policy
 
-    [metrics]                      # Prometheus metrics (tiercache.metrics, README "Metrics")
+    [metrics]                      # Prometheus metrics (tiercache.metrics, docs/metrics.md)
     enabled = true                 # count transfers (latency histograms) and export them
     name = ""                      # the cache label (default: "tiercache", then "tiercache-2", ...)
     registry = "default"           # default: prometheus_client's REGISTRY when installed | none

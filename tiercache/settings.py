@@ -186,7 +186,7 @@ class SharingSettings(_Section):
 
     SECTION = "sharing"
     sharing: str = _s("exclusive", "exclusive (one process opens the root; any keys) or shared (any number of "
-                      "processes at once; content keys; README, Sharing a root)", choices=SHARING_MODES)
+                      "processes at once; content keys; docs/sharing.md)", choices=SHARING_MODES)
     min_age_s: float = _s(30.0, "shared: block files younger than this are not evicted by policy", lo=0,
                           hi=86400, kind="seconds")
     negative_ttl_s: float = _s(1.0, "shared: a key found in no file is not looked for on disk again this long",
@@ -307,14 +307,31 @@ def default(section: str, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
 
 
-def reference() -> str:
+#: the example configuration shown in the reference (the repository's; absent from an installed package)
+DEFAULT_TOML = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+
+
+def reference(default_toml: str | None = None) -> str:
     """The configuration reference (Markdown): per section, each setting's default, range and
-    meaning; docs/configuration.md holds this text."""
-    lines = ["# Configuration reference", "",
+    meaning, after ``default_toml`` (the text of ``configs/default.toml``, read from
+    :data:`DEFAULT_TOML` when None and present); docs/configuration.md holds this text."""
+    if default_toml is None and DEFAULT_TOML.is_file():
+        default_toml = DEFAULT_TOML.read_text()
+    lines = ["# Configuration", "",
              "Generated from `tiercache/settings.py` (`python -m tiercache.settings > docs/configuration.md`); a test",
-             "fails when the two differ. Sections are TOML tables (`configs/default.toml`); every setting is also",
-             "a keyword of `CacheConfig` (the `[metrics]` ones as `metrics`, `metrics_name`, `metrics_registry`,",
-             "`metrics_snapshot_s`). Ranges include both ends.", ""]
+             "fails when the two differ.", "",
+             "A configuration is a TOML file (`TierCache.open(\"my.toml\")`, `--config` on the command line), parsed",
+             "with `tomllib` and validated: an unknown key or a bad value is one `ConfigError` naming it and what is",
+             "valid. Each section below is one frozen dataclass of `tiercache/settings.py` (`TierSettings`,",
+             "`FileSettings`, `SharingSettings`, `TransferSettings`, `MetricsSettings`, `DeviceSettings`), where the",
+             "setting's default, range and meaning are defined once; `CacheConfig`, `FileTier`, `TransferEngine`,",
+             "`RowStore` and the vLLM tier take the sections whole. Every setting is also a keyword of `CacheConfig`",
+             "(the `[metrics]` ones as `metrics`, `metrics_name`, `metrics_registry`, `metrics_snapshot_s`). The",
+             "`[sharing]` keys are also read in `[file]`, where they were before that section. Ranges include both",
+             "ends.", ""]
+    if default_toml:
+        lines += ["`configs/default.toml`, the configuration `tiercache bench` runs by default:", "", "```toml",
+                  default_toml.rstrip("\n"), "```", ""]
     for section, cls in SECTIONS.items():
         desc = (cls.__doc__ or "").split(":", 1)[-1].strip()
         lines += [f"## [{section}]", "", desc[:1].upper() + desc[1:], "",

@@ -8,7 +8,7 @@ lock when that process dies (even by SIGKILL), so a crash never leaves a root lo
 processes (ranks) work side by side in separate roots, for example ``root/rank0``,
 ``root/rank1``.
 
-The trust model (README, "The file tier on disk"): the root's *path* is named by the operator
+The trust model (docs/sharing.md, "Trust model"): the root's *path* is named by the operator
 and trusted; what is *inside* the root is not. A :class:`RootDir` holds a directory descriptor
 of the root, and every operation on its contents (open, create, rename, unlink, stat, listing,
 the ``quarantine/`` folder) goes through that descriptor (``openat``-style ``dir_fd``) with

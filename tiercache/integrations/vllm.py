@@ -45,7 +45,7 @@ key                    default                     meaning
 ``sharing``            ``"exclusive"``             ``"shared"``: several vLLM instances (or
                                                    processes) on one root
 ``fsync``              ``"data"``                  ``"none"`` / ``"data+dir"``: durable before
-                                                   a store is reported (README, fsync policies)
+                                                   a store is reported (docs/file-format.md)
 ``verify``             ``true``                    check each load's XXH3-64
 ``io_engine``          ``"auto"``                  ``io_uring`` | ``threads`` | ``python``
 ``io_threads``         8                           I/O threads

@@ -160,7 +160,7 @@ class RowStore:
             of the root's index, what the next open starts from; also saved at close; the open
             reconciles it with the directory in the background, :meth:`wait_reconciled`).
         sharing_settings: the ``[sharing]`` settings: ``exclusive`` or ``shared`` (any number
-            of processes, each seeing the others' blocks: README "Sharing a root"); shared
+            of processes, each seeing the others' blocks: docs/sharing.md); shared
             roots: files younger than ``min_age_s`` are not swept, a key found in no file is
             not looked for again for ``negative_ttl_s``, temporary files older than
             ``tmp_max_age_s`` are abandoned, at most one capacity sweep per
