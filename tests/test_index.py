@@ -146,7 +146,7 @@ def test_temporary_files_older_than_a_checkpoint_are_removed_after_a_crash(saved
 
 # -- RowStore (the engines' storage tier) opens from the same index --------------------------------
 def _rowstore_root(tmp_path, rng, n=24, row_bytes=8192):
-    from tiercache.serving.rowstore import RowStore
+    from tiercache import RowStore
 
     rows = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
     keys = [rng.bytes(16) for _ in range(n)]
@@ -159,7 +159,7 @@ def _rowstore_root(tmp_path, rng, n=24, row_bytes=8192):
 
 def test_rowstore_opens_from_the_index_and_reconciles_changes(tmp_path, rng, monkeypatch):
     from tiercache.files import FileTier
-    from tiercache.serving.rowstore import RowStore
+    from tiercache import RowStore
 
     root, rows, keys = _rowstore_root(tmp_path, rng)
     assert (root / INDEX).is_file()
@@ -181,7 +181,7 @@ def test_rowstore_opens_from_the_index_and_reconciles_changes(tmp_path, rng, mon
 
 
 def test_rowstore_after_a_lost_index_rebuilds_from_the_directory(tmp_path, rng, caplog):
-    from tiercache.serving.rowstore import RowStore
+    from tiercache import RowStore
 
     root, rows, keys = _rowstore_root(tmp_path, rng)
     (root / INDEX).write_bytes(rng.bytes(100))
@@ -230,7 +230,7 @@ def test_rowstore_default_capacity_counts_the_blocks_already_there(tmp_path, rng
     (the blocks live in subdirectories, not at the root's top)."""
     import shutil
 
-    from tiercache.serving.rowstore import RowStore
+    from tiercache import RowStore
 
     n, row_bytes = 56, 8192
     rows = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from helpers import put_random
 from tiercache import ConfigError, RootError, TierCache
 from tiercache.cli import app
-from tiercache.serving.rowstore import RowStore
+from tiercache import RowStore
 
 
 def test_file_slots_beyond_this_machines_memory_are_one_clear_error(make_config):

@@ -125,7 +125,7 @@ def test_a_malformed_url_is_one_line():
 
 
 def test_rowstore_refuses_keys_that_are_not_a_sequence(tmp_path):
-    from tiercache.serving.rowstore import RowStore
+    from tiercache import RowStore
 
     rows = np.zeros((4, 4096), np.uint8)
     with RowStore(rows, tmp_path / "rows", capacity_blocks=16) as st:

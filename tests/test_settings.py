@@ -13,7 +13,7 @@ import pytest
 
 from tiercache import CacheConfig, ConfigError, PoolSpec
 from tiercache.config import config_from_dict
-from tiercache.serving import RowStore
+from tiercache import RowStore
 from tiercache.settings import (
     SECTIONS,
     FileSettings,

@@ -216,7 +216,7 @@ def test_reopened_root_serves_what_an_earlier_instance_stored(tmp_path, rng):
 def test_state_of_a_key_that_is_not_a_content_key_is_absent(engine, rng):
     """RowStore.state answers ABSENT, without raising or probing, for anything that is not a
     content key (1..64 bytes), on either kind of root; a stored key is still PRESENT."""
-    from tiercache.serving import KeyState
+    from tiercache import KeyState
 
     keys = H.new_keys(rng, 2)
     engine.store(keys)

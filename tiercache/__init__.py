@@ -38,6 +38,7 @@ from tiercache.errors import (
     UnknownPoolError,
 )
 from tiercache.geometry import PoolSpec
+from tiercache.rowstore import KeyState, RowJobResult, RowStore
 from tiercache.serving import DevicePools
 from tiercache.transfer import sm_carveout
 
@@ -47,6 +48,9 @@ __all__ = [
     "TierCache",
     "AsyncTierCache",
     "DevicePools",
+    "RowStore",
+    "RowJobResult",
+    "KeyState",
     "CacheConfig",
     "PoolSpec",
     "load_config",

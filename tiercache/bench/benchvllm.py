@@ -73,7 +73,7 @@ def _tier(v, system: str, directory: Path, view: memoryview, spec, chunks: int, 
     if system == "fs":
         conf = {"type": "fs", "root_dir": str(directory), "n_read_threads": 16, "n_write_threads": 16}
     else:
-        from tiercache.serving import RowStore
+        from tiercache import RowStore
 
         conf = {"type": "TierCacheTier", "module_path": "tiercache.integrations.vllm", "root": str(directory),
                 "capacity_blocks": RowStore.blocks_for(chunks), "io_threads": io_threads,

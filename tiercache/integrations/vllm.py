@@ -21,7 +21,7 @@ Each chunk of the primary tier (one row of its buffer, every layer of the chunk)
 tiercache block file, ``block_x<OffloadKey hex>_pool_kv.bin``: the 4 KiB header (key,
 geometry, XXH3-64 of the data), the row's bytes, atomic publication. Rows go to files and back
 without a copy, O_DIRECT (the primary buffer is page-aligned), on tiercache's native I/O
-engine (:class:`~tiercache.serving.RowStore` does the work; this module is vLLM's face of it).
+engine (:class:`~tiercache.RowStore` does the work; this module is vLLM's face of it).
 
 The files of one model and parallel layout live in their own tiercache root,
 ``<root>/<model>_<digest>_r<rank>`` (vLLM's own ``FileMapper`` names it, as for its ``fs`` tier:
@@ -108,7 +108,7 @@ from tiercache.integrations import vllmcompat as compat
 from tiercache.integrations.vllmcompat import SecondaryTierManager, TransferJob
 
 from tiercache.errors import ConfigError, TierCacheError
-from tiercache.serving import KeyState, RowStore
+from tiercache import KeyState, RowStore
 from tiercache.settings import default as settings_default
 from tiercache.settings import sections
 

@@ -1,6 +1,6 @@
 """The saved index of a root's file slots: what an open starts from, kept true to the directory.
 
-A cache's file tier and a :class:`~tiercache.serving.rowstore.RowStore` (the engines' storage
+A cache's file tier and a :class:`~tiercache.RowStore` (the engines' storage
 tier) both hold their block files' keys in a :class:`~tiercache.placement.compactslots.CompactSlots`.
 :class:`RootIndex` fills it at open from ``<root>/.tiercache-index``
 (:mod:`tiercache.files.indexfile`) without reading a header, or from a scan of every file where

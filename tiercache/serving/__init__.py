@@ -8,10 +8,10 @@
 - :mod:`.prepared`: :class:`PreparedOnboard`: an onboard planned once (keys checked, host
   blocks pinned, copy plan built) and launched many times;
 - :mod:`.engineslots`: :class:`EngineSlots`: ``offload_slots`` / ``onboard_slots`` by block id,
-  the part of :class:`~tiercache.TierCache` that works on the engine's tensors;
-- :mod:`.rowstore`: :class:`RowStore`: rows of an engine's own host KV buffer <-> block files,
-  asynchronous store and load jobs by content key (the core of the serving-engine tiers in
-  :mod:`tiercache.integrations`).
+  the part of :class:`~tiercache.TierCache` that works on the engine's tensors.
+
+(Rows of an engine's host KV buffer <-> block files: :class:`tiercache.RowStore`, the second
+facade beside :class:`~tiercache.TierCache`.)
 
 Depends on :mod:`tiercache.placement`, :mod:`tiercache.transfer`, :mod:`tiercache.files`,
 :mod:`tiercache.memory`.
@@ -21,9 +21,7 @@ from .devicepools import DevicePools, LayerPart
 from .engineslots import EngineSlots
 from .layerwise import OnboardHandle
 from .prepared import PreparedOnboard
-from .rowstore import KeyState, RowJobResult, RowStore
 
 __all__ = [
-    "DevicePools", "EngineSlots", "KeyState", "LayerPart", "OnboardHandle", "PreparedOnboard", "RowJobResult",
-    "RowStore",
+    "DevicePools", "EngineSlots", "LayerPart", "OnboardHandle", "PreparedOnboard",
 ]
