@@ -1,4 +1,4 @@
-"""``tiercache bench --job scale``: a small root through every phase, the report's numbers
+"""``tiercache bench scale``: a small root through every phase, the report's numbers
 consistent with what was done (CPU; fio where installed)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tiercache.errors import ConfigError
 
 
 def test_scale_job_from_the_cli(tmp_path):
-    res = CliRunner().invoke(app, ["bench", "--job", "scale", "--blocks", "700", "--root", str(tmp_path),
+    res = CliRunner().invoke(app, ["bench", "scale", "--blocks", "700", "--root", str(tmp_path),
                                    "--no-baseline", "--output-format", "json", "--seed", "5"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)

@@ -1,4 +1,4 @@
-"""``tiercache bench --job vllm-serve``.
+"""``tiercache bench vllm-serve``.
 
 On the CPU, its orchestration (engine processes per mode, the shared pair, restart, the kill,
 the report) over a stand-in for vLLM's offline API (tests/fake_vllm). On a GPU with vLLM, the

@@ -134,7 +134,7 @@ def test_bench_fails_on_bad_bytes(small_config, monkeypatch):
 
 
 def test_file_bench_json(small_config):
-    res = CliRunner().invoke(app, ["bench", "--job", "file", "--config", str(small_config), "--blocks", "8",
+    res = CliRunner().invoke(app, ["bench", "file", "--config", str(small_config), "--blocks", "8",
                                    "--output-format", "json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
@@ -148,7 +148,7 @@ def test_file_bench_json(small_config):
 
 
 def test_file_bench_repeat_takes_medians(small_config):
-    res = CliRunner().invoke(app, ["bench", "--job", "file", "--config", str(small_config), "--blocks", "4",
+    res = CliRunner().invoke(app, ["bench", "file", "--config", str(small_config), "--blocks", "4",
                                    "--repeat", "3", "--output-format", "json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
@@ -246,3 +246,23 @@ def test_hf_median_pass_keeps_the_worst_token_comparison():
     assert rec["decode_tok_s_passes"] == [30.0, 10.0, 20.0]
     assert (rec["identical"], rec["first_divergence"], rec["max_logit_diff"]) == (False, 4, 0.25)
     assert recs[2]["first_divergence"] == 4 and "decode_tok_s_passes" not in recs[2]  # inputs untouched
+
+
+def test_bench_is_a_command_group_each_job_with_its_own_options():
+    """`tiercache bench JOB --help` lists that job's options only; a job's option given to
+    another job is a usage error (exit 2, one line); `bench fio` without a job is one too."""
+    runner = CliRunner()
+    jobs = ["main", "fio", "copy", "file", "layerwise", "metrics", "shared", "vllm-tier", "vllm-serve", "scale", "hf"]
+    top = runner.invoke(app, ["bench", "--help"], terminal_width=200)
+    assert top.exit_code == 0 and all(j in top.output for j in jobs)
+    own = {"fio": "--iodepth", "vllm-serve": "--prefix-tokens", "hf": "--ring-layers", "shared": "--procs"}
+    for job, opt in own.items():
+        text = runner.invoke(app, ["bench", job, "--help"], terminal_width=200).output
+        assert opt in text, (job, opt)
+        for other, other_opt in own.items():
+            if other != job:
+                assert other_opt not in text, (job, other_opt)
+    res = runner.invoke(app, ["bench", "copy", "--procs", "3"])
+    assert res.exit_code == 2 and "No such option" in res.output and len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(app, ["bench", "fio"])
+    assert res.exit_code == 2 and "give job files or at least one job option" in res.output

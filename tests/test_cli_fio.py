@@ -43,7 +43,7 @@ def check_record(rec: dict, op: str, blocks: int, bs: int) -> None:
 
 def test_write_then_json_adds_up(root_args):
     t = time.perf_counter()
-    res = runner.invoke(app, ["bench", "--rw", "randwrite", "--bs", "64k", "--nblocks", "40", "--iodepth", "8",
+    res = runner.invoke(app, ["bench", "fio", "--rw", "randwrite", "--bs", "64k", "--nblocks", "40", "--iodepth", "8",
                               "--tiers", "host:file", "--output-format", "json", *root_args])
     wall = time.perf_counter() - t
     assert res.exit_code == 0, res.output
@@ -64,7 +64,7 @@ def test_separate_timing_agrees(root_args, tmp_path):
     from tiercache import PoolSpec
     from tiercache.files import FileTier, IOPath
 
-    res = runner.invoke(app, ["bench", "--rw", "write", "--bs", "256k", "--nblocks", "64", "--iodepth", "32",
+    res = runner.invoke(app, ["bench", "fio", "--rw", "write", "--bs", "256k", "--nblocks", "64", "--iodepth", "32",
                               "--iodepth_batch", "32", "--no-baseline", "--tiers", "host:file", "--output-format", "json",
                               *root_args])
     assert res.exit_code == 0, res.output
@@ -80,7 +80,7 @@ def test_separate_timing_agrees(root_args, tmp_path):
 
 
 def test_read_and_mixed(root_args):
-    res = runner.invoke(app, ["bench", "--rw", "randrw", "--bs", "16k", "--nblocks", "64", "--iodepth", "4",
+    res = runner.invoke(app, ["bench", "fio", "--rw", "randrw", "--bs", "16k", "--nblocks", "64", "--iodepth", "4",
                               "--numjobs", "2", "--tiers", "host:file", "--output-format", "json", *root_args])
     assert res.exit_code == 0, res.output
     (rec,) = json.loads(res.stdout)["jobs"]
@@ -90,7 +90,7 @@ def test_read_and_mixed(root_args):
 
 
 def test_time_based(root_args):
-    res = runner.invoke(app, ["bench", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--iodepth", "4",
+    res = runner.invoke(app, ["bench", "fio", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--iodepth", "4",
                               "--runtime", "0.5", "--time_based", "--tiers", "host:file", "--no-baseline",
                               "--output-format", "json", *root_args])
     assert res.exit_code == 0, res.output
@@ -103,14 +103,14 @@ def test_job_files_ini_and_toml(tmp_path, root_args):
     ini.write_text("[global]\ntiers=host:file\nbs=32k\nnblocks=16\niodepth=4\n\n[w]\nrw=write\n\n[r]\nrw=randread\n")
     toml = tmp_path / "one.toml"
     toml.write_text('[global]\ntiers = "host:file"\nbs = "32k"\n[jobs.t]\nrw = "read"\nnblocks = 8\n')
-    res = runner.invoke(app, ["bench", str(ini), str(toml), "--output-format", "json", *root_args])
+    res = runner.invoke(app, ["bench", "fio", str(ini), str(toml), "--output-format", "json", *root_args])
     assert res.exit_code == 0, res.output
     jobs = json.loads(res.stdout)["jobs"]
     assert [j["jobname"] for j in jobs] == ["w", "r", "t"]
     check_record(jobs[0], "write", 16, 32768)
     check_record(jobs[1], "read", 16, 32768)
     check_record(jobs[2], "read", 8, 32768)
-    res = runner.invoke(app, ["bench", str(ini), *root_args])  # normal output reads like fio
+    res = runner.invoke(app, ["bench", "fio", str(ini), *root_args])  # normal output reads like fio
     assert res.exit_code == 0
     assert "w: (g=0): rw=write, bs=32KiB" in res.output and "IOPS=" in res.output and "clat percentiles (usec)" in res.output
     assert "tiercache/baseline =" in res.output
@@ -127,7 +127,7 @@ def test_shipped_job_files_parse():
 
 
 def test_shipped_job_file_runs(root_args):
-    res = runner.invoke(app, ["bench", str(CONFIGS / "jobs" / "randread-4k-aligned.ini"), "--size", "2m",
+    res = runner.invoke(app, ["bench", "fio", str(CONFIGS / "jobs" / "randread-4k-aligned.ini"), "--size", "2m",
                               "--output-format", "json", *root_args])
     assert res.exit_code == 0, res.output
     assert [j["jobname"] for j in json.loads(res.stdout)["jobs"]] == ["randread-64k", "randread-2m"]
@@ -143,7 +143,7 @@ def test_shipped_job_file_runs(root_args):
     (["/nonexistent/jobs.ini"], "does not exist"),
 ])
 def test_fio_usage_errors(args, fragment, root_args):
-    res = runner.invoke(app, ["bench", *args, *root_args])
+    res = runner.invoke(app, ["bench", "fio", *args, *root_args])
     assert res.exit_code == 2, res.output
     assert fragment in res.output and "Traceback" not in res.output
 
@@ -157,19 +157,19 @@ def test_bad_job_files(tmp_path, root_args):
     for name, (text, fragment) in cases.items():
         p = tmp_path / name
         p.write_text(text)
-        res = runner.invoke(app, ["bench", str(p), *root_args])
+        res = runner.invoke(app, ["bench", "fio", str(p), *root_args])
         assert res.exit_code == 2 and fragment in res.output, (name, res.output)
 
 
 @pytest.mark.skipif(cuda_status().available, reason="checks the no-GPU error")
 def test_device_tiers_without_gpu(root_args):
-    res = runner.invoke(app, ["bench", "--rw", "read", "--tiers", "device:host", *root_args])
+    res = runner.invoke(app, ["bench", "fio", "--rw", "read", "--tiers", "device:host", *root_args])
     assert res.exit_code == 2 and "needs a GPU" in res.output
 
 
 def test_plot(tmp_path, root_args):
     out = tmp_path / "p.png"
-    res = runner.invoke(app, ["bench", "--rw", "write", "--bs", "16k", "--nblocks", "8", "--tiers", "host:file",
+    res = runner.invoke(app, ["bench", "fio", "--rw", "write", "--bs", "16k", "--nblocks", "8", "--tiers", "host:file",
                               "--plot", str(out), *root_args])
     try:
         import matplotlib  # noqa: F401
@@ -181,7 +181,7 @@ def test_plot(tmp_path, root_args):
 
 
 def test_fio_subprocess(root_args):
-    res = subprocess.run([sys.executable, "-m", "tiercache.cli.app", "bench", "--rw", "read", "--bs", "16k",
+    res = subprocess.run([sys.executable, "-m", "tiercache.cli.app", "bench", "fio", "--rw", "read", "--bs", "16k",
                           "--nblocks", "8", "--tiers", "host:file", "--output-format", "json", *root_args],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
@@ -196,7 +196,7 @@ needs_fio = pytest.mark.skipif(__import__("shutil").which("fio") is None, reason
 def test_fio_is_the_baseline_on_the_same_directory(root_args, rw):
     """With fio installed, a file job is compared with fio running the same job (same bs,
     iodepth, bytes, direct) on the same directory; writes also durably (fdatasync=1)."""
-    res = runner.invoke(app, ["bench", "--rw", rw, "--bs", "16k", "--nblocks", "64", "--iodepth", "8",
+    res = runner.invoke(app, ["bench", "fio", "--rw", rw, "--bs", "16k", "--nblocks", "64", "--iodepth", "8",
                               "--tiers", "host:file", "--baseline", "fio", "--output-format", "json", *root_args])
     assert res.exit_code == 0, res.output
     (rec,) = json.loads(res.stdout)["jobs"]
@@ -211,24 +211,24 @@ def test_fio_is_the_baseline_on_the_same_directory(root_args, rw):
     assert ("baseline_durable" in tc) == (op == "write")
     if op == "write":
         assert "fdatasync=1" in tc["baseline_durable"]["method"]
-    text = runner.invoke(app, ["bench", "--rw", rw, "--bs", "16k", "--nblocks", "16", "--iodepth", "4",
+    text = runner.invoke(app, ["bench", "fio", "--rw", rw, "--bs", "16k", "--nblocks", "16", "--iodepth", "4",
                                "--tiers", "host:file", *root_args]).output
     assert "baseline (fio" in text and "clat p50/p99 (usec): fio" in text
 
 
 def test_without_fio_auto_is_naive_and_fio_is_a_clear_error(root_args, monkeypatch, tmp_path):
     monkeypatch.setenv("TIERCACHE_FIO", str(tmp_path / "no-fio-here"))
-    res = runner.invoke(app, ["bench", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--iodepth", "4",
+    res = runner.invoke(app, ["bench", "fio", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--iodepth", "4",
                               "--tiers", "host:file", "--output-format", "json", *root_args])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["jobs"][0]["tiercache"]["baseline"]["method"].startswith("pread/pwrite")
-    res = runner.invoke(app, ["bench", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--tiers", "host:file",
+    res = runner.invoke(app, ["bench", "fio", "--rw", "read", "--bs", "16k", "--nblocks", "8", "--tiers", "host:file",
                               "--baseline", "fio", *root_args])
     assert res.exit_code == 2 and "fio is not installed" in res.output
 
 
 def test_repeat_reports_the_median_of_alternated_passes(root_args):
-    res = runner.invoke(app, ["bench", "--rw", "randread", "--bs", "16k", "--nblocks", "16", "--iodepth", "4",
+    res = runner.invoke(app, ["bench", "fio", "--rw", "randread", "--bs", "16k", "--nblocks", "16", "--iodepth", "4",
                               "--tiers", "host:file", "--baseline", "naive", "--repeat", "3", "--output-format", "json",
                               *root_args])
     assert res.exit_code == 0, res.output

@@ -233,7 +233,7 @@ def test_bench_hf_job_needs_a_gpu(tmp_path):
 
     from tiercache.cli import app
 
-    res = CliRunner().invoke(app, ["bench", "--job", "hf", "--root", str(tmp_path)])
+    res = CliRunner().invoke(app, ["bench", "hf", "--root", str(tmp_path)])
     assert res.exit_code != 0 and "needs a CUDA GPU" in res.output
 
 

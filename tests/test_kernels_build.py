@@ -40,7 +40,7 @@ def test_copy_bench_without_gpu_is_a_clean_error(monkeypatch):
     monkeypatch.setenv("TIERCACHE_DISABLE_CUDA", "1")
     cuda.cuda_status.cache_clear()
     try:
-        res = CliRunner().invoke(app, ["bench", "--job", "copy"])
+        res = CliRunner().invoke(app, ["bench", "copy"])
     finally:
         cuda.cuda_status.cache_clear()
     assert res.exit_code == 2 and "needs a GPU" in res.output and "Traceback" not in res.output

@@ -428,7 +428,7 @@ def test_metrics_bench_job(tmp_path):
 
     from tiercache.cli import app
 
-    res = CliRunner().invoke(app, ["bench", "--job", "metrics", "--quick", "--blocks", "24", "--batch", "4",
+    res = CliRunner().invoke(app, ["bench", "metrics", "--quick", "--blocks", "24", "--batch", "4",
                                    "--root", str(tmp_path), "--output-format", "json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)

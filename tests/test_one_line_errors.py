@@ -107,7 +107,7 @@ def test_verify_quarantine_with_an_unreadable_quarantine_is_one_line(root, rng):
 def test_files_that_are_not_utf8_are_one_config_error(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_bytes(b"\xff\xfe[global]\nrw=read\n")
-    for args in (["inspect", "--config", str(bad)], ["bench", str(bad)]):
+    for args in (["inspect", "--config", str(bad)], ["bench", "fio", str(bad)]):
         r = subprocess.run([sys.executable, "-m", "tiercache.cli", *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "is not UTF-8 text" in r.stderr

@@ -7,7 +7,7 @@ is always left consistent: a cancelled onboard either completed (the blocks are 
 never started; it is never half done. Callers that must know can look the keys up afterwards.
 
 File I/O on the hot paths uses tiercache's worker pool, not ``aiofiles``: reading block files
-through aiofiles was measured slower (``tiercache bench --job file``, docs/performance.md),
+through aiofiles was measured slower (``tiercache bench file``, docs/performance.md),
 since aiofiles hands every open/read/close to a thread of its own.
 """
 

@@ -1,10 +1,10 @@
 #!/bin/bash
-# Run ON the GPU machine from the project root: vLLM 0.26 end to end (tiercache bench --job
+# Run ON the GPU machine from the project root: vLLM 0.26 end to end (tiercache bench
 # vllm-serve). Copied over: .vllm-gpu/p2 (vLLM 0.26.0's wheel, split in two pieces; the first,
 # .vllm-gpu/p1/part.00, copied to /tmp/stage beforehand), .whl (tools/fetch-wheels.sh), .tools/fio.
 #   bash tools/gpu-serve.sh setup               install vLLM, kvikio and the project (idempotent)
 #   bash tools/gpu-serve.sh tests [PYTEST ARGS] the vLLM tests there (default: serve GPU test, tier tests)
-#   bash tools/gpu-serve.sh bench NAME ARGS...  tiercache bench --job vllm-serve ARGS (JSON in $OUT/NAME.json)
+#   bash tools/gpu-serve.sh bench NAME ARGS...  tiercache bench vllm-serve ARGS (JSON in $OUT/NAME.json)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,7 +22,7 @@ tests)
   python3 -m pytest -q -p no:cacheprovider -rs "${@:-tests/test_bench_serve.py}" 2>&1 | tee "$OUT/tests-$(date +%s).log" | tail -40 ;;
 bench)
   name=$2; shift 2
-  tiercache bench --job vllm-serve --output-format json "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+  tiercache bench vllm-serve --output-format json "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
   rc=$?
   python3 - "$OUT/$name.json" <<'PY' || tail -30 "$OUT/$name.err"
 import json, sys

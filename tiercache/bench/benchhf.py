@@ -262,9 +262,9 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
 
         from tiercache.integrations.transformers import TieredCache, kv_bytes_per_token
     except ImportError as exc:
-        raise MissingDependencyError(f"--job hf needs torch and transformers: {exc}") from exc
+        raise MissingDependencyError(f"tiercache bench hf needs torch and transformers: {exc}") from exc
     if not torch.cuda.is_available():
-        raise TierUnavailableError("--job hf needs a CUDA GPU")
+        raise TierUnavailableError("tiercache bench hf needs a CUDA GPU")
     if "tiercache-files" in modes and root is None:
         raise ConfigError("the tiercache-files mode needs a root directory (--root)")
     torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""``tiercache bench --job layerwise``: layer-wise onboarding against onboarding everything first.
+"""``tiercache bench layerwise``: layer-wise onboarding against onboarding everything first.
 
 A vLLM-style KV cache (``num_layers`` tensors ``[num_blocks, 2, block_size, num_kv_heads,
 head_dim]``, bf16) is registered with :class:`~tiercache.serving.devicepools.DevicePools`; ``blocks``

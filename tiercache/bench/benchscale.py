@@ -1,4 +1,4 @@
-"""The scale benchmark (``tiercache bench --job scale --blocks N``): what a root of ``N`` block
+"""The scale benchmark (``tiercache bench scale --blocks N``): what a root of ``N`` block
 files costs to open, to hold in memory, to look up, to verify and to purge.
 
 One run, on one directory (``<root>/scale-bench``):

@@ -1,4 +1,4 @@
-"""``tiercache bench --job vllm-serve``: a real vLLM engine on the GPU, side by side with vLLM's own
+"""``tiercache bench vllm-serve``: a real vLLM engine on the GPU, side by side with vLLM's own
 KV tiers, on requests that share long prefixes.
 
 The model is built from a ``config.json`` with random weights (``load_format="dummy"``, no
@@ -492,7 +492,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     probe = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                            text=True, env={**os.environ, **_ENV})
     if probe.returncode != 0:
-        raise MissingDependencyError("--job vllm-serve needs vLLM with a GPU build (0.26 or later) importable: "
+        raise MissingDependencyError("tiercache bench vllm-serve needs vLLM with a GPU build (0.26 or later) importable: "
                                      + (probe.stderr.strip().splitlines() or ["?"])[-1])
     name, cfg = model_config(model)
     seed = random.randrange(1 << 31) if seed is None else seed

@@ -1,4 +1,4 @@
-"""``tiercache bench --job vllm-tier``: TierCacheTier against vLLM's own ``fs`` tier, through
+"""``tiercache bench vllm-tier``: TierCacheTier against vLLM's own ``fs`` tier, through
 vLLM's secondary-tier interface, on the same directory and the same primary buffer, in one run.
 
 Both tiers are built by vLLM's ``SecondaryTierFactory`` over one page-aligned buffer of rows
@@ -57,7 +57,7 @@ def _vllm():
 
         from tiercache.integrations import vllmcompat
     except ImportError as exc:
-        raise MissingDependencyError(f"--job vllm-tier needs vLLM 0.26+ ({exc}); README.md, 'Quick start', "
+        raise MissingDependencyError(f"tiercache bench vllm-tier needs vLLM 0.26+ ({exc}); README.md, 'Quick start', "
                                      "has the command that installs it") from None
     return locals()
 

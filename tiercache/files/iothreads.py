@@ -2,7 +2,7 @@
 
 A serving engine loads a prefix while the chunks of the requests before it are still being
 written: with one first-in-first-out queue, the load waits behind every write queued before it
-(measured in ``tiercache bench --job vllm-tier``'s "load while storing" row). Here a pool of
+(measured in ``tiercache bench vllm-tier``'s "load while storing" row). Here a pool of
 threads serves two first-in-first-out queues:
 
 - the **read queue**: reads without dependencies (a task there never blocks on another task);

@@ -1,5 +1,5 @@
 """A stand-in for vLLM's offline API (``LLM``, ``SamplingParams``), for the CPU test of
-``tiercache bench --job vllm-serve``'s orchestration (tests/test_bench_serve.py): tokens are a
+``tiercache bench vllm-serve``'s orchestration (tests/test_bench_serve.py): tokens are a
 function of the prompt, TTFTs shrink with the tokens a connector would have served, and the
 prompt-token counters by source follow a simple model of the tiers (a prefix seen before is a
 connector hit when a connector is configured, else recomputed). Like vLLM's, a request's
