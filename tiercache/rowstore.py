@@ -59,7 +59,7 @@ from tiercache.files import (FREE_FILES, SUBDIRS, FileTier, IOPath, block_subdir
                              when_all_settled, write_stats)
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
-from tiercache.placement import CompactSlots, RootIndex
+from tiercache.placement import CompactSlots, NegativeCache, RootIndex, TouchThrottle, lru_victims
 from tiercache.settings import FileSettings, SharingSettings, sections
 from tiercache.transfer import LATENCY_BUCKETS_S, TransferStats
 
@@ -215,11 +215,11 @@ class RowStore:
         self.transfer_stats = TransferStats()
         self.metrics_name: str | None = None
         self.closed = False
-        self._absent: dict[bytes, float] = {}
+        self._absent = NegativeCache(self.negative_ttl_s)
         self._probing: set[bytes] = set()
         self._probe_q: collections.deque = collections.deque()
         self._touch_q: collections.deque = collections.deque()
-        self._touched: dict[bytes, float] = {}
+        self._touched = TouchThrottle(max(1.0, ss.min_age_s))
         self._sweep_wanted = False
         self._bg_cv = threading.Condition(threading.Lock())
         self._bg_stop = False
@@ -319,7 +319,7 @@ class RowStore:
         if not self.shared:
             return KeyState.ABSENT
         with self._lock:
-            if self._absent.get(key, 0.0) > time.monotonic():
+            if self._absent.absent(key):
                 return KeyState.ABSENT
             if key not in self._probing:
                 self._probing.add(key)
@@ -482,14 +482,7 @@ class RowStore:
             self._cv.notify_all()
 
     def _victims(self, count: int, protect: set[bytes]) -> list[bytes]:
-        out = []
-        for k in self.index.lru:
-            if k in protect or k in self._storing or self._pins.get(k):
-                continue
-            out.append(k)
-            if len(out) == count:
-                break
-        return out
+        return lru_victims(self.index.lru, count, lambda k: k in protect or k in self._storing or bool(self._pins.get(k)))
 
     def _evict(self, keys: list[bytes]) -> _Eviction | None:
         """Drop ``keys`` from the index now; their files go on an I/O thread (exclusive roots;
@@ -656,25 +649,16 @@ class RowStore:
                 time.sleep(0.1)
 
     def _touch(self, keys: list[bytes]) -> None:
-        now = time.monotonic()
-        every = max(1.0, self.ft.min_age_s)
-        todo = [k for k in keys if now - self._touched.get(k, -every) >= every]
+        todo = self._touched.due(keys)
         if todo:
             self.ft.touch(todo)
-            for k in todo:
-                self._touched[k] = now
-            if len(self._touched) > 65536:
-                self._touched = {k: t for k, t in self._touched.items() if now - t < every}
 
     def _discovered(self, asked: list[bytes], found: list[bytes]) -> None:
-        now = time.monotonic()
         found_set = set(found)
         for k in asked:
             self._probing.discard(k)
-            if k not in found_set:
-                self._absent[k] = now + self.negative_ttl_s
-        if len(self._absent) > 65536:
-            self._absent = {k: t for k, t in self._absent.items() if t > now}
+        self._absent.ttl_s = self.negative_ttl_s  # (a caller may have changed it)
+        self._absent.mark([k for k in asked if k not in found_set])
         new = [k for k in found if k not in self.index]
         over = len(new) - self.index.free_count
         if over > 0:  # a full index forgets its least recently used (a shared root keeps the files)

@@ -10,6 +10,10 @@
   the directory, checkpointed (the cache's file tier and RowStore each hold one);
 - :mod:`.fileindex`: :class:`FileIndex`: the cache's file-tier index (a RootIndex) and the
   positions held by partial host blocks (kept in the block files' headers).
+- :mod:`.victims`: :func:`lru_victims`: the one least-recently-used victim rule (the cache's
+  placement and :class:`~tiercache.RowStore`);
+- :mod:`.sharedbook`: :class:`NegativeCache`, :class:`TouchThrottle`: a shared root's
+  per-process bookkeeping, kept alike by both facades.
 
 Depends on :mod:`tiercache.transfer` and :mod:`tiercache.files`.
 """
@@ -19,7 +23,10 @@ from .fileindex import FileIndex
 from .mover import BlockMover
 from .policy import TIER_ORDER, Placement, TierSlots
 from .rootindex import RootIndex
+from .sharedbook import NegativeCache, TouchThrottle
+from .victims import lru_victims
 
 __all__ = [
-    "BlockMover", "CompactSlots", "FileIndex", "Placement", "RootIndex", "TIER_ORDER", "TierSlots",
+    "BlockMover", "CompactSlots", "FileIndex", "NegativeCache", "Placement", "RootIndex", "TIER_ORDER", "TierSlots",
+    "TouchThrottle", "lru_victims",
 ]

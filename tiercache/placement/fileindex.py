@@ -18,6 +18,7 @@ from tiercache.files import FileTier
 from tiercache.keys import Key, key_from_text, key_text
 from tiercache.placement.policy import Placement
 from tiercache.placement.rootindex import RootIndex
+from tiercache.placement.sharedbook import NegativeCache, TouchThrottle
 from tiercache.settings import SharingSettings
 
 
@@ -44,12 +45,12 @@ class FileIndex(RootIndex):
         self.placement = placement
         self.k = blocks_per_host_block
         #: shared mode: key -> time.monotonic() until which it is known to be in no file
-        self._absent: dict[Key, float] = {}
+        self._absent = NegativeCache(sharing.negative_ttl_s)
         self.negative_ttl_s = sharing.negative_ttl_s
         self.sweep_interval_s = sharing.sweep_interval_s
         self._last_sweep = 0.0
         #: shared mode: key -> time.monotonic() of this process's last refresh of its use time
-        self._touched: dict[Key, float] = {}
+        self._touched: TouchThrottle | None = None  # made at the first read (min_age_s is the file tier's)
         #: shared mode: complete blocks in the root at the last sweep (None before one)
         self.on_disk_blocks: int | None = None
         #: key -> bit mask of the positions its host block holds, for partial host blocks only
@@ -105,15 +106,13 @@ class FileIndex(RootIndex):
         if not self.shared:
             return []
         now = time.monotonic()
+        self._absent.ttl_s = self.negative_ttl_s
         todo = [k for k in dict.fromkeys(keys) if isinstance(k, bytes) and not self.placement.contains(k)
-                and self._absent.get(k, 0.0) <= now]
+                and not self._absent.absent(k, now)]
         if not todo:
             return []
         found = self.file_tier.probe(todo)
-        for k in set(todo) - set(found):
-            self._absent[k] = now + self.negative_ttl_s
-        if len(self._absent) > 65536:  # forget expired entries now and then
-            self._absent = {k: t for k, t in self._absent.items() if t > now}
+        self._absent.mark(set(todo) - set(found), now)
         if found:
             self.make_room(len(found), set(keys))
             self.slots.add(found)
@@ -137,16 +136,11 @@ class FileIndex(RootIndex):
         per key every ``max(1, min_age_s)`` seconds per process."""
         if not self.shared or not keys:
             return
-        now = time.monotonic()
-        every = max(1.0, self.file_tier.min_age_s)
-        todo = [k for k in keys if now - self._touched.get(k, -every) >= every]
-        if not todo:
-            return
-        self.file_tier.touch(todo)
-        for k in todo:
-            self._touched[k] = now
-        if len(self._touched) > 65536:  # forget old entries now and then
-            self._touched = {k: t for k, t in self._touched.items() if now - t < every}
+        if self._touched is None:
+            self._touched = TouchThrottle(max(1.0, self.file_tier.min_age_s))
+        todo = self._touched.due(keys)
+        if todo:
+            self.file_tier.touch(todo)
 
     def after_write(self, keep: set = frozenset()) -> None:
         """Shared mode, after file writes: at most every ``sweep_interval_s`` (longer where a

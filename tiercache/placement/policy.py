@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from tiercache.errors import KeyNotFoundError, PinnedBlockError, TierFullError
 from tiercache.keys import Key, format_keys, key_text
 from tiercache.placement.compactslots import CompactSlots, check_claim
+from tiercache.placement.victims import lru_victims
 
 TIER_ORDER = ("device", "host", "file")
 
@@ -63,11 +64,8 @@ class TierSlots:
         return slots
 
     def claim(self, keys: list[Key], slots: list[int]) -> None:
-        """Put each key in the given slot (engine-chosen slots).
-
-        Raises:
-            SlotRangeError: a slot out of ``[0, num_slots)``, repeated, or holding a key.
-        """
+        """Put each key in the given slot (engine-chosen slots; :func:`check_claim` raises
+        :class:`SlotRangeError` for a slot out of range, repeated, or holding a key)."""
         check_claim(self.name, self.num_slots, slots, self.key_at)
         for k, s in zip(keys, slots):
             self._take(k, s)
@@ -191,15 +189,9 @@ class Placement:
             TierFullError: fewer than ``count`` such keys.
         """
         ts = self.tiers[tier]
-        out: list[Key] = []
-        if count <= 0:
+        out = lru_victims(ts.lru, count, lambda k: k in protect or self.is_pinned(k))
+        if len(out) == max(count, 0):
             return out
-        for k in ts.lru:
-            if k in protect or self.is_pinned(k):
-                continue
-            out.append(k)
-            if len(out) == count:
-                return out
         pinned = [k for k in ts.lru if self.is_pinned(k)]
         in_use = sum(1 for k in ts.lru if k in protect and not self.is_pinned(k))
         if not pinned and not in_use:  # an empty tier too small for the request
