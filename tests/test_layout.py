@@ -191,3 +191,13 @@ def test_benchmark_scripts_use_public_names_and_back_a_documented_claim():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tiercache"):
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
                 assert not private, f"{path.name}:{node.lineno} imports private {private} from {node.module}"
+
+
+def test_every_subpackage_is_packaged():
+    """pyproject.toml names every package folder (a folder left out is missing from a wheel
+    install, while an editable install still finds it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {m for m in PACKAGES if m.startswith("tiercache.")} | {"tiercache"}
+    assert folders <= listed, sorted(folders - listed)
