@@ -12,6 +12,7 @@ import typer
 
 from tiercache.config import load_config
 from tiercache.errors import TierCacheError
+from tiercache.settings import IO_MODES
 
 from .common import DEFAULT_CONFIG
 from .common import fail as _fail
@@ -34,11 +35,8 @@ class Tails(str, Enum):
     device = "device"
 
 
-class IOMode(str, Enum):
-    auto = "auto"
-    gds = "gds"
-    compat = "compat"
-    posix = "posix"
+#: the [file] io_mode choices (tiercache.settings) as the options' enum
+IOMode = Enum("IOMode", {m: m for m in IO_MODES}, type=str)
 
 
 # -- options several jobs share ---------------------------------------------------------------
