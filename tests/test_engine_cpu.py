@@ -144,7 +144,7 @@ def test_finished_jobs_behind_a_slow_one_are_retired_and_reported(tmp_path, kvpo
     eng = make_engine(tmp_path, (kvpool,), host_slots=8)
     host = eng.tiers["host"].arrays["kv"]
     host[:] = rng.integers(1, 256, size=host.shape, dtype=np.uint8)
-    eng.debug_file_delay_s = 0.5
+    eng.debug_file_delay_s = 5.0  # longer than the writes below take on a loaded 2-core machine
     slow = eng.copy("host", [0], "file", [0], keys=[int(rng.integers(1 << 40))])
     eng.debug_file_delay_s = 0.0
     n = 3 * TransferEngine.REAP_ALL_AT

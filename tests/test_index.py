@@ -206,6 +206,14 @@ def test_files_changed_behind_the_index_while_open_are_found(saved, rng, make_co
         new = put_random(c, random_keys(rng, 2, "bytes"), rng)
         c.flush()
     nk, other = list(new)
+    from tiercache.files import block_subdir
+
+    # one file added and one removed in the same subdirectory leave its count of files as it
+    # was: the close would vouch for it (a known blind spot of the count check, caught only by a
+    # full scan); this test is about subdirectories whose count changed, so the removed key is
+    # one from another subdirectory than the added one's
+    j = next(i for i in range(2, len(keys)) if block_subdir(keys[i]) != block_subdir(nk))
+    keys[0], keys[j] = keys[j], keys[0]
     with TierCache(cfg) as c:
         assert c.wait_reconciled(30)
         for pool in cfg.pools:
