@@ -69,6 +69,7 @@ app = typer.Typer(
 )
 
 from .bench_cmd import bench_app
+from .roots_cmd import roots_app
 from .calibrate_cmd import calibrate
 from .inspect_cmd import inspect
 from .purge_cmd import purge
@@ -87,6 +88,7 @@ app.command()(verify)
 app.command()(calibrate)
 app.command()(top)
 app.add_typer(bench_app, name="bench")
+app.add_typer(roots_app, name="roots")
 
 
 def main() -> None:

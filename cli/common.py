@@ -71,3 +71,20 @@ def not_a_root(root: Path) -> str:
     inside = roots_inside(root)
     hint = f"; tiercache roots inside it: {', '.join(str(p) for p in inside[:5])}" if inside else ""
     return f"{str(root)!r} is not a tiercache root (no .tiercache-root marker){hint}"
+
+
+def array_members(root: Path) -> list[Path]:
+    """The roots to work on for ``root``: itself, or every member of its root array (the home
+    first), as the array's record names them; a member whose path is gone is an error."""
+    from tiercache.errors import RootError
+    from tiercache.files import members_of
+
+    try:
+        members = members_of(root)
+    except RootError as exc:
+        fail(str(exc))
+    gone = [str(m) for m in members if not m.is_dir()]
+    if gone:
+        fail(f"{str(root)!r} is a member of a root array whose member(s) {', '.join(gone)} are missing: mount them, "
+             "or take them out with `tiercache roots remove ... --forget ROOT`")
+    return members

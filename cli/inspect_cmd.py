@@ -14,7 +14,7 @@ from rich.table import Table
 from tiercache.config import load_config
 from tiercache.cuda import cuda_status
 from tiercache.errors import RootError, TierCacheError
-from tiercache.files import RootDir, index_summary, select_io_path
+from tiercache.files import RootDir, index_summary, members_of, select_io_path, subdir_owner
 from tiercache.rootops import survey
 
 from .common import DEFAULT_CONFIG, fail, human_bytes, roots_inside
@@ -31,7 +31,7 @@ def inspect(
     temporary leftovers, quarantined and foreign files, the process holding it, and the
     counters the last cache using it saved. A root whose saved index holds more than
     100000 blocks is counted from that index (its blocks as of its last save: quick on tens
-    of millions of files) unless --scan."""
+    of millions of files) unless --scan. A member of a root array: each member's share too."""
     cfg = None
     if config is not None or root is None:
         try:
@@ -59,6 +59,8 @@ def inspect(
             _from_index(out["root"], summary)
         if not out["root"]["tiercache_root"]:
             out["root"]["roots_inside"] = [str(p) for p in roots_inside(root)]
+        else:
+            out["array"] = _array(root)
     else:
         out["root"] = {"root": str(root), "missing": True}
     if as_json:
@@ -79,6 +81,26 @@ def _index_summary(root: Path) -> dict | None:
     except (RootError, OSError):
         return None
     return summary if summary is not None and summary["blocks"] > SCAN_MAX_BLOCKS else None
+
+
+def _array(root: Path) -> list[dict] | None:
+    """Per member of ``root``'s root array (None for a plain root): its path, the block
+    subdirectories it holds, its blocks and bytes (a survey of each member)."""
+    try:
+        members = members_of(root)
+    except RootError:
+        return None
+    if len(members) == 1:
+        return None
+    out = []
+    for m in members:
+        row: dict = {"root": str(m), "missing": not m.is_dir()}
+        if not row["missing"]:
+            sv = survey(m).as_dict()
+            row.update(subdirs=sum(subdir_owner(m).values()), blocks=sv["blocks"], bytes=sv["block_files"]["bytes"],
+                       temporary=sv["temporary"]["files"], quarantined=sv["quarantined"]["files"])
+        out.append(row)
+    return out
 
 
 def _from_index(r: dict, summary: dict) -> None:
@@ -134,6 +156,17 @@ def _print(out: dict) -> None:
     t.add_row("quarantined", str(r["quarantined"]["files"]), human_bytes(r["quarantined"]["bytes"]))
     t.add_row("foreign", str(len(r["foreign"])), "")
     con.print(t)
+    if out.get("array"):
+        t = Table(title=f"root array: {len(out['array'])} roots", title_justify="left")
+        for col in ("root", "subdirectories", "blocks", "bytes", "temporary", "quarantined"):
+            t.add_column(col)
+        for m in out["array"]:
+            if m["missing"]:
+                t.add_row(m["root"], "[red]missing[/red]", "", "", "", "")
+            else:
+                t.add_row(m["root"], str(m["subdirs"]), str(m["blocks"]), human_bytes(m["bytes"]), str(m["temporary"]),
+                          str(m["quarantined"]))
+        con.print(t)
     st = r.get("live_stats")
     if st:
         age = time.time() - st.get("time", time.time())

@@ -48,14 +48,21 @@ def scrape_url(url: str, timeout: float = 5.0) -> list:
 
 
 def read_root(root: Path) -> tuple[list, float | None]:
-    """Metric families of the stats a cache last saved in ``root``, and their age (seconds).
+    """Metric families of the stats a cache last saved in ``root`` (a root array's: in its home),
+    and their age (seconds).
 
     Raises:
         OSError: the root cannot be read. LookupError: no cache has saved stats there.
     """
+    from tiercache.errors import RootError
+    from tiercache.files import members_of
     from tiercache.rootops import survey
     from tiercache.metrics import families
 
+    try:  # a root array's cache saves its stats in the array's home (its first member)
+        root = members_of(root)[0]
+    except RootError:
+        pass
     sv = survey(root)
     st = sv.stats
     if not st:

@@ -15,7 +15,7 @@ from tiercache.errors import RootError
 from tiercache.files import QUARANTINE, RootDir, RootLock, classify, is_root, lock_holder, native_status
 from tiercache.rootops import VERIFY, RootCheck, entry_path, gc_paused, quick_gil_handoff, recheck, survey
 
-from .common import EXIT_FINDING, fail, not_a_root, resolve_root
+from .common import EXIT_FINDING, array_members, fail, not_a_root, resolve_root
 
 #: names that look like block files (what a canonical name is not is said by parse_filename)
 LOOKS_LIKE_BLOCK = re.compile(r"block_.*_pool_.*\.bin")
@@ -30,12 +30,31 @@ def verify(
 ) -> None:
     """Check every block file (a regular file, header, name, exact size, XXH3-64 checksum of the
     data). Exit code 1 if any is bad, listing them. Nothing is followed through a symlink;
-    with --quarantine bad files move into the root's own quarantine/ (never out of the root)."""
+    with --quarantine bad files move into the root's own quarantine/ (never out of the root).
+    A member of a root array: every member is checked, each with its own quarantine/."""
     root = resolve_root(root, config)
     if not root.is_dir():
         fail(f"root {str(root)!r} does not exist or is not a directory")
     if not is_root(root):
         fail(not_a_root(root))
+    members = array_members(root)
+    reports = [_verify_root(m, quarantine, threads, as_json) for m in members]
+    if as_json:
+        if len(reports) == 1:
+            typer.echo(json.dumps(reports[0], indent=2))
+        else:
+            typer.echo(json.dumps({"root": str(root), "roots": reports, "checked": sum(r["checked"] for r in reports),
+                                   "bad": [b for r in reports for b in r["bad"]]}, indent=2))
+    elif len(reports) > 1:
+        typer.echo(f"checked {sum(r['checked'] for r in reports)} block file(s) in {len(reports)} roots of the array: "
+                   f"{sum(len(r['bad']) for r in reports)} bad")
+    if any(r["bad"] for r in reports):
+        raise typer.Exit(EXIT_FINDING)
+
+
+def _verify_root(root: Path, quarantine: bool, threads: int, as_json: bool) -> dict:
+    """Verify one root (one member of an array); prints its lines unless ``as_json``; returns
+    its JSON report."""
     lock = None
     try:
         rd = RootDir(root, check_owner=False)
@@ -91,12 +110,10 @@ def verify(
         if lock is not None:
             lock.release()
         rd.close()
-    if as_json:
-        typer.echo(json.dumps({"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p, _ in bad],
-                               "quarantined": moved, "not_quarantined": unmoved, "changed_while_checked": changed,
-                               "survey_s": t1 - t0, "seconds": t2 - t0,
-                               "bytes": sum(max(e.size, 0) for e in sv.blocks)}, indent=2))
-    else:
+    report = {"root": str(root), "checked": len(files), "bad": [{"file": n, "problem": p} for n, p, _ in bad],
+              "quarantined": moved, "not_quarantined": unmoved, "changed_while_checked": changed,
+              "survey_s": t1 - t0, "seconds": t2 - t0, "bytes": sum(max(e.size, 0) for e in sv.blocks)}
+    if not as_json:
         for _, problem, _ in bad:
             typer.echo(f"BAD {problem}")
         for line in unmoved:
@@ -104,5 +121,5 @@ def verify(
         typer.echo(f"checked {len(files)} block file(s) in {root}: {len(bad)} bad"
                    + (f", {moved} moved to quarantine/" if moved else "")
                    + (f"; {changed} removed or replaced while checked (not bad)" if changed else ""))
-    if bad:
-        raise typer.Exit(EXIT_FINDING)
+    return report
+

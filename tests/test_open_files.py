@@ -201,7 +201,8 @@ def test_torn_free_file_left_by_a_crash_is_removed_not_served(tmp_path, rng, eng
         f.seek(4096)
         f.write(rng.bytes(3000))
     # the crash: the tier is gone without closing (its descriptors die with the process)
-    ft._lock.release()
+    for lock in ft._locks:
+        lock.release()
     ft.dir.close()
     ft = _tier(root, pools, engine, fsync="data")
     scan = ft.scan()

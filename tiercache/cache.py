@@ -792,7 +792,7 @@ class TierCache:
                 "bytes_capacity": ts.num_slots * per_block,
                 **({"pinned_memory": t.pinned, "page_bytes": sorted({m["page_bytes"] for m in t.memory()})}
                    if name == "host" else {}),
-                **({"root": str(t.root), "bytes_on_disk": len(ts) * self.config.block_file_bytes,
+                **({"root": str(t.root), "roots": [str(r) for r in t.roots], "bytes_on_disk": len(ts) * self.config.block_file_bytes,
                     "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io,
                     "bytes_capacity_on_disk": ts.num_slots * self.config.block_file_bytes,
                     "io_engine": t.engine, "io_engine_reason": t.engine_reason,

@@ -66,7 +66,7 @@ from tiercache.transfer import LATENCY_BUCKETS_S, TransferStats
 log = logging.getLogger("tiercache")
 
 #: single settings RowStore takes by name: the [file] and [sharing] sections' (tiercache.settings)
-_ROWSTORE_KEYS = frozenset(f.name for c in (FileSettings, SharingSettings) for f in dataclasses.fields(c)) - {"root"}
+_ROWSTORE_KEYS = frozenset(f.name for c in (FileSettings, SharingSettings) for f in dataclasses.fields(c)) - {"root", "roots"}
 #: the one pool of a row store's files (``block_x<key>_pool_kv.bin``)
 POOL = "kv"
 
@@ -144,10 +144,13 @@ class RowStore:
             writable. Rows that start on a 4 KiB boundary and are 4 KiB multiples are read
             and written with O_DIRECT.
         root: the directory of the block files (a tiercache root: created, marked and locked,
-            :class:`~tiercache.files.FileTier`).
+            :class:`~tiercache.files.FileTier`), or a list of directories, one per device (a
+            root array: blocks spread over them by a hash of the key,
+            :mod:`tiercache.files.rootarray`).
         capacity_blocks: the most blocks the store holds (default: as ``capacity_bytes``
             allows, and with ``capacity_bytes`` 0: 90% of the root's file system's free space
-            at open, plus what the root's blocks already take; each block takes
+            at open, plus what the root's blocks already take (a root array: the members' count
+            times the least of theirs: each member holds an even share); each block takes
             ``file_size(row_bytes)``: its row plus the 4 KiB header, 4 KiB-padded).
         file_settings: the ``[file]`` settings (:class:`~tiercache.settings.FileSettings`;
             their ``root`` is replaced by ``root``): ``capacity_bytes`` (disk bytes the blocks
@@ -185,10 +188,15 @@ class RowStore:
         if bad:
             raise ConfigError(f"RowStore: unknown setting(s) {', '.join(bad)}; valid: {', '.join(sorted(_ROWSTORE_KEYS))}")
         got = sections({"file": file_settings, "sharing": sharing_settings}, **settings)
-        fs: FileSettings = got["file"].replace(root=Path(root))
+        if isinstance(root, (list, tuple)):
+            fs: FileSettings = got["file"].replace(roots=tuple(root), root=None)
+        else:
+            fs = got["file"].replace(root=Path(root), roots=None)
         ss: SharingSettings = got["sharing"]
         self.file_settings, self.sharing_settings = fs, ss
-        self.root = Path(root)
+        #: the home root (a root array's first member); :attr:`roots`: every root
+        self.root = fs.root
+        self.roots = fs.all_roots
         self.file_bytes = file_size(self.row_bytes)
         self.capacity_blocks = self._capacity(fs.capacity_bytes or None, capacity_blocks)
         self.shared = ss.shared
@@ -256,18 +264,22 @@ class RowStore:
                        f" (one block of {self.row_bytes} bytes takes {self.file_bytes} bytes on disk)")
             caps.append(int(capacity_bytes) // self.file_bytes)
         if not caps:  # 90% of the free space, plus what the root's blocks take already
-            probe = self.root
-            while not probe.exists() and probe != probe.parent:
-                probe = probe.parent
-            free = shutil.disk_usage(probe).free
-            caps.append(max(1, int(free * 0.9) // self.file_bytes + self._blocks_there()))
+            per_root = []
+            for root in self.roots:
+                probe = root
+                while not probe.exists() and probe != probe.parent:
+                    probe = probe.parent
+                free = shutil.disk_usage(probe).free
+                per_root.append(int(free * 0.9) // self.file_bytes + self._blocks_there(root))
+            caps.append(max(1, min(per_root) * len(per_root)))
         return min(caps)
 
-    def _blocks_there(self) -> int:
-        """Block files already in the root (its subdirectories, and its top from a flat root of
+    @staticmethod
+    def _blocks_there(root: Path) -> int:
+        """Block files already in ``root`` (its subdirectories, and its top from a flat root of
         an earlier version): names only, no stat."""
         count = 0
-        for d in (self.root, *(self.root / sub for sub in SUBDIRS)):
+        for d in (root, *(root / sub for sub in SUBDIRS)):
             try:
                 with os.scandir(d) as it:
                     count += sum(1 for e in it if e.name.startswith("block_") and e.name.endswith(".bin"))
@@ -685,7 +697,7 @@ class RowStore:
             tiers = {"file": {
                 "slots": self.capacity_blocks, "used": used, "free": self.index.free_count,
                 "bytes_used": used * self.row_bytes, "bytes_capacity": self.capacity_blocks * self.row_bytes,
-                "root": str(self.root), "bytes_on_disk": used * self.file_bytes,
+                "root": str(self.root), "roots": [str(r) for r in self.roots], "bytes_on_disk": used * self.file_bytes,
                 "bytes_capacity_on_disk": self.capacity_blocks * self.file_bytes,
                 "capacity_bytes": self.capacity_blocks * self.file_bytes,
                 "io_engine": self.ft.engine, "io_engine_reason": self.ft.engine_reason,

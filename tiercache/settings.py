@@ -43,6 +43,7 @@ HUGE_PAGE_MODES = ("auto", "on", "off")
 BULK_SHAPES = ("small", "large", "off")
 METRICS_REGISTRIES = ("default", "none")
 MAX_IO_THREADS = 256
+MAX_ROOTS = 64  # a root array gives each member one of the 64 block subdirectories at least
 _METRICS_NAME = re.compile(r"[A-Za-z0-9_.:-]{0,64}", re.ASCII)
 
 
@@ -106,8 +107,18 @@ class _Section:
 
     def describe(self) -> dict:
         """The settings as a JSON-ready dict."""
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v)
-                for f in dataclasses.fields(self)}
+        def plain(v):
+            return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, tuple) else v
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _path(name: str, value: Any) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name} = {value!r} must be a path string")
+    text = os.fspath(value)
+    if not text.strip():
+        raise ConfigError(f"{name} is empty: give a directory path")
+    return Path(os.path.expandvars(os.path.expanduser(text)))
 
 
 def default_root() -> Path:
@@ -140,6 +151,9 @@ class FileSettings(_Section):
     SECTION = "file"
     root: Path | None = _s(None, "directory of the file tier (created if missing); default "
                            "<system temp dir>/tiercache-<user>", kind="path", optional=True)
+    roots: tuple[Path, ...] | None = _s(None, "several roots, one per device, as one file tier (a root array: "
+                                        "blocks spread by a hash of their key; docs/file-format.md); "
+                                        "root is then the first", kind="paths", optional=True)
     io_mode: str = _s("auto", "how device blocks reach files: auto (GDS, else kvikio's compat mode with CUDA, "
                       "else POSIX), gds, compat, posix", choices=IO_MODES)
     fsync: str = _s("data", "durability before a write is reported: none, data (fsync each file before its "
@@ -167,17 +181,31 @@ class FileSettings(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        roots = self.roots
+        if roots is not None:
+            if isinstance(roots, (str, os.PathLike)) or not isinstance(roots, (list, tuple)):
+                raise ConfigError(f"roots = {roots!r} must be a list of directory paths")
+            if not 1 <= len(roots) <= MAX_ROOTS:
+                raise ConfigError(f"roots has {len(roots)} entries: give 1 .. {MAX_ROOTS} directories")
+            roots = tuple(_path("roots", r) for r in roots)
+            if len(set(roots)) != len(roots):
+                dup = next(r for i, r in enumerate(roots) if r in roots[:i])
+                raise ConfigError(f"roots lists {str(dup)!r} twice")
+            object.__setattr__(self, "roots", roots)
         root = self.root
         if root is None:
-            root = default_root()
-        elif isinstance(root, (str, os.PathLike)):
-            text = os.fspath(root)
-            if not text.strip():
-                raise ConfigError("root is empty: give a directory path")
-            root = Path(os.path.expandvars(os.path.expanduser(text)))
+            root = roots[0] if roots else default_root()
         else:
-            raise ConfigError(f"root = {root!r} must be a path string")
+            root = _path("root", root)
+            if roots and root not in roots:
+                raise ConfigError(f"root = {str(root)!r} is not one of roots = {[str(r) for r in roots]}; give "
+                                  "one of them (or leave root out: it is then the first)")
         object.__setattr__(self, "root", root)
+
+    @property
+    def all_roots(self) -> tuple[Path, ...]:
+        """The directories of the file tier: ``roots``, or ``(root,)``."""
+        return self.roots if self.roots else (self.root,)
 
 
 @dataclass(frozen=True)
@@ -346,9 +374,11 @@ def reference(default_toml: str | None = None) -> str:
                 valid = f"{m['lo']:g} .. {m['hi']:g}" if m["kind"] == "seconds" else f"{m['lo']} .. {m['hi']}"
             elif m["kind"] == "name":
                 valid = "up to 64 of A-Z a-z 0-9 _ . : -"
+            elif m["kind"] == "paths":
+                valid = "a list of 1 .. 64 paths"
             else:
                 valid = "a path"
-            if m["optional"] and m["kind"] != "path":
+            if m["optional"] and m["kind"] not in ("path", "paths"):
                 valid += " or none"
             d = f.default
             shown = "none" if d is None else str(d).lower() if isinstance(d, bool) else f'"{d}"' if isinstance(d, str) \

@@ -40,11 +40,20 @@ def fio_version(binary: str) -> str:
         return "fio"
 
 
-def fio_args(job: FioJob, block_bytes: int, blocks: int, directory: Path, rw: str, engine: str,
+def _dirs(directory: Path | list[Path]) -> list[Path]:
+    return [Path(d) for d in directory] if isinstance(directory, (list, tuple)) else [Path(directory)]
+
+
+def fio_args(job: FioJob, block_bytes: int, blocks: int, directory: Path | list[Path], rw: str, engine: str,
              durable: bool = False) -> list[str]:
     """fio's options for ``job`` at ``block_bytes`` per I/O, ``blocks`` blocks per job, in
-    ``directory`` (one file per fio job); ``rw`` is fio's (``read``, ``randwrite``...)."""
-    args = [f"--name={job.name}", f"--directory={directory}", f"--rw={rw}", f"--bs={block_bytes}",
+    ``directory`` (one file per fio job); ``rw`` is fio's (``read``, ``randwrite``...). Several
+    directories (the devices of a root array): the same job on each, all at once, reported
+    together (``numjobs`` jobs per directory)."""
+    dirs = _dirs(directory)
+    per_dir = [a for i, d in enumerate(dirs) for a in (f"--name={job.name}" + (f"d{i}" if len(dirs) > 1 else ""),
+                                                       f"--directory={d}")]
+    args = [f"--rw={rw}", f"--bs={block_bytes}",
             f"--size={blocks * block_bytes}", f"--iodepth={job.iodepth}", f"--numjobs={job.numjobs}",
             f"--ioengine={engine}", f"--direct={int(job.direct)}", "--group_reporting", "--output-format=json",
             "--randrepeat=0", "--invalidate=1"]
@@ -56,7 +65,7 @@ def fio_args(job: FioJob, block_bytes: int, blocks: int, directory: Path, rw: st
             args.append("--time_based")
     if "write" in rw or rw in ("rw", "randrw", "readwrite"):
         args.append("--fdatasync=1" if durable else "--end_fsync=1")
-    return args
+    return args + per_dir
 
 
 def _fio_rw(job: FioJob, op: str) -> str:
@@ -66,10 +75,12 @@ def _fio_rw(job: FioJob, op: str) -> str:
     return ("rand" if job.rw.startswith("rand") else "") + op
 
 
-def run_fio(job: FioJob, block_bytes: int, blocks: int, directory: Path, op: str, durable: bool = False,
+def run_fio(job: FioJob, block_bytes: int, blocks: int, directory: Path | list[Path], op: str, durable: bool = False,
             binary: str | None = None) -> dict:
-    """Run fio for direction ``op`` (``read`` or ``write``) of ``job``; returns ``method``,
-    ``op``, ``bw_bytes`` (bytes/s), ``iops``, ``clat_p50_ns``, ``clat_p99_ns``, ``engine``.
+    """Run fio for direction ``op`` (``read`` or ``write``) of ``job`` in ``directory`` (or the
+    same job in each of several, at once: :func:`fio_args`); returns ``method``, ``op``,
+    ``bw_bytes`` (bytes/s, all directories together), ``iops``, ``clat_p50_ns``,
+    ``clat_p99_ns``, ``engine``.
 
     Raises:
         ConfigError: no fio, or fio failed with every engine (its message).
@@ -77,7 +88,9 @@ def run_fio(job: FioJob, block_bytes: int, blocks: int, directory: Path, op: str
     binary = binary or fio_binary()
     if binary is None:
         raise ConfigError("fio is not installed (apt-get install fio), or set TIERCACHE_FIO to its path")
-    directory.mkdir(parents=True, exist_ok=True)
+    dirs = _dirs(directory)
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
     last = ""
     for engine in ENGINES:
         cmd = [binary, *fio_args(job, block_bytes, blocks, directory, _fio_rw(job, op), engine, durable)]
@@ -94,8 +107,9 @@ def run_fio(job: FioJob, block_bytes: int, blocks: int, directory: Path, op: str
             continue
         d = rec[op]
         pct = d["clat_ns"].get("percentile", {})
-        for f in directory.glob(f"{job.name}.*"):
-            f.unlink(missing_ok=True)
+        for where in dirs:
+            for f in where.glob(f"{job.name}*.*"):
+                f.unlink(missing_ok=True)
         return {"method": f"{fio_version(binary)} {engine} direct={int(job.direct)}"
                           + (" fdatasync=1" if durable else (" end_fsync=1" if op == "write" else "")),
                 "op": op, "engine": engine, "durable": durable, "bw_bytes": int(d["bw_bytes"]),
@@ -109,12 +123,15 @@ def run_fio(job: FioJob, block_bytes: int, blocks: int, directory: Path, op: str
 FIO_GRID = ((1, 1), (1, 32), (1, 128), (4, 8), (16, 1), (16, 8))
 
 
-def best_fio(work: Path, bs: int, total_bytes: int, runtime: float, ops=("read", "write")) -> dict:
+def best_fio(work: Path | list[Path], bs: int, total_bytes: int, runtime: float, ops=("read", "write")) -> dict:
     """The best fio over :data:`FIO_GRID` at ``bs`` bytes per I/O, O_DIRECT, ``runtime``
     seconds each, on files of ``total_bytes`` in all under ``work/fio`` (removed after):
-    random reads (``"read"`` in ``ops``) and sequential writes (``"write"``). Returns
+    random reads (``"read"`` in ``ops``) and sequential writes (``"write"``). Several ``work``
+    directories (one per device): each grid point runs on all of them at once (``numjobs`` jobs
+    each, ``total_bytes`` spread over them), so the best is the devices' aggregate. Returns
     ``{"version", "read_gbps", "read_config", "write_gbps", "write_config"}`` (GB/s; an
     ``"error"`` where fio is missing, ``"errors"`` of the grid points that failed)."""
+    dirs = _dirs(work)
     binary = fio_binary()
     if binary is None:
         return {"error": "fio is not installed (apt-get install fio), or set TIERCACHE_FIO"}
@@ -125,14 +142,17 @@ def best_fio(work: Path, bs: int, total_bytes: int, runtime: float, ops=("read",
         for numjobs, iodepth in FIO_GRID:
             job = FioJob(name=f"best{numjobs}x{iodepth}", rw=rw, bs=bs, iodepth=iodepth, numjobs=numjobs,
                          runtime=runtime, time_based=True, direct=True)
-            blocks = max(1, total_bytes // bs // numjobs)
+            blocks = max(1, total_bytes // bs // numjobs // len(dirs))
             try:
-                r = run_fio(job, bs, blocks, work / "fio", op, binary=binary)
+                r = run_fio(job, bs, blocks, [d / "fio" for d in dirs] if len(dirs) > 1 else dirs[0] / "fio", op,
+                            binary=binary)
             except ConfigError as exc:
                 best.setdefault("errors", []).append(str(exc))
                 continue
             gbps = r["bw_bytes"] / 1e9
             if gbps > best.get(f"{op}_gbps", 0.0):
-                best[f"{op}_gbps"], best[f"{op}_config"] = gbps, f"numjobs={numjobs} iodepth={iodepth} {r['engine']}"
-        shutil.rmtree(work / "fio", ignore_errors=True)
+                best[f"{op}_gbps"], best[f"{op}_config"] = gbps, f"numjobs={numjobs} iodepth={iodepth} {r['engine']}" + (
+                    f" x {len(dirs)} directories" if len(dirs) > 1 else "")
+        for d in dirs:
+            shutil.rmtree(d / "fio", ignore_errors=True)
     return best

@@ -10,6 +10,8 @@
   kvikio's compat mode);
 - :mod:`.iopath`: which path device blocks take (GDS / compat / POSIX) and why;
 - :mod:`.rootdir`: the root's marker, single-writer lock, stats file and entry names;
+- :mod:`.rootarray`: several roots (one per device) as one: the array's record and table,
+  opening, adding and removing members;
 - :mod:`.sharing`: shared roots: boot-tagged temporary names, abandoned temporaries, published
   blocks;
 - :mod:`.indexfile`: the root's saved index (what an open starts from instead of every header);
@@ -31,10 +33,14 @@ from .openfiles import FREE_FILES
 from .iopath import IOPath, select_io_path
 from .rootdir import (DIR_MODE, INDEX, QUARANTINE, STATS, NotRegularFileError, RootDir, RootLock, RootPath, classify,
                       is_root, lock_holder, write_stats)
+from .rootarray import (ARRAY, ArrayRecord, ReshapeResult, RootArray, balanced_table, members_of, open_roots,
+                        read_record, reshape, subdir_owner)
 from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
 
 __all__ = [
+    "ARRAY", "ArrayRecord", "ReshapeResult", "RootArray", "balanced_table", "members_of", "open_roots", "read_record",
+    "reshape", "subdir_owner",
     "ALIGN", "BOOT_TAG", "CHECK", "DATA_OFFSET", "DIRECT", "DIR_MODE", "FANOUT", "FREE_FILES", "FileTier", "HASH",
     "INDEX", "IOPath", "IO_ENGINES", "IndexUnusable", "NOT_REGULAR", "NativeIO", "NotRegularFileError", "Ops",
     "QUARANTINE", "READ", "RootDir", "RootLock", "RootPath", "STATS", "SUBDIRS", "SavedIndex", "ScanResult", "UNLINK",

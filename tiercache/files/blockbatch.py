@@ -234,12 +234,23 @@ class GroupCommit:
                     self.failed[i] = exc
         self._settle(self.failed)
 
+    def _filesystems(self, ready: list[int]) -> list[int]:
+        """A directory descriptor on each filesystem the staged files of ``ready`` are on (one
+        for a plain root; a root array's members that this batch wrote to)."""
+        if len(self.dir.members) == 1:
+            return [self.dir.fd]
+        by_dev: dict[int, int] = {}
+        for fd in {item[0].dir_fd for i in ready for item in self.staged[i]}:
+            by_dev.setdefault(os.fstat(fd).st_dev, fd)
+        return list(by_dev.values())
+
     def _commit(self) -> None:
         ready = [i for i, st in enumerate(self.staged) if st is not None and i not in self.failed]
         if not ready:
             return
         try:
-            posix_io.sync_filesystem(self.dir.fd)
+            for fd in self._filesystems(ready):
+                posix_io.sync_filesystem(fd)
         except BaseException as exc:
             for i in ready:
                 for item in self.staged[i]:

@@ -10,6 +10,7 @@ operation goes through a directory descriptor of the root and follows no symlink
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -30,7 +31,8 @@ from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, fil
 from tiercache.files.iopath import IOPath
 from tiercache.files.iothreads import IOThreads
 from tiercache.files.openfiles import FREE_FILES, OpenFiles
-from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, classify, open_root
+from tiercache.files.rootarray import RootArray, open_roots
+from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, classify
 
 from tiercache.files.sharing import published, tmp_abandoned, tmp_name, tmp_owner
 from tiercache.geometry import PoolSpec
@@ -125,18 +127,23 @@ class FileTier:
         self.shared = sharing.shared
         self.min_age_s = min_age_s
         self.tmp_max_age_s = tmp_max_age_s
-        self.dir = open_root(root, settings.check_root_owner)
-        self._lock = None
+        #: the root, or a root array (one root per device: :mod:`tiercache.files.rootarray`)
+        self.dir: RootDir | RootArray = open_roots(settings.all_roots, settings.check_root_owner)
+        self._locks: list[RootLock] = []
         try:
-            self._lock = RootLock(self.dir, shared=self.shared)
-            self.dir.subdir(QUARANTINE)  # a symlink or file there is refused now, not followed later
+            for member in self.dir.members:
+                self._locks.append(RootLock(member, shared=self.shared))
+                member.subdir(QUARANTINE)  # a symlink or file there is refused now, not followed later
             self.dir.block_dirs(create=True)  # likewise, and their descriptors are held from here on
         except BaseException:
-            if self._lock is not None:
-                self._lock.release()
+            for lock in self._locks:
+                lock.release()
             self.dir.close()
             raise
-        self.root = Path(root)
+        #: the home root (the array's first member: its saved index and stats)
+        self.root = Path(self.dir.path)
+        #: every root of the tier (one for a plain root)
+        self.roots = tuple(Path(m.path) for m in self.dir.members)
         self.pools = {p.name: p for p in pools}
         self.num_slots = num_slots
         self.io_path = io_path
@@ -197,6 +204,9 @@ class FileTier:
                         continue
                     except FileNotFoundError:  # another process moved it
                         continue
+                    except OSError as exc:  # a root array's subdirectory on another device: left
+                        if exc.errno != errno.EXDEV:
+                            raise
             if kind in ("temporary", "block") or (kind == "foreign" and entry.name not in _SUBDIR_NAMES):
                 out.append((self.dir, entry))
         for d in self.dir.block_dirs():
@@ -275,17 +285,18 @@ class FileTier:
         """Remove the temporary files in the root itself (left by a process killed while it
         saved the index or stats): all of them on an exclusive root, abandoned ones on a
         shared root. Returns how many were removed. (The full :meth:`scan` does this too.)"""
-        with self.dir.scandir() as it:
-            entries = [e for e in it if classify(e.name) == "temporary"]
         removed = 0
-        for e in entries:
-            try:
-                if not e.is_file(follow_symlinks=False):
+        for member in self.dir.members:
+            with member.scandir() as it:
+                entries = [e for e in it if classify(e.name) == "temporary"]
+            for e in entries:
+                try:
+                    if not e.is_file(follow_symlinks=False):
+                        continue
+                except OSError:
                     continue
-            except OSError:
-                continue
-            if (not self.shared or self._abandoned(e)) and self.dir.child(e.name).unlink():
-                removed += 1
+                if (not self.shared or self._abandoned(e)) and member.child(e.name).unlink():
+                    removed += 1
         return removed
 
     def _abandoned(self, entry: os.DirEntry) -> bool:
@@ -639,5 +650,6 @@ class FileTier:
             if before_unlock is not None:
                 before_unlock()
         finally:
-            self._lock.release()
+            for lock in self._locks:
+                lock.release()
         self.dir.close()

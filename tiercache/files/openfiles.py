@@ -128,6 +128,7 @@ class OpenFiles:
 
     def __init__(self, dir_fd: int, capacity: int, recycle: bool, free_files: int = FREE_FILES) -> None:
         self.dir_fd = dir_fd
+        self._devs: dict[int, int] = {}  # directory descriptor -> st_dev
         self.capacity = min(max(0, capacity), budget())
         self.recycle = recycle and self.capacity > 0
         self.free_files = free_files
@@ -249,7 +250,7 @@ class OpenFiles:
                 return found[0], found[1]
             if size < MOVE_MIN_BYTES:
                 return None
-            found = next((f for sz, d in self._free if sz == size and d != dir_fd
+            found = next((f for sz, d in self._free if sz == size and d != dir_fd and self._same_fs(d, dir_fd)
                           and (f := self._take_free(size, d)) is not None), None)
             if found is None:
                 return None
@@ -264,6 +265,15 @@ class OpenFiles:
         with self._lock:
             self.reused += 1
         return name, e
+
+    def _same_fs(self, a: int, b: int) -> bool:
+        """Directories ``a`` and ``b`` are on one filesystem (a rename between them works: not
+        so between the members of a root array)."""
+        devs = self._devs
+        for fd in (a, b):
+            if fd not in devs:
+                devs[fd] = os.fstat(fd).st_dev
+        return devs[a] == devs[b]
 
     def _take_free(self, size: int, dir_fd: int) -> tuple[str, Entry, int] | None:
         free = self._free.get((size, dir_fd))

@@ -41,6 +41,8 @@ from tiercache.keys import Key
 MARKER = ".tiercache-root"
 LOCK = ".tiercache-root.lock"
 INDEX = ".tiercache-index"  # the saved index (files/indexfile.py)
+ARRAY = ".tiercache-array"  # a root array's record (files/rootarray.py)
+ARRAY_LOCK = ".tiercache-array.lock"  # held while a root array's records are read or made
 QUARANTINE = "quarantine"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -190,6 +192,12 @@ class RootDir:
             except RootError:
                 self.close()
                 raise
+
+    @property
+    def members(self) -> tuple[RootDir, ...]:
+        """The roots this one is made of: itself (a root array has several:
+        :class:`~tiercache.files.rootarray.RootArray`)."""
+        return (self,)
 
     def child(self, name: str) -> RootPath:
         """``name`` (a plain name, no ``/``) inside this directory."""
@@ -512,7 +520,7 @@ def classify(name: str) -> str:
     callers check that the name is a regular file."""
     if is_temporary_name(name):
         return "temporary"
-    if name in (MARKER, LOCK, STATS, QUARANTINE, INDEX):
+    if name in (MARKER, LOCK, STATS, QUARANTINE, INDEX, ARRAY, ARRAY_LOCK):
         return "own"
     return "block" if parse_filename(name) is not None else "foreign"
 

@@ -37,7 +37,9 @@ docs/configuration.md; ``verify`` is ``verify_checksums`` there):
 =====================  ==========================  ===========================================
 key                    default                     meaning
 =====================  ==========================  ===========================================
-``root``               (required)                  directory under which the tier's roots live
+``root``               (required)                  directory under which the tier's roots live,
+                                                   or a list of them (one per device: a root
+                                                   array, blocks spread by a hash of the key)
 ``capacity_bytes``     0: 90% of the free space    disk bytes the tier's files may take (each
                        at start, plus the files    chunk: its row plus a 4 KiB header); least
                        already there               recently used chunks are evicted beyond it
@@ -110,7 +112,7 @@ from tiercache.integrations.vllmcompat import SecondaryTierManager, TransferJob
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache import KeyState, RowStore
 from tiercache.settings import default as settings_default
-from tiercache.settings import sections
+from tiercache.settings import MAX_ROOTS, sections
 
 log = logging.getLogger("tiercache")
 _PRESENT, _PENDING = KeyState.PRESENT, KeyState.PENDING
@@ -158,8 +160,12 @@ def parse_config(config: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"TierCacheTier: unknown config key(s) {', '.join(map(repr, unknown))}; "
                           f"valid keys: {', '.join(DEFAULTS)}")
     out = {**DEFAULTS, **config}
-    if not isinstance(out["root"], (str, os.PathLike)) or not str(out["root"]):
-        raise ConfigError(f"TierCacheTier: 'root' = {out['root']!r}: give the directory for the tier's files")
+    roots = out["root"] if isinstance(out["root"], (list, tuple)) else [out["root"]]
+    if not roots or any(not isinstance(r, (str, os.PathLike)) or not str(r) for r in roots):
+        raise ConfigError(f"TierCacheTier: 'root' = {out['root']!r}: give the directory for the tier's files, or a "
+                          "list of directories (one per device)")
+    if len(set(map(str, roots))) != len(roots) or len(roots) > MAX_ROOTS:
+        raise ConfigError(f"TierCacheTier: 'root' = {out['root']!r}: give 1 .. {MAX_ROOTS} different directories")
     if out["capacity_bytes"] is None:  # as before the settings had one default: no byte bound given
         out["capacity_bytes"] = 0
     try:
@@ -211,12 +217,19 @@ class TierCacheTier(SecondaryTierManager):
             config.pop(key, None)
         self.settings = parse_config(config)
         self.locality = self.settings["locality"]
-        mapper = FileMapper.from_offloading_spec(root_dir=str(self.settings["root"]), offloading_spec=offloading_spec,
-                                                 blocks_per_file=offloading_spec.blocks_per_chunk,
-                                                 parallel_agnostic=True)
+        given = self.settings["root"]
+        mappers = [FileMapper.from_offloading_spec(root_dir=str(r), offloading_spec=offloading_spec,
+                                                   blocks_per_file=offloading_spec.blocks_per_chunk,
+                                                   parallel_agnostic=True)
+                   for r in (given if isinstance(given, (list, tuple)) else [given])]
+        mapper = mappers[0]
+        #: the tiercache root (the home of a root array: ``root`` given as a list of directories)
         self.root = Path(f"{mapper.base_path}_r{mapper.rank}")
+        #: every root (``<root>/<model>_<digest>_r<rank>`` under each directory given)
+        self.roots = [Path(f"{m.base_path}_r{m.rank}") for m in mappers]
         self._write_run_config(mapper)
-        self.store = RowStore(primary_kv_view, self.root, capacity_blocks=self.settings["capacity_blocks"],
+        self.store = RowStore(primary_kv_view, self.roots if len(self.roots) > 1 else self.root,
+                              capacity_blocks=self.settings["capacity_blocks"],
                               **{where[1]: self.settings[k] for k, where in SETTING_KEYS.items()})
         self.events: list[OffloadingEvent] | None = None
         if self.settings["enable_kv_events"]:
