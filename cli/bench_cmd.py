@@ -355,6 +355,43 @@ def scale_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.
     _report(rep, output_format, format_scale_report)
 
 
+@bench_app.command("array")
+def array_cmd(
+    output_format: FormatOpt = OutputFormat.normal,
+    root: Annotated[list[Path], typer.Option("--root", help="A directory on one device (repeatable: one per device of the array).")] = ...,
+    bs: Annotated[Optional[list[str]], typer.Option("--bs", help="Block size (repeatable; default 16k 64k 256k 2m).")] = None,
+    tiers: Annotated[Optional[list[str]], typer.Option("--tiers", help="Tier pair (repeatable; default host:file, and device:file with a GPU).")] = None,
+    size: Annotated[str, typer.Option(help="Bytes per phase (per block size and direction).")] = "1g",
+    iodepth: Annotated[int, typer.Option(help="Blocks in flight per job.", min=1, max=4096)] = 32,
+    numjobs: Annotated[int, typer.Option(help="Jobs (threads) per fio-style run.", min=1, max=64)] = 1,
+    io_threads: Annotated[int, typer.Option(help="The file tier's I/O threads.", min=1, max=256)] = 16,
+    fsync: Annotated[str, typer.Option(help="The file tier's fsync policy during the writes (none: as fio's end_fsync=1).")] = "none",
+    rowstore: Annotated[bool, typer.Option(help="Also the row store (the vLLM tier's path).")] = True,
+    repeat: _repeat_opt(1, "fio and tiercache, alternated") = 1,
+    seed: SeedOpt = None, no_baseline: NoBaselineOpt = False,
+) -> None:
+    """The file tier over several devices (a root array, one --root per device) against fio's
+    best over numjobs x iodepth on all of them at once, in the same run: the cache's offload
+    and onboard (fio-style jobs) and the row store's stores and loads, per block size."""
+    from tiercache.bench.bencharray import DEFAULT_SIZES, format_array, run_array_bench
+    from tiercache.bench.fiospec import parse_size
+    from tiercache.cuda import cuda_status
+    from tiercache.settings import FSYNC_POLICIES
+
+    if fsync not in FSYNC_POLICIES:
+        _fail(f"--fsync {fsync!r}: choose one of {', '.join(FSYNC_POLICIES)}")
+    pairs = tuple(tiers) if tiers else ("host:file",) + (("device:file",) if cuda_status().available else ())
+    try:
+        sizes = tuple(parse_size(b, "--bs") for b in bs) if bs else DEFAULT_SIZES
+        rep = run_array_bench([Path(r) for r in root], block_sizes=sizes, tiers=pairs,
+                              total_bytes=parse_size(size, "--size"), iodepth=iodepth, numjobs=numjobs,
+                              io_threads=io_threads, fsync=fsync, rowstore=rowstore, fio=not no_baseline,
+                              repeat=repeat, seed=seed, log=_log(output_format))
+    except TierCacheError as exc:
+        _fail(str(exc))
+    _report(rep, output_format, format_array)
+
+
 @bench_app.command("hf")
 def hf_cmd(
     output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,

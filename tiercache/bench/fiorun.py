@@ -65,9 +65,12 @@ def _pool_for(job: FioJob, config_pool: PoolSpec | None) -> PoolSpec:
     return config_pool
 
 
-def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_threads: int = 8, log=print) -> dict:
+def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None = None, io_threads: int = 8, log=print,
+            fsync: str = "data") -> dict:
     """Run one job; returns its fio-style JSON record (``jobname``, ``read``, ``write``,
-    ``tiercache``).
+    ``tiercache``). ``root``: the directory the job's files go under, or several (one per
+    device: the file tier is then a root array over them, and fio runs on all of them at
+    once). ``fsync``: the file tier's policy (:data:`~tiercache.settings.FSYNC_POLICIES`).
 
     Raises:
         ConfigError: a device tier asked for without a GPU, or bad sizes.
@@ -79,8 +82,11 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
     total = n * job.numjobs
     if total * pool.block_nbytes > (64 << 30):
         raise ConfigError(f"job {job.name!r}: {total} blocks of {pool.block_nbytes} bytes is over 64 GiB")
-    work = Path(root) / f"fio-{job.name}-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
+    roots = [Path(r) for r in root] if isinstance(root, (list, tuple)) else [Path(root)]
+    works = [r / f"fio-{job.name}-{os.getpid()}" for r in roots]
+    work = works[0]
+    for w in works:
+        shutil.rmtree(w, ignore_errors=True)
     tiers: dict = {}
     io_path = select_io_path(job.io) if job.lower == "file" else None
     io_threads = min(MAX_IO_THREADS, max(io_threads, job.iodepth * job.numjobs))
@@ -92,8 +98,8 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
                 tiers[t] = make_host_tier(total, (pool,))
             else:
                 tiers[t] = FileTier((pool,), total, io_path, FileSettings(
-                    root=work, fsync="data", verify_checksums=job.verify, io_threads=io_threads,
-                    direct_io=job.direct, io_engine=job.ioengine))
+                    root=work, roots=tuple(works) if len(works) > 1 else None, fsync=fsync,
+                    verify_checksums=job.verify, io_threads=io_threads, direct_io=job.direct, io_engine=job.ioengine))
         eng = TransferEngine(tiers, (pool,), settings=TransferSettings(copy_kernel_sms=None))
         source, _owner = alloc_host(total * pool.block_nbytes)
         source[:] = np.frombuffer(np.random.default_rng(7).bytes(source.nbytes), dtype=np.uint8)
@@ -131,13 +137,15 @@ def run_job(job: FioJob, root: Path, config_pool: PoolSpec | None = None, io_thr
                 if isinstance(t, FileTier):
                     t.close()
             tiers.clear()
-            record["tiercache"].update(_fio_baselines(job, pool, n, work / "fio", record))
+            record["tiercache"].update(_fio_baselines(job, pool, n, [w / "fio" for w in works] if len(works) > 1
+                                                      else work / "fio", record))
         return record
     finally:
         for t in tiers.values():
             if isinstance(t, FileTier):
                 t.close()
-        shutil.rmtree(work, ignore_errors=True)
+        for w in works:
+            shutil.rmtree(w, ignore_errors=True)
 
 
 def merge_passes(records: list[dict]) -> dict:
@@ -257,8 +265,8 @@ def _baseline_kind(job: FioJob) -> str:
     return job.baseline
 
 
-def _fio_baselines(job: FioJob, pool: PoolSpec, n: int, directory: Path, rec: dict) -> dict:
-    """fio on the same directory: ``baseline`` (as fio runs it) and, for writes,
+def _fio_baselines(job: FioJob, pool: PoolSpec, n: int, directory: Path | list[Path], rec: dict) -> dict:
+    """fio on the same directory (or directories, at once): ``baseline`` (as fio runs it) and, for writes,
     ``baseline_durable`` (``fdatasync=1``); each with the bandwidth ratio and both p50/p99."""
     op = "read" if rec["read"]["total_ios"] >= rec["write"]["total_ios"] else "write"
     out = {}
@@ -273,7 +281,8 @@ def _fio_baselines(job: FioJob, pool: PoolSpec, n: int, directory: Path, rec: di
         b["tiercache_clat_p99_ns"] = int(pct.get("99.000000", 0))
         b["p99_ratio"] = b["tiercache_clat_p99_ns"] / max(b["clat_p99_ns"], 1)
         out[key] = b
-    shutil.rmtree(directory, ignore_errors=True)
+    for d in directory if isinstance(directory, list) else [directory]:
+        shutil.rmtree(d, ignore_errors=True)
     return out
 
 

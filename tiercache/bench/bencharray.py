@@ -1,0 +1,173 @@
+"""The root-array benchmark (``tiercache bench array --root D0 --root D1 ...``): the file tier over
+several devices (one root each) against fio's best on the same devices, in one run.
+
+Per block size (16 KiB to 2 MiB by default), in directories ``<Di>/array-bench-<pid>``:
+
+1. **fio's best aggregate**: :func:`~tiercache.bench.fiobase.best_fio` over every directory at
+   once (each grid point: ``numjobs`` jobs per directory at ``iodepth``, O_DIRECT, random reads
+   and sequential writes; the best point of the grid is the yardstick).
+2. **the cache's path**: fio-style jobs (:func:`~tiercache.bench.fiorun.run_job`) on the tier
+   pairs asked for (``host:file``, ``device:file`` with a GPU): offload (write) and onboard
+   (random read) of ``total_bytes`` per job through the transfer engine and a file tier that
+   is a root array over the directories, at ``iodepth`` blocks in flight, every byte verified
+   at the end.
+3. **the row store** (the vLLM tier's path, :class:`~tiercache.RowStore` over the same
+   directories): stores and loads of ``total_bytes`` in jobs of ``per_job`` rows, all jobs
+   submitted at once, loads checked byte for byte.
+
+Each tiercache figure is reported as GB/s and as its ratio to fio's best of the same direction
+in the same run. Writes use ``fsync`` (default ``none``, as fio's ``end_fsync=1``: one flush
+at the end). ``repeat`` alternated passes give the median and range of each ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tiercache.bench.fiobase import best_fio
+from tiercache.bench.fiorun import run_job
+from tiercache.bench.fiospec import FioJob
+from tiercache.errors import ConfigError
+
+DEFAULT_SIZES = (16 << 10, 64 << 10, 256 << 10, 2 << 20)
+
+
+def _median(vals: list[float]) -> float:
+    s = sorted(vals)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_threads: int, fsync: str,
+              seed: int) -> dict:
+    """Row store stores and loads of ``total_bytes`` over ``dirs``; GB/s each way."""
+    from tiercache import RowStore
+    from tiercache.memory import alloc_host
+
+    n = max(per_job, total_bytes // bs)
+    buf, _owner = alloc_host(n * bs, pinned=False)
+    rows = buf.reshape(n, bs)
+    rows[:] = np.frombuffer(np.random.default_rng(seed).bytes(n * bs), np.uint8).reshape(n, bs)
+    keys = [os.urandom(16) for _ in range(n)]
+    out: dict = {}
+    roots = [d / "rowstore" for d in dirs]
+    with RowStore(rows, roots if len(roots) > 1 else roots[0], capacity_blocks=RowStore.blocks_for(n + per_job),
+                  fsync=fsync, io_threads=io_threads) as st:
+        for op in ("store", "load"):
+            if op == "load":
+                rows[:] = 0
+            t = time.perf_counter()
+            for i in range(0, n, per_job):
+                idx = list(range(i, min(n, i + per_job)))
+                sub = [keys[j] for j in idx]
+                (st.submit_store if op == "store" else st.submit_load)(sub, idx)
+            if not st.drain(600):
+                raise RuntimeError("row store jobs did not finish in 600 s")
+            wall = time.perf_counter() - t
+            failed = [r for r in st.finished() if not r.success]
+            if failed:
+                raise RuntimeError(f"row store {op}: {len(failed)} job(s) failed")
+            out[f"{op}_gbps"] = n * bs / wall / 1e9
+        want = np.frombuffer(np.random.default_rng(seed).bytes(n * bs), np.uint8).reshape(n, bs)
+        bad = int(np.count_nonzero((rows != want).any(axis=1)))
+        if bad:
+            raise RuntimeError(f"row store: {bad} row(s) loaded wrong")
+        out["verified_rows"] = n
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)
+    return out
+
+
+def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:file",), total_bytes: int = 1 << 30,
+                    iodepth: int = 32, numjobs: int = 1, io_threads: int = 16, per_job: int = 32, fsync: str = "none",
+                    rowstore: bool = True, fio: bool = True, fio_runtime: float = 2.0, repeat: int = 1,
+                    seed: int | None = None, log=print) -> dict:
+    """Run the job (module docstring) over ``roots`` (one directory per device); returns a
+    JSON-ready report: per block size, fio's best (read and write, GB/s and its grid point),
+    and per tiercache path its GB/s and ratio to fio's best (median and range over passes).
+
+    Raises:
+        ConfigError: no roots, a block size that is not a positive multiple of 4096, or a
+            device tier asked for without a GPU (see :func:`~tiercache.bench.fiorun.run_job`).
+    """
+    if not roots:
+        raise ConfigError("give at least one directory (--root, repeatable: one per device)")
+    for bs in block_sizes:
+        if bs <= 0 or bs % 4096:
+            raise ConfigError(f"block size {bs} must be a positive multiple of 4096")
+    seed = int(np.random.SeedSequence().entropy % (1 << 31)) if seed is None else seed
+    dirs = [Path(r) / f"array-bench-{os.getpid()}" for r in roots]
+    report: dict = {"job": "array", "roots": [str(r) for r in roots], "total_bytes": total_bytes, "iodepth": iodepth,
+                    "numjobs": numjobs, "io_threads": io_threads, "fsync": fsync, "repeat": repeat, "seed": seed,
+                    "host": os.uname().nodename, "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M"),
+                    "sizes": []}
+    try:
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        for bs in block_sizes:
+            row: dict = {"block_bytes": bs, "fio": [], "paths": {}}
+            for p in range(repeat):
+                best = best_fio(dirs, bs, total_bytes, fio_runtime) if fio else {}
+                row["fio"].append(best)
+                for pair in tiers:
+                    for rw, op in (("write", "write"), ("randread", "read")):
+                        job = FioJob(name=f"arr{bs >> 10}k{rw}", rw=rw, bs=bs, size=max(bs, total_bytes // numjobs),
+                                     iodepth=iodepth, numjobs=numjobs, tiers=pair, baseline="none", verify=True)
+                        rec = run_job(job, dirs, io_threads=io_threads, log=log, fsync=fsync)
+                        gbps = rec[op]["bw_bytes"] / 1e9
+                        row["paths"].setdefault(f"{pair} {op}", []).append(
+                            {"gbps": gbps, "fio_gbps": best.get(f"{op}_gbps"),
+                             "path": rec["tiercache"]["path"], "verified": rec["tiercache"].get("verified_blocks")})
+                if rowstore:
+                    rs = _rowstore(dirs, bs, total_bytes, per_job, io_threads, fsync, seed + p)
+                    for op, fio_op in (("store", "write"), ("load", "read")):
+                        row["paths"].setdefault(f"rowstore {op}", []).append(
+                            {"gbps": rs[f"{op}_gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"),
+                             "verified": rs["verified_rows"]})
+                log(format_size(row, partial=True))
+            for name, runs in row["paths"].items():
+                ratios = [r["gbps"] / r["fio_gbps"] for r in runs if r.get("fio_gbps")]
+                row["paths"][name] = {"runs": runs, "gbps_median": _median([r["gbps"] for r in runs]),
+                                      **({"ratio_median": _median(ratios), "ratio_range": [min(ratios), max(ratios)]}
+                                         if ratios else {})}
+            report["sizes"].append(row)
+        report["ok"] = True  # every phase verified its bytes (a mismatch raises)
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    return report
+
+
+def format_size(row: dict, partial: bool = False) -> str:
+    """One block size's lines: fio's best, then each path's GB/s and ratio."""
+    bs = row["block_bytes"]
+    lines = []
+    for i, best in enumerate(row["fio"][-1:] if partial else row["fio"]):
+        if best.get("error"):
+            lines.append(f"{bs >> 10:>6} KiB  fio: {best['error']}")
+        elif best:
+            lines.append(f"{bs >> 10:>6} KiB  fio's best: read {best.get('read_gbps', 0):.2f} GB/s "
+                         f"({best.get('read_config')}), write {best.get('write_gbps', 0):.2f} GB/s ({best.get('write_config')})")
+    for name, v in row["paths"].items():
+        runs = v["runs"] if isinstance(v, dict) else v
+        last = runs[-1] if partial else None
+        if partial:
+            ratio = f"{last['gbps'] / last['fio_gbps']:.2f} of fio" if last.get("fio_gbps") else ""
+            lines.append(f"          {name:<22} {last['gbps']:6.2f} GB/s  {ratio}")
+        else:
+            rng = v.get("ratio_range")
+            ratio = (f"{v['ratio_median']:.2f} of fio ({rng[0]:.2f}-{rng[1]:.2f})" if rng else "")
+            lines.append(f"          {name:<22} {v['gbps_median']:6.2f} GB/s  {ratio}")
+    return "\n".join(lines)
+
+
+def format_array(report: dict) -> str:
+    head = (f"tiercache array benchmark: {len(report['roots'])} root(s) ({', '.join(report['roots'])}), "
+            f"{report['total_bytes'] >> 20} MiB per phase, iodepth {report['iodepth']}, numjobs {report['numjobs']}, "
+            f"{report['io_threads']} I/O threads, fsync {report['fsync']}, {report['repeat']} pass(es), "
+            f"{report['cores']} cores, {report['when']}")
+    return "\n".join([head] + [format_size(row) for row in report["sizes"]])
