@@ -6,11 +6,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 name=${1:?usage: gpu-array.sh NAME N [options]}; n=${2:?usage: gpu-array.sh NAME N [options]}; shift 2
-if ! python3 -c "import tiercache" 2>/dev/null; then
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PWD/.tools:$PATH TIERCACHE_FIO=$PWD/.tools/fio
+if ! command -v tiercache >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 fi
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PWD/.tools:$PATH TIERCACHE_FIO=$PWD/.tools/fio
 roots=()
 for m in $(bash tools/loop-array.sh up "$n" "${LOOP_SIZE:-6G}" /mnt/tcarray); do roots+=(--root "$m"); done
 nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
