@@ -101,6 +101,13 @@ def block_relpath(key: Key, pool: str) -> str:
     return f"{block_subdir(key)}/{block_filename(key, pool)}"
 
 
+def block_location(key: Key, pool: str) -> tuple[str, str]:
+    """``(subdirectory, file name)`` of ``key``'s file in ``pool`` (:func:`block_subdir`,
+    :func:`block_filename`) with the key's text made once: what every read and write asks."""
+    text = key_text(key)
+    return SUBDIRS[xxhash.xxh3_64_intdigest(text.encode()) % FANOUT], f"block_{text}_pool_{pool}.bin"
+
+
 def block_filename(key: Key, pool: str) -> str:
     """``block_{key}_pool_{pool}.bin`` (int keys in decimal, bytes keys as ``x<hex>``)."""
     return f"block_{key_text(key)}_pool_{pool}.bin"

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.errors import RootError
-from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, is_temporary_name, parse_filename
+from tiercache.files.blockfile import SUBDIRS, block_location, is_temporary_name, parse_filename
 from tiercache.files.rootdir import (ARRAY, ARRAY_LOCK, FILE_MODE, INDEX, STATS, RootDir, RootLock, RootPath,
                                     open_root, write_atomic)
 from tiercache.keys import Key
@@ -216,7 +216,9 @@ class RootArray:
         return [d for d in (self.subdir(name, create) for name in SUBDIRS) if d is not None]
 
     def block_path(self, key: Key, pool: str) -> RootPath:
-        return self.subdir(block_subdir(key), create=True).child(block_filename(key, pool))
+        sub, name = block_location(key, pool)
+        d = self._owner[sub].subdir(sub, create=True)
+        return RootPath(d.fd, name, None, d._text)
 
     def quarantine(self, path: RootPath) -> str | None:
         """Into the ``quarantine/`` of the member that holds ``path`` (never across devices)."""

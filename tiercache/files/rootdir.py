@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from tiercache.errors import RootError
-from tiercache.files.blockfile import (BOOT_TAG, FORMAT_VERSION, SUBDIRS, block_filename, block_subdir,
-                                      is_temporary_name, parse_filename)
+from tiercache.files.blockfile import (BOOT_TAG, FORMAT_VERSION, SUBDIRS, block_filename, block_location,
+                                      block_subdir, is_temporary_name, parse_filename)
 from tiercache.keys import Key
 
 MARKER = ".tiercache-root"
@@ -60,12 +60,19 @@ class RootPath(os.PathLike):
     should open :meth:`proc_path` of a descriptor from :meth:`open` instead).
     """
 
-    __slots__ = ("dir_fd", "name", "_full")
+    __slots__ = ("dir_fd", "name", "_full", "_parent")
 
-    def __init__(self, dir_fd: int | None, name: str, full: str) -> None:
+    def __init__(self, dir_fd: int | None, name: str, full: str | None, parent: str | None = None) -> None:
         self.dir_fd = dir_fd
         self.name = name
-        self._full = full
+        self._full = full  # or None: ``parent`` and ``name`` joined when first asked (most paths never are)
+        self._parent = parent
+
+    @property
+    def full(self) -> str:
+        if self._full is None:
+            self._full = os.path.join(self._parent, self.name)
+        return self._full
 
     @classmethod
     def of(cls, path: os.PathLike | str) -> RootPath:
@@ -76,19 +83,19 @@ class RootPath(os.PathLike):
         return cls(None, os.fspath(path), os.fspath(path))
 
     def __fspath__(self) -> str:
-        return self._full
+        return self.full
 
     def __str__(self) -> str:
-        return self._full
+        return self.full
 
     def __repr__(self) -> str:
-        return f"RootPath({self._full!r})"
+        return f"RootPath({self.full!r})"
 
     def with_name(self, name: str) -> RootPath:
         """A sibling: ``name`` in the same directory."""
         if self.dir_fd is None:
-            return RootPath(None, str(Path(self._full).with_name(name)), str(Path(self._full).with_name(name)))
-        return RootPath(self.dir_fd, name, os.path.join(os.path.dirname(self._full), name))
+            return RootPath(None, str(Path(self.full).with_name(name)), str(Path(self.full).with_name(name)))
+        return RootPath(self.dir_fd, name, None, os.path.dirname(self.full))
 
     def open(self, flags: int, mode: int = FILE_MODE, regular: bool = True) -> int:
         """``openat`` with ``O_NOFOLLOW``; with ``regular``, anything but a regular file is
@@ -175,6 +182,7 @@ class RootDir:
 
     def __init__(self, path: os.PathLike | str, check_owner: bool = True) -> None:
         self.path = Path(path)
+        self._text = str(self.path)
         self._subdirs: dict[str, RootDir] = {}
         self._subdir_lock = threading.Lock()
         self.fd = -1
@@ -203,7 +211,7 @@ class RootDir:
         """``name`` (a plain name, no ``/``) inside this directory."""
         if "/" in name or name in ("", ".", ".."):
             raise ValueError(f"{name!r} is not a plain file name")
-        return RootPath(self.fd, name, os.path.join(str(self.path), name))
+        return RootPath(self.fd, name, None, self._text)
 
     def scandir(self):
         """Entries of the directory (``entry.path`` is the plain name; use :meth:`child`)."""
@@ -242,6 +250,7 @@ class RootDir:
                 raise
             sub = RootDir.__new__(RootDir)
             sub.path, sub.fd, sub._subdirs, sub._subdir_lock = self.path / name, fd, {}, threading.Lock()
+            sub._text = str(sub.path)
             self._subdirs[name] = sub
             return sub
 
@@ -261,7 +270,9 @@ class RootDir:
         Raises:
             RootError: the subdirectory is a symlink or not a directory.
         """
-        return self.subdir(block_subdir(key), create=True).child(block_filename(key, pool))
+        sub, name = block_location(key, pool)
+        d = self._subdirs.get(sub) or self.subdir(sub, create=True)
+        return RootPath(d.fd, name, None, d._text)
 
     def quarantine(self, path: RootPath) -> str | None:
         """Move ``path`` (a file, symlink or directory in this root or one of its

@@ -32,10 +32,16 @@ _TMP_OWNER = re.compile(r"\.tmp\.block_[A-Za-z0-9_.-]+\.bin\.([0-9]+)\.([0-9a-f]
 _TMP_OWN_OWNER = re.compile(r"\.tmp\.own\.[A-Za-z0-9_.-]+?\.([0-9]+)(?:\.([0-9a-f]{8}))?", re.ASCII)
 
 
+#: this process's pid (``os.getpid`` is a system call; one per written file showed in traces),
+#: renewed in a forked child
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
+
 def tmp_name(final_name: str) -> str:
     """A fresh temporary name for a file to be renamed over ``final_name``:
     ``.tmp.<final>.<pid>.<boot tag><counter>`` (a counter per process, ``O_EXCL`` guards the rest)."""
-    return f"{TMP_PREFIX}{final_name}.{os.getpid()}.{BOOT_TAG}{next(_tmp_ids):x}"
+    return f"{TMP_PREFIX}{final_name}.{_pid[0]}.{BOOT_TAG}{next(_tmp_ids):x}"
 
 
 def tmp_owner(name: str) -> tuple[int, str | None] | None:
