@@ -303,3 +303,26 @@ def test_cli_roots_show_add_remove_and_verify_over_the_array(tmp_path, rng):
     r = runner.invoke(app, ["purge", "--root", str(b), "--yes"])
     assert r.exit_code == 0, r.output
     assert _files_per_root([a, b]) == [0, 0]
+
+
+def test_processes_opening_one_new_root_at_once_all_succeed(tmp_path):
+    """Each opener may find the directory holding only another's marker being written or its
+    lock file: still a new root of tiercache's, never "not empty and not ours"."""
+    for attempt in range(5):
+        s = sections(root=str(tmp_path / f"fresh{attempt}"), sharing="shared", io_engine="python", io_threads=2)
+        tiers, errors = [], []
+
+        def open_one():
+            try:
+                tiers.append(FileTier(POOLS, 100, IOPath("posix", "test"), s["file"], s["sharing"]))
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for t in tiers:
+            t.close()

@@ -658,6 +658,38 @@ class TestFsTierScenarios:
         for i, cid in enumerate(load_ids):
             assert torch.equal(tensor[cid], expected[i])
 
+    def test_a_list_of_roots_spreads_chunks_over_them(self, tmp_path):
+        """``root`` as a list (one directory per device): a root array of
+        ``<dir>/<model>_<digest>_r<rank>`` roots; chunks round-trip byte for byte, every root
+        holds some, and a reopen with the roots in another order finds them all."""
+        import torch
+
+        spec, m = H.build({"root": str(tmp_path / "unused")})
+        m.shutdown()
+        t = torch.zeros(self.N * (1 << 19) + 1024, dtype=torch.float32)
+        shift = (-t.data_ptr() % 4096) // 4
+        tensor = t[shift:shift + self.N * (1 << 19)].view(self.N, 1 << 19)
+        dirs = [str(tmp_path / f"nvme{i}") for i in range(3)]
+        tier = TierCacheTier(spec, memoryview(tensor.numpy()), "TierCacheTier", root=dirs, io_threads=4)
+        try:
+            assert [str(r.parent) for r in tier.roots] == dirs and tier.root == tier.roots[0]
+            tensor[:] = torch.rand(self.N, 1 << 19)
+            expected = tensor.clone()
+            keys = [self.key(i) for i in range(self.N)]
+            tier.submit_store(self.job(1, keys, list(range(self.N))))
+            assert all(r.success for r in self.drain(tier))
+        finally:
+            tier.shutdown()
+        assert all(any(r.glob("*/block_*")) for r in tier.roots)
+        tensor[:] = 0.0
+        tier = TierCacheTier(spec, memoryview(tensor.numpy()), "TierCacheTier", root=dirs[::-1], io_threads=4)
+        try:
+            tier.submit_load(self.job(2, keys, list(range(self.N)), True))
+            assert all(r.success for r in self.drain(tier))
+            assert torch.equal(tensor, expected)
+        finally:
+            tier.shutdown()
+
     def test_store_events_carry_locality(self, tmp_path):
         spec, m = H.build({"root": str(tmp_path / "a")}, events=True)
         view = m.primary_tier.get_kv_memoryview()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import os
 import stat
@@ -360,7 +361,7 @@ def write_atomic(root: RootDir, name: str, data: bytes, fsync: bool = False) -> 
     Raises:
         OSError: the temporary file is removed and ``name`` is untouched.
     """
-    tmp = root.child(f"{TMP_OWN}{name.lstrip('.')}.{os.getpid()}.{BOOT_TAG}")
+    tmp = root.child(f"{TMP_OWN}{name.lstrip('.')}-{next(_own_ids)}.{os.getpid()}.{BOOT_TAG}")
     fd = tmp.open(os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC)
     try:
         try:
@@ -387,6 +388,8 @@ def _mode_of(dir_fd: int, name: str) -> str:
 
 #: prefix of tiercache's own temporary files other than block files' (marker, stats)
 TMP_OWN = ".tmp.own."
+#: a counter in those names: two threads of one process may write one name at once
+_own_ids = itertools.count()
 
 
 def open_root(path: os.PathLike | str, check_owner: bool = True) -> RootDir:
@@ -415,7 +418,9 @@ def open_root(path: os.PathLike | str, check_owner: bool = True) -> RootDir:
             check_marker(root)
             return root
         with root.scandir() as it:
-            if any(True for _ in it):
+            # only tiercache's own names (a marker being written by another process opening the
+            # same new root at this moment, its lock files): ours too
+            if any(classify(e.name) not in ("own", "temporary") for e in it):
                 raise RootError(
                     f"refusing to use {str(path)!r} as a file-tier root: it is not empty and has no "
                     f"{MARKER} marker (not created by tiercache); give an empty or new directory"
