@@ -242,6 +242,9 @@ def test_chunks_cover_every_block_once_in_order(rng):
         assert [i for c in chunks for i in c] == list(range(n))
         for c in chunks:  # whole blocks; a chunk is over the file cap only when one block is
             assert len(c) * pools <= max(MAX_CHUNK_FILES, pools)
+        if pools == 1:  # as few chunks as the cap allows (host buffers: no staging bound)
+            assert len(chunks) == -(-n // MAX_CHUNK_FILES)
+    assert len(BlockBatches.chunks([(i, {"p": np.zeros(8, np.uint8)}) for i in range(32)])) == 1
 
 
 def test_engine_choice():
