@@ -362,7 +362,9 @@ def array_cmd(
     bs: Annotated[Optional[list[str]], typer.Option("--bs", help="Block size (repeatable; default 16k 64k 256k 2m).")] = None,
     tiers: Annotated[Optional[list[str]], typer.Option("--tiers", help="Tier pair (repeatable; default host:file, and device:file with a GPU).")] = None,
     size: Annotated[str, typer.Option(help="Bytes per phase (per block size and direction).")] = "1g",
-    iodepth: Annotated[int, typer.Option(help="Blocks in flight per job.", min=1, max=4096)] = 32,
+    iodepth: Annotated[int, typer.Option(help="Blocks in flight per fio-style job.", min=1, max=4096)] = 128,
+    batch: Annotated[int, typer.Option(help="Blocks per request of the cache's path.", min=1, max=4096)] = 32,
+    rows_per_job: Annotated[int, typer.Option(help="Rows per job of the row store.", min=1, max=4096)] = 32,
     numjobs: Annotated[int, typer.Option(help="Jobs (threads) per fio-style run.", min=1, max=64)] = 1,
     io_threads: Annotated[int, typer.Option(help="The file tier's I/O threads.", min=1, max=256)] = 16,
     fsync: Annotated[str, typer.Option(help="The file tier's fsync policy during the writes (none: as fio's end_fsync=1).")] = "none",
@@ -384,7 +386,7 @@ def array_cmd(
     try:
         sizes = tuple(parse_size(b, "--bs") for b in bs) if bs else DEFAULT_SIZES
         rep = run_array_bench([Path(r) for r in root], block_sizes=sizes, tiers=pairs,
-                              total_bytes=parse_size(size, "--size"), iodepth=iodepth, numjobs=numjobs,
+                              total_bytes=parse_size(size, "--size"), iodepth=iodepth, batch=batch, per_job=rows_per_job, numjobs=numjobs,
                               io_threads=io_threads, fsync=fsync, rowstore=rowstore, fio=not no_baseline,
                               repeat=repeat, seed=seed, log=_log(output_format))
     except TierCacheError as exc:

@@ -252,7 +252,8 @@ def test_bench_is_a_command_group_each_job_with_its_own_options():
     """`tiercache bench JOB --help` lists that job's options only; a job's option given to
     another job is a usage error (exit 2, one line); `bench fio` without a job is one too."""
     runner = CliRunner()
-    jobs = ["main", "fio", "copy", "file", "layerwise", "metrics", "shared", "vllm-tier", "vllm-serve", "scale", "hf"]
+    jobs = ["main", "fio", "copy", "file", "layerwise", "metrics", "shared", "vllm-tier", "vllm-serve", "scale", "hf",
+            "array"]
     top = runner.invoke(app, ["bench", "--help"], terminal_width=200)
     assert top.exit_code == 0 and all(j in top.output for j in jobs)
     own = {"fio": "--iodepth", "vllm-serve": "--prefix-tokens", "hf": "--ring-layers", "shared": "--procs"}
@@ -266,3 +267,36 @@ def test_bench_is_a_command_group_each_job_with_its_own_options():
     assert res.exit_code == 2 and "No such option" in res.output and len(res.output.strip().splitlines()) == 1
     res = runner.invoke(app, ["bench", "fio"])
     assert res.exit_code == 2 and "give job files or at least one job option" in res.output
+
+
+def test_array_bench_over_two_roots_verifies_every_path(tmp_path):
+    """`tiercache bench array` over two directories: the cache's offload/onboard and the row
+    store's stores/loads run over a root array of both, every byte verified, nothing left."""
+    roots = [tmp_path / "d0", tmp_path / "d1"]
+    for r in roots:
+        r.mkdir()
+    res = CliRunner().invoke(app, ["bench", "array", "--root", str(roots[0]), "--root", str(roots[1]), "--bs", "64k",
+                                   "--size", "4m", "--tiers", "host:file", "--no-baseline", "--output-format", "json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output[res.output.index("{"):])
+    assert rep["ok"] and rep["roots"] == [str(r) for r in roots] and rep["batch"] == 32
+    (row,) = rep["sizes"]
+    assert set(row["paths"]) == {"host:file write", "host:file read", "rowstore store", "rowstore load"}
+    assert row["paths"]["host:file read"]["runs"][0]["verified"] == 2 * 64
+    assert row["paths"]["rowstore load"]["runs"][0]["verified"] == 64
+    assert all(p["gbps_median"] > 0 for p in row["paths"].values())
+    assert not [p for r in roots for p in r.iterdir()]  # the job's directories are removed
+
+
+@pytest.mark.skipif(shutil.which("fio") is None and not os.environ.get("TIERCACHE_FIO"), reason="fio not installed")
+def test_fio_runs_one_job_on_several_directories_at_once(tmp_path):
+    from tiercache.bench.fiobase import run_fio
+    from tiercache.bench.fiospec import FioJob
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    job = FioJob(name="two", rw="write", bs=65536, iodepth=4, numjobs=2, direct=False)
+    r = run_fio(job, 65536, 16, dirs, "write")
+    assert r["bw_bytes"] > 0
+    # each directory got numjobs files of 16 blocks written, and they are removed after
+    assert "--name=twod0" in r["command"] and "--name=twod1" in r["command"]
+    assert not [p for d in dirs for p in d.iterdir()]

@@ -196,9 +196,9 @@ def test_an_interrupted_change_is_refused_then_finished_by_running_it_again(tmp_
     with pytest.raises(KeyboardInterrupt):
         reshape([a], add=[b])
     monkeypatch.setattr(rootarray, "_move_file", real)
-    for given in ([a, b], [a]):
+    for listed in ([a, b], [a]):
         with pytest.raises(RootError, match="interrupted.*run the same"):
-            TierCache(_cfg(given))
+            TierCache(_cfg(listed))
     reshape([a], add=[b])  # the same command again
     with TierCache(_cfg([a, b])) as cache:
         assert_bytes(cache, want)
@@ -326,3 +326,16 @@ def test_processes_opening_one_new_root_at_once_all_succeed(tmp_path):
         assert not errors, errors
         for t in tiers:
             t.close()
+
+
+def test_top_reads_the_array_stats_from_any_member(tmp_path, rng):
+    pytest.importorskip("prometheus_client")
+    from cli.top_cmd import read_root
+
+    roots = [tmp_path / f"dev{i}" for i in range(3)]
+    with TierCache(_cfg(roots)) as c:
+        put_random(c, random_keys(rng, 30), rng, tier="file")
+        c.flush()
+    for member in roots:  # the stats live in the home (the first member); any member finds them
+        fams, age = read_root(member)
+        assert fams and age is not None and age < 60

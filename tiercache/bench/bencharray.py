@@ -9,8 +9,9 @@ Per block size (16 KiB to 2 MiB by default), in directories ``<Di>/array-bench-<
 2. **the cache's path**: fio-style jobs (:func:`~tiercache.bench.fiorun.run_job`) on the tier
    pairs asked for (``host:file``, ``device:file`` with a GPU): offload (write) and onboard
    (random read) of ``total_bytes`` per job through the transfer engine and a file tier that
-   is a root array over the directories, at ``iodepth`` blocks in flight, every byte verified
-   at the end.
+   is a root array over the directories, at ``iodepth`` blocks in flight in requests of
+   ``batch`` blocks (by default the row store's job size, ``per_job``: the two paths compared
+   like for like), every byte verified at the end.
 3. **the row store** (the vLLM tier's path, :class:`~tiercache.RowStore` over the same
    directories): stores and loads of ``total_bytes`` in jobs of ``per_job`` rows, all jobs
    submitted at once, loads checked byte for byte.
@@ -83,7 +84,8 @@ def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_thre
 
 
 def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:file",), total_bytes: int = 1 << 30,
-                    iodepth: int = 32, numjobs: int = 1, io_threads: int = 16, per_job: int = 32, fsync: str = "none",
+                    iodepth: int = 128, batch: int = 32, numjobs: int = 1, io_threads: int = 16, per_job: int = 32,
+                    fsync: str = "none",
                     rowstore: bool = True, fio: bool = True, fio_runtime: float = 2.0, repeat: int = 1,
                     seed: int | None = None, log=print) -> dict:
     """Run the job (module docstring) over ``roots`` (one directory per device); returns a
@@ -102,6 +104,7 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
     seed = int(np.random.SeedSequence().entropy % (1 << 31)) if seed is None else seed
     dirs = [Path(r) / f"array-bench-{os.getpid()}" for r in roots]
     report: dict = {"job": "array", "roots": [str(r) for r in roots], "total_bytes": total_bytes, "iodepth": iodepth,
+                    "batch": batch, "rows_per_job": per_job,
                     "numjobs": numjobs, "io_threads": io_threads, "fsync": fsync, "repeat": repeat, "seed": seed,
                     "host": os.uname().nodename, "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M"),
                     "sizes": []}
@@ -116,7 +119,8 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
                 for pair in tiers:
                     for rw, op in (("write", "write"), ("randread", "read")):
                         job = FioJob(name=f"arr{bs >> 10}k{rw}", rw=rw, bs=bs, size=max(bs, total_bytes // numjobs),
-                                     iodepth=iodepth, numjobs=numjobs, tiers=pair, baseline="none", verify=True)
+                                     iodepth=iodepth, iodepth_batch=min(batch, iodepth), numjobs=numjobs, tiers=pair,
+                                     baseline="none", verify=True)
                         rec = run_job(job, dirs, io_threads=io_threads, log=log, fsync=fsync)
                         gbps = rec[op]["bw_bytes"] / 1e9
                         row["paths"].setdefault(f"{pair} {op}", []).append(
@@ -167,7 +171,9 @@ def format_size(row: dict, partial: bool = False) -> str:
 
 def format_array(report: dict) -> str:
     head = (f"tiercache array benchmark: {len(report['roots'])} root(s) ({', '.join(report['roots'])}), "
-            f"{report['total_bytes'] >> 20} MiB per phase, iodepth {report['iodepth']}, numjobs {report['numjobs']}, "
+            f"{report['total_bytes'] >> 20} MiB per phase, iodepth {report['iodepth']} in requests of "
+            f"{report.get('batch', report['iodepth'] // 4)}, row store jobs of {report.get('rows_per_job', 32)}, "
+            f"numjobs {report['numjobs']}, "
             f"{report['io_threads']} I/O threads, fsync {report['fsync']}, {report['repeat']} pass(es), "
             f"{report['cores']} cores, {report['when']}")
     return "\n".join([head] + [format_size(row) for row in report["sizes"]])

@@ -118,7 +118,7 @@ class FileTier:
     def __init__(self, pools: tuple[PoolSpec, ...], num_slots: int, io_path: IOPath,
                  settings: FileSettings = FileSettings(), sharing: SharingSettings = SharingSettings(),
                  device_id: int = 0, free_files: int = FREE_FILES) -> None:
-        root, fsync, verify, io_threads = settings.root, settings.fsync, settings.verify_checksums, settings.io_threads
+        fsync, verify, io_threads = settings.fsync, settings.verify_checksums, settings.io_threads
         direct_io, open_files = settings.direct_io, settings.open_files
         self.settings, self.sharing = settings, sharing
         io_engine = settings.io_engine
