@@ -17,7 +17,7 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import members_of, read_record, reshape, RootDir, subdir_owner
+from tiercache.files import members_of, record_of, reshape, subdir_owner
 from tiercache.rootops import survey
 
 from .common import fail, human_bytes
@@ -43,11 +43,7 @@ def show(
     """The array's members (the home first), the block subdirectories each holds, and their blocks."""
     try:
         members = members_of(root)
-        rd = RootDir(root, check_owner=False)
-        try:
-            rec = read_record(rd)
-        finally:
-            rd.close()
+        rec = record_of(root)
     except RootError as exc:
         fail(str(exc))
     rows = []

@@ -343,6 +343,16 @@ def _assemble(dirs: list[RootDir], recs: list[ArrayRecord | None]) -> RootDir | 
     return RootArray([by_id[mid] for mid, _ in some.members], some)
 
 
+def record_of(root: os.PathLike | str) -> ArrayRecord | None:
+    """The array record of the root at ``root`` (None for a plain root). Reads only.
+
+    Raises:
+        RootError: no such directory, or the record is unreadable.
+    """
+    with RootDir(root, check_owner=False) as rd:
+        return read_record(rd)
+
+
 def members_of(root: os.PathLike | str) -> list[Path]:
     """The member roots of the array that ``root`` belongs to, the home first, as their
     records name them (``[root]`` for a plain root). Reads only.
@@ -350,11 +360,7 @@ def members_of(root: os.PathLike | str) -> list[Path]:
     Raises:
         RootError: the record is unreadable.
     """
-    rd = RootDir(root, check_owner=False)
-    try:
-        rec = read_record(rd)
-    finally:
-        rd.close()
+    rec = record_of(root)
     if rec is None:
         return [Path(root)]
     return [Path(p) if mid != rec.member else Path(root) for mid, p in rec.members]
@@ -362,11 +368,7 @@ def members_of(root: os.PathLike | str) -> list[Path]:
 
 def subdir_owner(root: os.PathLike | str) -> dict[str, bool]:
     """Per block subdirectory, whether ``root`` holds it in its array (all True for a plain root)."""
-    rd = RootDir(root, check_owner=False)
-    try:
-        rec = read_record(rd)
-    finally:
-        rd.close()
+    rec = record_of(root)
     if rec is None:
         return {n: True for n in SUBDIRS}
     me = [mid for mid, _ in rec.members].index(rec.member)
@@ -587,4 +589,4 @@ def _final_records(final: ArrayRecord, by_id: dict[str, RootDir]) -> None:
 
 
 __all__ = ["ARRAY", "ARRAY_LOCK", "ArrayRecord", "ReshapeResult", "RootArray", "balanced_table", "members_of",
-           "open_roots", "read_record", "reshape", "subdir_owner"]
+           "open_roots", "read_record", "record_of", "reshape", "subdir_owner"]
