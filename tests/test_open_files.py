@@ -97,6 +97,14 @@ def test_random_writes_overwrites_evictions_and_reads_match_a_model(tmp_path, rn
         assert {n for n in names(root) if n.startswith("block_")} == {
             block_filename(k, p.name) for k in model for p in pools}
         assert of.held <= of.capacity
+    # whatever the random operations were: an overwrite (its replaced file becomes free) and a
+    # new key in the same subdirectory (a free file is reused only there)
+    old = next(iter(model)) if model else universe[0]
+    new = _keys_in(rng, [block_subdir(old)], 1)[0]
+    for k in (old, old, new):
+        data = _rows(rng, pools, 1)
+        assert not any(ft.write(_items([k], data)).values())
+        model[k] = {p.name: data[p.name][0].copy() for p in pools}
     _check(ft, pools, model)
     assert of.hits > 0 and of.recycled > 0 and of.reused > 0  # the mechanisms under test ran
     ft.close()
