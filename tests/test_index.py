@@ -259,3 +259,56 @@ def test_rowstore_default_capacity_counts_the_blocks_already_there(tmp_path, rng
         st.submit_load(keys, list(range(n)))
         assert st.drain(30) and all(r.success for r in st.finished())
     assert np.array_equal(out, rows)
+
+
+def test_rowstore_store_in_flight_across_the_reconciliation_listing_is_kept(tmp_path, rng, monkeypatch):
+    """A store submitted after the open (its key in the index) whose file is published only
+    after the reconciliation listed its subdirectory: the listing did not see the file, but the
+    block was written since; applying the reconciliation must neither drop the key nor delete
+    its file (a SIGKILL test of the vLLM tier lost acknowledged chunks this way)."""
+    import threading
+
+    from tiercache import RowStore
+    from tiercache.files import SUBDIRS, FileTier, blockbatch, block_subdir
+
+    root, rows, keys = _rowstore_root(tmp_path, rng)
+    with RowStore(np.zeros_like(rows), root, capacity_blocks=4 * len(keys)) as st:
+        st.root_index.checkpoint()  # a running cache's checkpoint: every subdirectory untrusted
+        crashed = (root / INDEX).read_bytes()
+    (root / INDEX).write_bytes(crashed)  # as if killed: the next open reconciles every subdirectory
+    first = SUBDIRS[0]
+    new = next(k for k in (rng.bytes(16) for _ in range(10_000)) if block_subdir(k) != first)
+    submitted, listed = threading.Event(), threading.Event()
+    real_scan, real_write = FileTier.scan, blockbatch.BlockBatches._write_chunk
+
+    def scan(self, dirs=None, known=None):
+        if dirs is not None and dirs[0] == first:
+            assert submitted.wait(30)  # the new key is in the index before its subdirectory is listed
+        res = real_scan(self, dirs, known)
+        if dirs is not None and dirs[0] == block_subdir(new):
+            listed.set()
+        return res
+
+    def write_chunk(self, *a, **k):
+        assert listed.wait(30)  # published only after its subdirectory was listed
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(FileTier, "scan", scan)
+    monkeypatch.setattr(blockbatch.BlockBatches, "_write_chunk", write_chunk)
+    out = np.zeros_like(rows)
+    out[0] = rng.integers(0, 256, rows.shape[1], dtype=np.uint8)
+    with RowStore(out, root, capacity_blocks=4 * len(keys)) as st:
+        assert st.scan.from_index
+        st.submit_store([new], [0])
+        submitted.set()
+        assert st.drain(30) and all(r.success for r in st.finished())
+        assert st.wait_reconciled(30)
+        assert new in st and (root / block_relpath(new, "kv")).is_file()
+        assert st.counters["dropped_blocks"] == 0
+        want = out[0].copy()
+        out[0] = 0
+        st.submit_load([new], [0])
+        assert st.drain(30) and all(r.success for r in st.finished())
+        assert np.array_equal(out[0], want)
+    with RowStore(np.zeros_like(rows), root, capacity_blocks=4 * len(keys)) as st:
+        assert st.wait_reconciled(30) and new in st and len(st) == len(keys) + 1

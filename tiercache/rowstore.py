@@ -234,6 +234,7 @@ class RowStore:
         self._bg: threading.Thread | None = None
         #: the root's saved index (``.tiercache-index``): what the open starts from
         self.root_index = RootIndex(self.ft, self.index, self.counters, accepts=lambda k: isinstance(k, bytes),
+                                    busy=self._storing.__contains__,
                                     checkpoint_interval_s=fs.index_checkpoint_s)
         try:
             self.scan = self.root_index.rebuild()

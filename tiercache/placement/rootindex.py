@@ -45,17 +45,21 @@ class RootIndex:
         accepts: which keys this index may hold (a RowStore's: content keys only); default all.
         make_room: ``make_room(n, protect)`` frees ``n`` slots for adopted blocks, sparing the
             keys ``protect`` (default: nothing to free).
+        busy: whether a key is being written now (a RowStore's stores in flight): never
+            dropped by a reconciliation; default none.
         checkpoint_interval_s: seconds between index checkpoints (``[file] index_checkpoint_s``).
     """
 
     def __init__(self, file_tier: FileTier | None, slots: CompactSlots | None, counters: Counter,
                  contains: Callable[[Key], bool] | None = None, accepts: Callable[[Key], bool] | None = None,
-                 make_room: Callable[[int, set], None] | None = None, checkpoint_interval_s: float = 60.0) -> None:
+                 make_room: Callable[[int, set], None] | None = None, checkpoint_interval_s: float = 60.0,
+                 busy: Callable[[Key], bool] | None = None) -> None:
         self.file_tier = file_tier
         self._slots = slots
         self.counters = counters
         self.contains = contains or (lambda k: self.slots.find(k) >= 0)
         self.accepts = accepts or (lambda k: True)
+        self.busy = busy or (lambda k: False)
         self.shared = file_tier is not None and file_tier.shared
         #: ``make_room(n, protect)`` frees ``n`` slots (for adopted blocks)
         self.make_room: Callable[[int, set], None] = make_room or (lambda n, protect: None)
@@ -248,6 +252,11 @@ class RootIndex:
         self._untrusted = set(dirs)
         threading.Thread(target=run, name="tiercache-reconcile", daemon=True).start()
 
+    def _all_files_there(self, key: Key) -> bool:
+        """Every pool's file of ``key`` is in the root now (one ``lstat`` each)."""
+        ft = self.file_tier
+        return all(ft.path(key, pool).lstat() is not None for pool in ft.pools)
+
     def stop(self) -> None:
         """The cache is closing: stop a reconciliation still running (at the next
         subdirectory; its subdirectories stay untrusted in the index) and wait for it."""
@@ -278,8 +287,13 @@ class RootIndex:
         self._untrusted = set()
         dropped = []
         for s, t in out["gone"]:
-            if ts.tick_of(s) == t and s in ts.key_at:  # unchanged since the listing: really gone
+            if ts.tick_of(s) == t and s in ts.key_at:  # unchanged since the listing
                 k = ts.key_at[s]
+                # a write the listing came too early for: its key entered the index before its
+                # files were published (still in flight, or done and not yet settled), so
+                # dropping it would delete an acknowledged block
+                if self.busy(k) or self._all_files_there(k):
+                    continue
                 ts.remove([k])
                 dropped.append(k)
                 self.forgotten(k)
