@@ -43,6 +43,14 @@ from tiercache.integrations.vllm import TierCacheTier  # noqa: E402
 HARNESS = Path(__file__).with_name("vllm_harness.py")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_regions():
+    """The CPU tiers' files in /dev/shm that this module's managers (and the processes it
+    killed) left behind are deleted at its end."""
+    yield
+    H.remove_shared_regions()
+
+
 @pytest.fixture
 def engine(tmp_path, request):
     """An Engine over a fresh manager; ``@pytest.mark.parametrize("tier_config", ...)`` adds keys."""

@@ -38,6 +38,25 @@ if os.environ.get("TIERCACHE_EXPECT_VLLM"):  # this file's child processes check
                            f"{vllm.__version__} was imported from {vllm.__file__}")
 
 
+#: this test run's tag in engine ids (its child processes inherit it): vLLM's CPU tier maps
+#: ``/dev/shm/vllm_offload_<engine id>.mmap``, which a killed process leaves behind
+RUN = os.environ.setdefault("TIERCACHE_TEST_RUN", uuid.uuid4().hex[:8])
+
+
+def remove_shared_regions() -> int:
+    """Delete the CPU tiers' shared-memory files of this test run; returns how many."""
+    import glob
+
+    n = 0
+    for path in glob.glob(f"/dev/shm/vllm_offload_tc-test-{RUN}-*.mmap"):
+        try:
+            os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
 def offloading_config(tier: dict, row_bytes: int = 64 << 10, primary_chunks: int = 16, events: bool = False,
                       model: str = "org/tiny-model", rank: int = 0, world_size: int = 1, route: str = "spec"):
     """vLLM's normalized config for one KV-cache group of rows of ``row_bytes`` and a CPU
@@ -53,7 +72,7 @@ def offloading_config(tier: dict, row_bytes: int = 64 << 10, primary_chunks: int
     else:
         extra.update(spec_name="TieringOffloadingSpec")
         extra["secondary_tiers"][0]["module_path"] = MODULE
-    return compat.offloading_config(row_bytes=row_bytes, extra_config=extra, engine_id=f"tc-test-{uuid.uuid4().hex[:12]}",
+    return compat.offloading_config(row_bytes=row_bytes, extra_config=extra, engine_id=f"tc-test-{RUN}-{uuid.uuid4().hex[:12]}",
                                     model=model, layer_names=("model.layers.0.attn",), events=events, rank=rank,
                                     world_size=world_size)
 
