@@ -110,6 +110,20 @@ class Outcome:
         for fn in callbacks or ():
             fn()
 
+    def done(self) -> bool:
+        """Settled (never blocks)."""
+        return self.event.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait until settled; the first failure of its blocks or None.
+
+        Raises:
+            TimeoutError: not settled within ``timeout`` seconds.
+        """
+        if not self.event.wait(timeout):
+            raise TimeoutError(f"blocks not finished after {timeout} s")
+        return next(iter(self.errors.values()), None)
+
     def on_settled(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once settled: in the settling thread, or now if already settled."""
         with self._lock:
@@ -128,6 +142,13 @@ class BlockFuture:
 
     def __init__(self, outcome: Outcome, i: int) -> None:
         self._outcome, self._i = outcome, i
+
+    @property
+    def outcome(self) -> Outcome:
+        """The outcome this block shares with the others of its chunk: waiting for a
+        request's blocks is one wait per chunk (:meth:`Job.wait_host
+        <tiercache.transfer.jobs.Job.wait_host>`)."""
+        return self._outcome
 
     def done(self) -> bool:
         return self._outcome.event.is_set()

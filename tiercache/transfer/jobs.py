@@ -16,6 +16,17 @@ from tiercache.errors import TransferError
 from tiercache.keys import key_text
 
 
+def distinct_outcomes(futures) -> list:
+    """What to wait for to know ``futures`` settled: the outcome a chunk's block futures share
+    (their ``outcome``: :class:`~tiercache.files.blockbatch.Outcome`) once, any other future
+    itself. Both have ``done()`` and ``exception(timeout)``; an outcome's is its first failure."""
+    seen: dict[int, object] = {}
+    for f in futures:
+        o = getattr(f, "outcome", f)
+        seen.setdefault(id(o), o)
+    return list(seen.values())
+
+
 @dataclass(frozen=True)
 class JobResult:
     """What a finished job did.
@@ -78,6 +89,7 @@ class Job:
         self.dst_slots = None  # destination slots of a memory job (int64 array)
         self._dst_slot_of: dict = {}  # key/index -> destination slot, to map failures
         self._t0 = time.perf_counter()
+        self._waits: tuple | None = None  # (futures, what they settle through: one per chunk)
         self._t1: float | None = None
         self._result: JobResult | None = None
         self.group_events: list = []  # GPU job: one event per copy group (the last is end_event)
@@ -95,7 +107,7 @@ class Job:
             return True
         if self.on_gpu and not self.end_event.done:
             return False
-        if any(not f.done() for _, f in self.futures):
+        if any(not w.done() for w in self._settles()):
             return False
         return all(j.done() for j in self.covers)
 
@@ -131,10 +143,10 @@ class Job:
                     if time.perf_counter() > deadline:
                         raise TimeoutError(f"job {self.id} not finished after {timeout} s")
                     time.sleep(50e-6)
-        for _, f in self.futures:
+        for w in self._settles():
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
             try:
-                f.exception(timeout=left)
+                w.exception(timeout=left)
             except TimeoutError:
                 raise TimeoutError(f"job {self.id} not finished after {timeout} s") from None
         for j in self.covers:
@@ -183,11 +195,21 @@ class Job:
         else:
             ev.synchronize()
 
+    def _settles(self) -> list:
+        """The distinct outcomes (or plain futures) :attr:`futures` settle through, found once."""
+        if self._waits is None or self._waits[0] is not self.futures:
+            self._waits = (self.futures, distinct_outcomes(f for _, f in self.futures))
+        return self._waits[1]
+
+    def _any_failed(self) -> bool:
+        """Some future failed (the settled ones only: never blocks)."""
+        return any(w.done() and w.exception() is not None for w in self._settles())
+
     # -- failures --------------------------------------------------------------------------
     def failed_slots(self) -> set[int]:
         """Destination slots of this job that hold no valid block (after it finished)."""
         out = set(self.failed_dst_slots)
-        for k, f in self.futures:
+        for k, f in self.futures if self._any_failed() else ():
             if f.done() and f.exception() is not None and k in self._dst_slot_of:
                 out.add(self._dst_slot_of[k])
         return out
@@ -197,7 +219,7 @@ class Job:
         if self._result is not None:
             return self._result
         failed = dict(self.failed)
-        for k, f in self.futures:
+        for k, f in self.futures if self._any_failed() else ():
             exc = f.exception()
             if exc is not None and k not in failed:
                 failed[k] = exc
