@@ -113,7 +113,17 @@ typedef struct {
     const int32_t *expect_len;
     const int64_t *nbytes;
     int32_t *verdict;
+    /* out, where not NULL: what a descriptor kept by TC_KEEP is (the file tier's record of it,
+     * made here on the pool's threads instead of by an fstat and an fcntl per file in Python,
+     * each of which gave up and took back the GIL): its inode number, its size in bytes, and
+     * TC_KEPT_DIRECT | TC_KEPT_RDWR of its open flags; a kept descriptor that is not a regular
+     * file is closed (fd[i] = -1) */
+    int64_t *kept_ino;
+    int64_t *kept_size;
+    int32_t *kept_flags;
 } tc_batch;
+
+enum { TC_KEPT_DIRECT = 1, TC_KEPT_RDWR = 2 };
 
 /* the directory of operation i's names */
 static inline int opdir(const tc_batch *b, int i)
@@ -329,6 +339,18 @@ static int settle_fd(const tc_batch *b, int i, int fd, int e)
     if (!e && keeps(b, i)) {
         if ((b->flags[i] & TC_KEEP_DIRECT) && !(b->flags[i] & TC_DIRECT))
             fcntl(fd, F_SETFL, O_DIRECT); /* kept for O_DIRECT use (where the filesystem has it) */
+        if (b->kept_ino) {
+            struct stat st;
+            int fl = fcntl(fd, F_GETFL);
+            if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || fl < 0) {
+                close(fd); /* not kept: the operation itself succeeded */
+                b->fd[i] = -1;
+                return 0;
+            }
+            b->kept_ino[i] = (int64_t)st.st_ino;
+            b->kept_size[i] = (int64_t)st.st_size;
+            b->kept_flags[i] = ((fl & O_DIRECT) ? TC_KEPT_DIRECT : 0) | ((fl & O_ACCMODE) == O_RDWR ? TC_KEPT_RDWR : 0);
+        }
         b->fd[i] = fd;
         return 0;
     }

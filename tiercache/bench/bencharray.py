@@ -17,7 +17,8 @@ Per block size (16 KiB to 2 MiB by default), in directories ``<Di>/array-bench-<
    submitted at once, loads checked byte for byte.
 
 Each tiercache figure is reported as GB/s and as its ratio to fio's best of the same direction
-in the same run. Writes use ``fsync`` (default ``none``, as fio's ``end_fsync=1``: one flush
+in the same run; the cache's paths also give the process's CPU time per block (user and system,
+all threads) over the timed phase. Writes use ``fsync`` (default ``none``, as fio's ``end_fsync=1``: one flush
 at the end). ``repeat`` alternated passes give the median and range of each ratio.
 """
 
@@ -125,7 +126,8 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
                         gbps = rec[op]["bw_bytes"] / 1e9
                         row["paths"].setdefault(f"{pair} {op}", []).append(
                             {"gbps": gbps, "fio_gbps": best.get(f"{op}_gbps"),
-                             "path": rec["tiercache"]["path"], "verified": rec["tiercache"].get("verified_blocks")})
+                             "path": rec["tiercache"]["path"], "verified": rec["tiercache"].get("verified_blocks"),
+                             "cpu_us_per_block": rec["tiercache"].get("cpu_us_per_block")})
                 if rowstore:
                     rs = _rowstore(dirs, bs, total_bytes, per_job, io_threads, fsync, seed + p)
                     for op, fio_op in (("store", "write"), ("load", "read")):
@@ -161,12 +163,17 @@ def format_size(row: dict, partial: bool = False) -> str:
         last = runs[-1] if partial else None
         if partial:
             ratio = f"{last['gbps'] / last['fio_gbps']:.2f} of fio" if last.get("fio_gbps") else ""
-            lines.append(f"          {name:<22} {last['gbps']:6.2f} GB/s  {ratio}")
+            lines.append(f"          {name:<22} {last['gbps']:6.2f} GB/s  {ratio}{_cpu_text(last)}")
         else:
             rng = v.get("ratio_range")
             ratio = (f"{v['ratio_median']:.2f} of fio ({rng[0]:.2f}-{rng[1]:.2f})" if rng else "")
-            lines.append(f"          {name:<22} {v['gbps_median']:6.2f} GB/s  {ratio}")
+            lines.append(f"          {name:<22} {v['gbps_median']:6.2f} GB/s  {ratio}{_cpu_text(runs[len(runs) // 2])}")
     return "\n".join(lines)
+
+
+def _cpu_text(run: dict) -> str:
+    cpu = run.get("cpu_us_per_block")
+    return f"  CPU {cpu['user']:.0f} us user + {cpu['sys']:.0f} us sys per block" if cpu else ""
 
 
 def format_array(report: dict) -> str:

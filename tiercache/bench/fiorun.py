@@ -22,6 +22,7 @@ are its queue depth, as ``iodepth`` is fio's. With
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import threading
 import time
@@ -115,6 +116,7 @@ def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None =
         for src, dst in ((job.upper, job.lower), (job.lower, job.upper)):
             eng.copy(src, ramp, dst, ramp, keys=[int(k) for k in ramp] if "file" in (src, dst) else None).wait()
         stats = {"read": _Dir(), "write": _Dir()}
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         errors: list[BaseException] = []
         threads = [threading.Thread(target=_worker, args=(job, eng, w, n, stats, t0, errors)) for w in range(job.numjobs)]
@@ -123,10 +125,12 @@ def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None =
         for th in threads:
             th.join()
         wall = time.perf_counter() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
         if errors:
             raise errors[0]
         engine = next((t.engine for t in tiers.values() if isinstance(t, FileTier)), None)
         record = _record(job, pool, stats, wall, io_path, engine)
+        _cpu(record, cpu1.ru_utime - cpu0.ru_utime, cpu1.ru_stime - cpu0.ru_stime, wall, stats)
         if job.verify:
             record["tiercache"]["verified_blocks"] = _verify(eng, tiers, pool, src_rows, keys)
         kind = _baseline_kind(job)
@@ -240,6 +244,18 @@ def _record(job: FioJob, pool: PoolSpec, stats: dict, wall: float, io_path, engi
     rec["tiercache"] = {"tiers": job.tiers, "path": path, "block_bytes": pool.block_nbytes,
                         "io_path_reason": io_path.reason if io_path else None, "io_engine": engine}
     return rec
+
+
+def _cpu(rec: dict, user_s: float, sys_s: float, wall: float, stats: dict) -> None:
+    """The process's CPU time over the timed phase, as fio reports it (``usr_cpu``,
+    ``sys_cpu``: percent of one core) and per block moved (``tiercache.cpu_us_per_block``:
+    microseconds of user and system time, every thread of the process: Python, the native
+    engine's threads, the kernel's work on their behalf)."""
+    rec["usr_cpu"] = 100.0 * user_s / wall if wall > 0 else 0.0
+    rec["sys_cpu"] = 100.0 * sys_s / wall if wall > 0 else 0.0
+    blocks = stats["read"].ios + stats["write"].ios
+    if blocks:
+        rec["tiercache"]["cpu_us_per_block"] = {"user": 1e6 * user_s / blocks, "sys": 1e6 * sys_s / blocks}
 
 
 def _verify(eng: TransferEngine, tiers: dict, pool: PoolSpec, src_rows: np.ndarray, keys: list[int]) -> int:

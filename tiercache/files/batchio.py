@@ -38,6 +38,8 @@ from tiercache.settings import IO_ENGINES
 
 READ, WRITE, RENAME, HASHONLY, UNLINK = 0, 1, 2, 3, 4
 DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH, CHECK = 1, 2, 4, 8, 16, 32, 64, 128
+#: ``Ops.kept_flags`` bits: the kept descriptor is O_DIRECT / O_RDWR
+KEPT_DIRECT, KEPT_RDWR = 1, 2
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file
 NOT_REGULAR = -1
 HEADER_BYTES = 4096
@@ -51,7 +53,8 @@ class _Batch(ctypes.Structure):
         ("file_len", ctypes.c_void_p), ("err", ctypes.c_void_p), ("got", ctypes.c_void_p), ("fd", ctypes.c_void_p),
         ("dirs", ctypes.c_void_p), ("hash", ctypes.c_void_p),
         ("expect", ctypes.c_void_p), ("expect_len", ctypes.c_void_p), ("nbytes", ctypes.c_void_p),
-        ("verdict", ctypes.c_void_p),
+        ("verdict", ctypes.c_void_p), ("kept_ino", ctypes.c_void_p), ("kept_size", ctypes.c_void_p),
+        ("kept_flags", ctypes.c_void_p),
     ]
 
 
@@ -204,6 +207,11 @@ class Ops:
         self.expect_len: np.ndarray | None = None
         self.nbytes: np.ndarray | None = None
         self.verdict: np.ndarray | None = None
+        #: out, per descriptor kept by ``KEEP``: inode number, size in bytes, ``KEPT_DIRECT`` |
+        #: ``KEPT_RDWR`` (the native engine describes it: no ``fstat``/``fcntl`` in Python)
+        self.kept_ino = np.zeros(n, np.int64)
+        self.kept_size = np.zeros(n, np.int64)
+        self.kept_flags = np.zeros(n, np.int32)
 
     def expect_usual(self) -> None:
         """Give this batch the arrays of ``CHECK`` reads (zeroed: no operation checked until
@@ -284,7 +292,8 @@ class NativeIO:
                    ops.err.ctypes.data, ops.got.ctypes.data, ops.fd.ctypes.data,
                    ops.dirs.ctypes.data if ops.dirs is not None else None, ops.hash.ctypes.data,
                    *((a.ctypes.data if a is not None else None)
-                     for a in (ops.expect, ops.expect_len, ops.nbytes, ops.verdict)))
+                     for a in (ops.expect, ops.expect_len, ops.nbytes, ops.verdict,
+                               ops.kept_ino, ops.kept_size, ops.kept_flags)))
         return self._lib.tc_run(self._pool, ctypes.byref(b), n)  # the GIL is released meanwhile
 
     def close(self) -> None:

@@ -41,6 +41,8 @@ from tiercache.files.batchio import (
     HASHONLY,
     KEEP,
     KEEP_DIRECT,
+    KEPT_DIRECT,
+    KEPT_RDWR,
     NOT_REGULAR,
     PUBLISH,
     READ,
@@ -81,6 +83,16 @@ def before_io(i: int, deps, delay_s: float, skip) -> None:
     why = skip(i) if skip is not None else None
     if why:
         raise OSError(why)
+
+
+def _kept_entry(ops: Ops, j: int) -> Entry | None:
+    """The open-file entry of the descriptor operation ``j`` kept (``KEEP``), as the native
+    engine described it (inode, size, open flags), or None where it kept none."""
+    fd = int(ops.fd[j])
+    if fd < 0:
+        return None
+    fl = int(ops.kept_flags[j])
+    return Entry(fd, int(ops.kept_ino[j]), int(ops.kept_size[j]), bool(fl & KEPT_DIRECT), bool(fl & KEPT_RDWR))
 
 
 def _is_host(buf) -> bool:
@@ -479,7 +491,7 @@ class BlockBatches:
                         if i in errors:
                             raise CorruptBlockError("a sibling file failed")
                         self._check_read(ops, j, key, pool, host, paths[j])
-                        entry = OpenFiles.describe(kept) if kept is not None and kept >= 0 else None
+                        entry = _kept_entry(ops, j) if kept is not None else None
                     except BaseException as exc:
                         errors.setdefault(i, exc)
                         if kept is not None and kept >= 0:
@@ -594,7 +606,7 @@ class BlockBatches:
                 if reused[j] is not None:
                     entries[j] = reused[j]
                 elif ops.flags[j] & KEEP:  # a reserved descriptor: kept (fd >= 0) or not
-                    entries[j] = OpenFiles.describe(int(ops.fd[j])) if ops.fd[j] >= 0 else None
+                    entries[j] = _kept_entry(ops, j)
                     if entries[j] is None:
                         of.unreserve()
                     else:

@@ -39,7 +39,6 @@ limit (capped at 2**20), as serving engines such as vLLM do at start-up.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import resource
@@ -195,24 +194,9 @@ class OpenFiles:
             self._held -= 1
         _give_budget(1)
 
-    @staticmethod
-    def describe(fd: int) -> Entry | None:
-        """A new entry for a descriptor a batch opened and kept (one ``fstat`` and one
-        ``fcntl``); None, with the descriptor closed, when it is not a regular file (then
-        :meth:`unreserve`)."""
-        try:
-            st = os.fstat(fd)
-            fl = fcntl.fcntl(fd, fcntl.F_GETFL)
-        except OSError:
-            _close_fd(fd)
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            _close_fd(fd)
-            return None
-        return Entry(fd, st.st_ino, st.st_size, bool(fl & O_DIRECT), (fl & os.O_ACCMODE) == os.O_RDWR)
-
     def adopt(self, name: str, entry: Entry) -> None:
-        """Hold a new, reserved ``entry`` (from :meth:`describe`) as the descriptor of the
+        """Hold a new, reserved ``entry`` (a descriptor a batch kept, as the native engine
+        described it: ``tiercache.files.blockbatch``) as the descriptor of the
         published file ``name``, replacing any held one."""
         close: list[Entry] = []
         with self._lock:
@@ -406,7 +390,7 @@ class OpenFiles:
         """Count one more held descriptor, within capacity and the budget. A full cache
         evicts nothing: under random access over more files than it holds, any held set
         serves the same share of reads, and replacing one per miss would add a close and a
-        ``describe`` to every miss (measured: 16 KiB random reads over twice the capacity
+        description of the new descriptor to every miss (measured: 16 KiB random reads over twice the capacity
         fell from 0.34 to 0.15 of fio with least-recently-used replacement). The held set
         renews as the tier replaces and evicts blocks."""
         if self._held < self.capacity and _take_budget(1):
