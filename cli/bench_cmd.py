@@ -366,7 +366,7 @@ def array_cmd(
     batch: Annotated[int, typer.Option(help="Blocks per request of the cache's path.", min=1, max=4096)] = 32,
     rows_per_job: Annotated[int, typer.Option(help="Rows per job of the row store.", min=1, max=4096)] = 32,
     numjobs: Annotated[int, typer.Option(help="Jobs (threads) per fio-style run.", min=1, max=64)] = 1,
-    io_threads: Annotated[int, typer.Option(help="The file tier's I/O threads.", min=1, max=256)] = 16,
+    io_threads: Annotated[Optional[int], typer.Option(help="The file tier's I/O threads (default: one per request in flight, numjobs x iodepth / batch).", min=1, max=256)] = None,
     fsync: Annotated[str, typer.Option(help="The file tier's fsync policy during the writes (none: as fio's end_fsync=1).")] = "none",
     rowstore: Annotated[bool, typer.Option(help="Also the row store (the vLLM tier's path).")] = True,
     repeat: _repeat_opt(1, "fio and tiercache, alternated") = 1,

@@ -85,13 +85,15 @@ def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_thre
 
 
 def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:file",), total_bytes: int = 1 << 30,
-                    iodepth: int = 128, batch: int = 32, numjobs: int = 1, io_threads: int = 16, per_job: int = 32,
+                    iodepth: int = 128, batch: int = 32, numjobs: int = 1, io_threads: int | None = None, per_job: int = 32,
                     fsync: str = "none",
                     rowstore: bool = True, fio: bool = True, fio_runtime: float = 2.0, repeat: int = 1,
                     seed: int | None = None, log=print) -> dict:
     """Run the job (module docstring) over ``roots`` (one directory per device); returns a
     JSON-ready report: per block size, fio's best (read and write, GB/s and its grid point),
     and per tiercache path its GB/s and ratio to fio's best (median and range over passes).
+    ``io_threads``: the file tier's I/O threads (default: one per request in flight,
+    ``numjobs * ceil(iodepth / batch)``, which the row store gets too).
 
     Raises:
         ConfigError: no roots, a block size that is not a positive multiple of 4096, or a
@@ -103,6 +105,8 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
         if bs <= 0 or bs % 4096:
             raise ConfigError(f"block size {bs} must be a positive multiple of 4096")
     seed = int(np.random.SeedSequence().entropy % (1 << 31)) if seed is None else seed
+    if io_threads is None:  # one per request in flight (each runs its files on its thread's ring)
+        io_threads = max(1, numjobs * -(-iodepth // batch))
     dirs = [Path(r) / f"array-bench-{os.getpid()}" for r in roots]
     report: dict = {"job": "array", "roots": [str(r) for r in roots], "total_bytes": total_bytes, "iodepth": iodepth,
                     "batch": batch, "rows_per_job": per_job,

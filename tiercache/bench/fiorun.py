@@ -34,9 +34,10 @@ import numpy as np
 from tiercache.bench.fiobase import fio_binary, run_fio
 from tiercache.bench.fiospec import FioJob
 from tiercache.cuda import cuda_status
-from tiercache.settings import MAX_IO_THREADS, FileSettings, TransferSettings
 from tiercache.errors import ConfigError
 from tiercache.files import FileTier, select_io_path
+from tiercache.files.batchio import choose_engine
+from tiercache.settings import MAX_IO_THREADS, FileSettings, TransferSettings
 from tiercache.geometry import PoolSpec
 from tiercache.memory import alloc_host, make_device_tier, make_host_tier
 from tiercache.transfer import TransferEngine
@@ -90,7 +91,11 @@ def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None =
         shutil.rmtree(w, ignore_errors=True)
     tiers: dict = {}
     io_path = select_io_path(job.io) if job.lower == "file" else None
-    io_threads = min(MAX_IO_THREADS, max(io_threads, job.iodepth * job.numjobs))
+    if job.lower == "file" and choose_engine(job.ioengine)[0] == "python":
+        # one Python task per block: as many threads as blocks in flight (fio's iodepth)
+        io_threads = min(MAX_IO_THREADS, max(io_threads, job.iodepth * job.numjobs))
+    # the native engines run a request's files on one thread's ring: ``io_threads`` as given
+    # (threads beyond the requests in flight only fight over the GIL: docs/performance.md)
     try:
         for t in (job.upper, job.lower):
             if t == "device":
