@@ -183,10 +183,24 @@ static int usual_header(const tc_batch *b, int i, uint64_t *sum)
  * for (TC_HASH); with TC_CHECK, its verdict: the usual header of its name's key (above) and,
  * where data was read, a file of exactly the header page and nbytes[i] padded to a page, all of
  * it read, whose first nbytes[i] bytes have the header's XXH3-64 */
+/* a batch whose data is at least this many bytes has its checksums computed by the pool's
+ * threads in parallel (TC_HASHONLY, and io_uring reads' TC_HASH after the ring's I/O) instead
+ * of one after the other on the calling thread: XXH3-64 runs at 15-20 GB/s per core, so a
+ * 32-block chunk of 2 MiB blocks took 3-4 ms of one thread, which then had no other I/O in
+ * flight (docs/performance.md, "Several devices: root arrays"); below it a hand-off costs more */
+#define TC_POOL_HASH_BYTES (2 << 20)
+
+/* io_uring reads on this thread whose TC_HASH is left to a parallel pass (tc_run): marks */
+static __thread unsigned char *tl_defer_hash;
+
 static inline void read_done(const tc_batch *b, int i)
 {
-    if ((b->flags[i] & TC_HASH) && b->hash && xxh3)
-        b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+    if ((b->flags[i] & TC_HASH) && b->hash && xxh3) {
+        if (tl_defer_hash)
+            tl_defer_hash[i] = 1;
+        else
+            b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+    }
     if ((b->flags[i] & TC_CHECK) && b->verdict) {
         uint64_t sum;
         int64_t n = b->nbytes[i], padded = (n + TC_HEADER_BYTES - 1) / TC_HEADER_BYTES * TC_HEADER_BYTES;
@@ -201,6 +215,8 @@ static inline void read_done(const tc_batch *b, int i)
 typedef struct tc_job {
     const tc_batch *b;
     int n;
+    int pass;                    /* 0: the batch's own kind; TC_PASS_HASH: checksums only */
+    const unsigned char *marks;  /* TC_PASS_HASH: which operations (NULL: all) */
     atomic_int next;
     atomic_int left;
     int done;
@@ -526,9 +542,18 @@ static void do_unlink(const tc_batch *b, int i)
     b->err[i] = unlinkat(opdir(b, i), b->names + b->name_off[i], 0) == 0 ? 0 : errno;
 }
 
+enum { TC_PASS_HASH = 1 };
+
 static void run_one(tc_job *j, int i)
 {
-    switch (j->b->kind) {
+    if (j->pass == TC_PASS_HASH) {
+        const tc_batch *b = j->b;
+        if (!j->marks || j->marks[i]) {
+            b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+            if (b->kind == TC_HASHONLY)
+                b->err[i] = 0;
+        }
+    } else switch (j->b->kind) {
     case TC_READ: do_read(j->b, i); break;
     case TC_WRITE: do_write(j->b, i); break;
     case TC_UNLINK: do_unlink(j->b, i); break;
@@ -1052,30 +1077,66 @@ int tc_pool_uring(void *pool)
 
 /* Run the n operations of batch b on the pool (the calling thread helps) and return when all
  * are done. Returns the number of operations that failed. */
+static int pool_run(tc_pool *p, const tc_batch *b, int n, int pass, const unsigned char *marks);
+
+/* bytes of data of the batch's operations */
+static int64_t data_bytes(const tc_batch *b, int n)
+{
+    int64_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += b->data_len[i];
+    return total;
+}
+
+static int count_failed(const tc_batch *b, int n)
+{
+    int failed = 0;
+    for (int i = 0; i < n; i++)
+        failed += b->err[i] != 0;
+    return failed;
+}
+
 int tc_run(void *pool, const tc_batch *b, int n)
 {
     tc_pool *p = pool;
     if (n <= 0)
         return 0;
-    if (b->kind == TC_HASHONLY) { /* on the calling thread: a hand-off to the pool costs more than
-                                   * the hashes of a chunk (chunks run on threads of their own) */
-        int failed = 0;
+    int parallel_hash = p->nthreads > 0 && n > 1 && xxh3 && data_bytes(b, n) >= TC_POOL_HASH_BYTES;
+    if (b->kind == TC_HASHONLY) {
+        if (parallel_hash)
+            return pool_run(p, b, n, TC_PASS_HASH, NULL);
+        /* small: on the calling thread (a hand-off to the pool costs more than the hashes) */
         for (int i = 0; i < n; i++) {
             b->hash[i] = xxh3 ? xxh3(b->data[i], (size_t)b->data_len[i]) : 0;
             b->err[i] = xxh3 ? 0 : ENOSYS;
-            failed += b->err[i] != 0;
         }
-        return failed;
+        return count_failed(b, n);
     }
-    if (p->uring && (b->kind == TC_READ || b->kind == TC_WRITE) && uring_run(b, n) == 0) {
-        int failed = 0;
-        for (int i = 0; i < n; i++)
-            failed += b->err[i] != 0;
-        return failed;
+    if (p->uring && (b->kind == TC_READ || b->kind == TC_WRITE)) {
+        unsigned char *marks = parallel_hash && b->kind == TC_READ && b->hash ? calloc((size_t)n, 1) : NULL;
+        tl_defer_hash = marks;
+        int ran = uring_run(b, n) == 0;
+        tl_defer_hash = NULL;
+        if (ran) {
+            if (marks)
+                pool_run(p, b, n, TC_PASS_HASH, marks);
+            free(marks);
+            return count_failed(b, n);
+        }
+        free(marks);
     }
+    return pool_run(p, b, n, 0, NULL);
+}
+
+/* run the batch's operations (or, pass TC_PASS_HASH, the checksums of those marked) on the
+ * pool's threads and the calling thread; returns the number that failed */
+static int pool_run(tc_pool *p, const tc_batch *b, int n, int pass, const unsigned char *marks)
+{
     tc_job j;
     j.b = b;
     j.n = n;
+    j.pass = pass;
+    j.marks = marks;
     atomic_init(&j.next, 0);
     atomic_init(&j.left, n);
     j.done = 0;

@@ -100,10 +100,13 @@ def test_every_engine_reads_what_another_wrote(tmp_path, rng, writer):
         ft.close()
 
 
-def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine):
+@pytest.mark.parametrize("bs", [8192, 512 << 10])
+def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine, bs):
     """With no held descriptors (``open_files=0``) every read looks at the name again, so a
-    file deleted or replaced behind the tier fails its block (held descriptors: below)."""
-    pools = (PoolSpec("kv", (8192,), "uint8"),)
+    file deleted or replaced behind the tier fails its block (held descriptors: below).
+    512 KiB blocks: a request's checksums are computed by the C threads in parallel (writes'
+    and reads' alike, from 2 MiB of data), 8 KiB ones by the thread that runs the request."""
+    pools = (PoolSpec("kv", (bs,), "uint8"),)
     keys = list(range(10))
     data = _data(rng, pools, 10)
     root = tmp_path / "root"
@@ -111,7 +114,7 @@ def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine):
     assert not any(ft.write(_items(keys, data)).values())
     name = {k: bpath(root, k, "kv") for k in keys}
     with open(name[1], "r+b") as f:  # a flipped data byte
-        f.seek(4096 + int(rng.integers(0, 8192)))
+        f.seek(4096 + int(rng.integers(0, bs)))
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -126,7 +129,7 @@ def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine):
     with open(name[8], "r+b") as f:  # the header names another key
         f.seek(24)
         f.write(b'{"key":"9",')
-    out = {"kv": np.zeros((10, 8192), np.uint8)}
+    out = {"kv": np.zeros((10, bs), np.uint8)}
     errs = ft.read(_items(keys, out))
     assert {k for k, e in errs.items() if e is None} == {0, 5, 9}
     for k in (1, 2, 4, 6, 7, 8):
