@@ -57,6 +57,41 @@ def test_write_then_json_adds_up(root_args):
     b = tc["baseline"]
     assert b["op"] == "write" and b["bw_bytes"] > 0 and b["ratio"] == pytest.approx(rec["write"]["bw_bytes"] / b["bw_bytes"], rel=0.01)
     assert rec["job options"]["iodepth"] == "8" and rec["job options"]["iodepth_batch"] == "2"
+    # the process's CPU over the timed phase, as fio's usr_cpu / sys_cpu, and per block
+    cpu = tc["cpu_us_per_block"]
+    assert rec["usr_cpu"] >= 0 and rec["sys_cpu"] >= 0 and cpu["user"] >= 0 and cpu["sys"] >= 0
+    assert cpu["user"] + cpu["sys"] == pytest.approx(
+        (rec["usr_cpu"] + rec["sys_cpu"]) / 100 * rec["write"]["runtime"] / 1000 / 40 * 1e6, rel=0.05, abs=200)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU needs Linux /proc")
+def test_thread_cpu_tells_python_threads_from_native_ones():
+    import threading
+
+    from tiercache.bench.fiorun import thread_cpu
+
+    spun, done = threading.Event(), threading.Event()
+
+    def spin(s):
+        end = time.thread_time() + s
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        done.wait(10)  # alive while measured: an ended thread's time leaves /proc/self/task
+
+    before = thread_cpu()
+    t = threading.Thread(target=spin, args=(0.3,))
+    t.start()
+    assert spun.wait(10)
+    after = thread_cpu()
+    done.set()
+    t.join()
+    def total(d, kind):
+        return d[f"{kind}_user"] + d[f"{kind}_sys"]
+
+    # the spinning thread's time (user, and system: its clock reads are system calls) is Python's
+    assert total(after, "python") - total(before, "python") >= 0.2
+    assert total(after, "native") - total(before, "native") < 0.1  # no thread outside Python spun
 
 
 def test_separate_timing_agrees(root_args, tmp_path):

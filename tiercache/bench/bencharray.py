@@ -18,7 +18,8 @@ Per block size (16 KiB to 2 MiB by default), in directories ``<Di>/array-bench-<
 
 Each tiercache figure is reported as GB/s and as its ratio to fio's best of the same direction
 in the same run; the cache's paths also give the process's CPU time per block (user and system,
-all threads) over the timed phase. Writes use ``fsync`` (default ``none``, as fio's ``end_fsync=1``: one flush
+all threads) over the timed phase, and the cores its Python threads (one GIL) and its native
+threads kept busy. Writes use ``fsync`` (default ``none``, as fio's ``end_fsync=1``: one flush
 at the end). ``repeat`` alternated passes give the median and range of each ratio.
 """
 
@@ -131,7 +132,8 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
                         row["paths"].setdefault(f"{pair} {op}", []).append(
                             {"gbps": gbps, "fio_gbps": best.get(f"{op}_gbps"),
                              "path": rec["tiercache"]["path"], "verified": rec["tiercache"].get("verified_blocks"),
-                             "cpu_us_per_block": rec["tiercache"].get("cpu_us_per_block")})
+                             "cpu_us_per_block": rec["tiercache"].get("cpu_us_per_block"),
+                             "cores_by_thread": rec["tiercache"].get("cores_by_thread")})
                 if rowstore:
                     rs = _rowstore(dirs, bs, total_bytes, per_job, io_threads, fsync, seed + p)
                     for op, fio_op in (("store", "write"), ("load", "read")):
@@ -176,8 +178,12 @@ def format_size(row: dict, partial: bool = False) -> str:
 
 
 def _cpu_text(run: dict) -> str:
-    cpu = run.get("cpu_us_per_block")
-    return f"  CPU {cpu['user']:.0f} us user + {cpu['sys']:.0f} us sys per block" if cpu else ""
+    cpu, cores = run.get("cpu_us_per_block"), run.get("cores_by_thread")
+    text = f"  CPU {cpu['user']:.0f} us user + {cpu['sys']:.0f} us sys per block" if cpu else ""
+    if cores:
+        text += (f"; cores: Python threads {cores['python_user']:.2f} user + {cores['python_sys']:.2f} sys, "
+                 f"native {cores['native_user']:.2f} + {cores['native_sys']:.2f}")
+    return text
 
 
 def format_array(report: dict) -> str:

@@ -121,6 +121,7 @@ def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None =
         for src, dst in ((job.upper, job.lower), (job.lower, job.upper)):
             eng.copy(src, ramp, dst, ramp, keys=[int(k) for k in ramp] if "file" in (src, dst) else None).wait()
         stats = {"read": _Dir(), "write": _Dir()}
+        by_thread0 = thread_cpu()
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         errors: list[BaseException] = []
@@ -131,11 +132,15 @@ def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None =
             th.join()
         wall = time.perf_counter() - t0
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        by_thread1 = thread_cpu()
         if errors:
             raise errors[0]
         engine = next((t.engine for t in tiers.values() if isinstance(t, FileTier)), None)
         record = _record(job, pool, stats, wall, io_path, engine)
         _cpu(record, cpu1.ru_utime - cpu0.ru_utime, cpu1.ru_stime - cpu0.ru_stime, wall, stats)
+        if by_thread0 and by_thread1:
+            record["tiercache"]["cores_by_thread"] = {k: round((by_thread1.get(k, 0.0) - by_thread0.get(k, 0.0)) / wall, 3)
+                                                      for k in sorted(by_thread1)}
         if job.verify:
             record["tiercache"]["verified_blocks"] = _verify(eng, tiers, pool, src_rows, keys)
         kind = _baseline_kind(job)
@@ -249,6 +254,31 @@ def _record(job: FioJob, pool: PoolSpec, stats: dict, wall: float, io_path, engi
     rec["tiercache"] = {"tiers": job.tiers, "path": path, "block_bytes": pool.block_nbytes,
                         "io_path_reason": io_path.reason if io_path else None, "io_engine": engine}
     return rec
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by kind (Linux ``/proc``; empty
+    elsewhere): ``python_user`` / ``python_sys`` for the interpreter's threads (the job's
+    submitters and the file tier's I/O threads: what one GIL serializes, C calls made from
+    them included) and ``native_user`` / ``native_sys`` for threads Python does not know (the
+    native engine's pool)."""
+    py = {t.native_id for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {"python_user": 0.0, "python_sys": 0.0, "native_user": 0.0, "native_sys": 0.0}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        kind = "python" if int(tid) in py else "native"
+        out[f"{kind}_user"] += int(fields[11]) / tick
+        out[f"{kind}_sys"] += int(fields[12]) / tick
+    return out
 
 
 def _cpu(rec: dict, user_s: float, sys_s: float, wall: float, stats: dict) -> None:
