@@ -36,11 +36,12 @@
  * completes it, a TC_HASHONLY batch on the calling thread (a chunk's files are few, and chunks
  * run on threads of their own: a hand-off to the pool measured slower for 64 KiB blocks).
  *
- * Checks (verify and purge of a root, tiercache/files/rootcheck.py): with TC_CHECK a read that
- * got every byte it asked for compares its header page with the usual header of its name's key
- * and the pool text given in expect[i], and (where data was read) the file's size and the data's
- * XXH3-64 with the header's, and sets verdict[i] to 1 where all match; Python judges only the
- * rest (per-file Python measured 8 us, more than the syscalls, at a million 8 KiB files).
+ * Checks (the file tier's reads, and verify and purge of a root, tiercache/rootops/check.py):
+ * with TC_CHECK a read that got every byte it asked for compares its header page with the
+ * usual header of its name's key and the pool text given in expect[i], and (where data was
+ * read) the file's size (unless read through a given descriptor) and the data's XXH3-64 with
+ * the header's, and sets verdict[i] to 1 where all match; Python judges only the rest
+ * (per-file Python measured 8 us, more than the syscalls, at a million 8 KiB files).
  *
  * Two backends run reads and writes (renames always run on the threads):
  *
@@ -79,7 +80,7 @@
 
 enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2, TC_HASHONLY = 3, TC_UNLINK = 4 };
 enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16, TC_KEEP_DIRECT = 32, TC_HASH = 64,
-       TC_CHECK = 128 };
+       TC_CHECK = 128, TC_MAKEHEAD = 256 };
 
 typedef uint64_t (*tc_hash_fn)(const void *, size_t);
 static tc_hash_fn xxh3; /* XXH3_64bits of the xxhash library (tc_set_hash) */
@@ -193,23 +194,85 @@ static int usual_header(const tc_batch *b, int i, uint64_t *sum)
 /* io_uring reads on this thread whose TC_HASH is left to a parallel pass (tc_run): marks */
 static __thread unsigned char *tl_defer_hash;
 
-static inline void read_done(const tc_batch *b, int i)
+static int given_fd(const tc_batch *b, int i);
+
+/* TC_HASH and TC_CHECK of a read that got every byte it asked for */
+static void read_checks(const tc_batch *b, int i)
 {
+    uint64_t hash = 0;
+    int hashed = 0;
     if ((b->flags[i] & TC_HASH) && b->hash && xxh3) {
-        if (tl_defer_hash)
-            tl_defer_hash[i] = 1;
-        else
-            b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+        hash = b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+        hashed = 1;
     }
     if ((b->flags[i] & TC_CHECK) && b->verdict) {
         uint64_t sum;
         int64_t n = b->nbytes[i], padded = (n + TC_HEADER_BYTES - 1) / TC_HEADER_BYTES * TC_HEADER_BYTES;
         int ok = usual_header(b, i, &sum);
+        /* the file's size: from its open (a given descriptor's file was sized when it was
+         * kept; a shorter one fails the read of every byte before this) */
         if (ok && b->data_len[i] > 0)
-            ok = b->data_len[i] == padded && b->file_len[i] == TC_HEADER_BYTES + padded
-                 && xxh3(b->data[i], (size_t)n) == sum;
+            ok = b->data_len[i] == padded && (b->file_len[i] == TC_HEADER_BYTES + padded || given_fd(b, i) >= 0)
+                 && (hashed && n == b->data_len[i] ? hash : xxh3(b->data[i], (size_t)n)) == sum;
         b->verdict[i] = ok;
     }
+}
+
+/* TC_MAKEHEAD writes: the usual header of the key in the final name (`block_<key>_pool_...`),
+ * with expect[i] after the key and the data's XXH3-64, written into head[i] before the write:
+ * the bytes tiercache/files/blockfile.py's encode_header makes for a block without "extra",
+ * byte for byte (magic, version, metadata length and XXH3-64, the metadata, zeros to the
+ * page's end). The data's checksum also goes to hash[i]. Returns the error (EINVAL: a name
+ * or header that does not fit). */
+static int make_head(const tc_batch *b, int i)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (!xxh3 || !b->final_off || !b->expect)
+        return ENOSYS;
+    const char *name = b->names + b->final_off[i];
+    if (strncmp(name, "block_", 6) != 0)
+        return EINVAL;
+    const char *key = name + 6, *key_end = strstr(key, "_pool_");
+    if (!key_end)
+        return EINVAL;
+    size_t klen = (size_t)(key_end - key), tlen = (size_t)b->expect_len[i];
+    size_t mlen = 8 + klen + 2 + tlen + 16 + 2;
+    if (24 + mlen > TC_HEADER_BYTES)
+        return EINVAL;
+    uint64_t sum = xxh3(b->data[i], (size_t)b->data_len[i]);
+    if (b->hash)
+        b->hash[i] = sum;
+    unsigned char *h = b->head[i];
+    char *m = (char *)h + 24, *d = m + 10 + klen + tlen;
+    memcpy(m, "{\"key\":\"", 8);
+    memcpy(m + 8, key, klen);
+    memcpy(m + 8 + klen, "\",", 2);
+    memcpy(m + 10 + klen, b->expect[i], tlen);
+    static const char hex[] = "0123456789abcdef";
+    for (int q = 15; q >= 0; q--, sum >>= 4)
+        d[q] = hex[sum & 15];
+    memcpy(d + 16, "\"}", 2);
+    uint32_t version = 1, len32 = (uint32_t)mlen;
+    uint64_t mhash = xxh3(m, mlen);
+    memcpy(h, "TCBLOCK", 8); /* with its NUL: 8 bytes */
+    memcpy(h + 8, &version, 4);
+    memcpy(h + 12, &len32, 4);
+    memcpy(h + 16, &mhash, 8);
+    memset(h + 24 + mlen, 0, TC_HEADER_BYTES - 24 - mlen);
+    return 0;
+#else
+    (void)b;
+    (void)i;
+    return ENOSYS;
+#endif
+}
+
+static inline void read_done(const tc_batch *b, int i)
+{
+    if (tl_defer_hash && (b->flags[i] & (TC_HASH | TC_CHECK)))
+        tl_defer_hash[i] = 1; /* the checks run in a parallel pass (tc_run) */
+    else
+        read_checks(b, i);
 }
 
 typedef struct tc_job {
@@ -548,10 +611,14 @@ static void run_one(tc_job *j, int i)
 {
     if (j->pass == TC_PASS_HASH) {
         const tc_batch *b = j->b;
-        if (!j->marks || j->marks[i]) {
+        if (b->kind == TC_HASHONLY) {
             b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
-            if (b->kind == TC_HASHONLY)
-                b->err[i] = 0;
+            b->err[i] = 0;
+        } else if (b->kind == TC_WRITE) {
+            if (b->flags[i] & TC_MAKEHEAD)
+                b->err[i] = make_head(b, i);
+        } else if (j->marks[i]) {
+            read_checks(b, i);
         }
     } else switch (j->b->kind) {
     case TC_READ: do_read(j->b, i); break;
@@ -1112,8 +1179,30 @@ int tc_run(void *pool, const tc_batch *b, int n)
         }
         return count_failed(b, n);
     }
+    if (b->kind == TC_WRITE) { /* headers first (TC_MAKEHEAD): in parallel for large batches */
+        int heads = 0;
+        for (int i = 0; i < n; i++)
+            heads += (b->flags[i] & TC_MAKEHEAD) != 0;
+        if (heads) {
+            int bad;
+            if (parallel_hash) {
+                bad = pool_run(p, b, n, TC_PASS_HASH, NULL);
+            } else {
+                bad = 0;
+                for (int i = 0; i < n; i++)
+                    if (b->flags[i] & TC_MAKEHEAD)
+                        bad += (b->err[i] = make_head(b, i)) != 0;
+            }
+            if (bad) /* no header, no write: every operation fails (the caller removes nothing) */
+                for (int i = 0; i < n; i++)
+                    if (!b->err[i])
+                        b->err[i] = ECANCELED;
+            if (bad)
+                return n;
+        }
+    }
     if (p->uring && (b->kind == TC_READ || b->kind == TC_WRITE)) {
-        unsigned char *marks = parallel_hash && b->kind == TC_READ && b->hash ? calloc((size_t)n, 1) : NULL;
+        unsigned char *marks = parallel_hash && b->kind == TC_READ ? calloc((size_t)n, 1) : NULL;
         tl_defer_hash = marks;
         int ran = uring_run(b, n) == 0;
         tl_defer_hash = NULL;

@@ -297,3 +297,32 @@ def test_ci_builds_the_native_engine():
     if hostlib.compiler() is None:
         pytest.skip("no C compiler")
     assert batchio.native_status()[0], batchio.native_status()[1]
+
+
+@needs_native
+@pytest.mark.parametrize("bs", [4096 * 3, 512 << 10])
+def test_native_headers_are_the_bytes_encode_header_makes(tmp_path, rng, bs):
+    """Writes make the usual header in the C threads (``MAKEHEAD``; in parallel from 2 MiB of
+    a request's data): every byte of the header page must be what ``encode_header`` makes, for
+    int and bytes keys of every length, and another engine must read the blocks back."""
+    from tiercache.files import checksum
+    from tiercache.files.blockfile import encode_header
+
+    pools = (PoolSpec("kv", (bs,), "uint8"), PoolSpec("act", (int(rng.integers(100, 5000)),), "float32"))
+    keys = random_keys(rng, 8, "mixed") + [0, (1 << 63) - 1, b"\x00", bytes(range(64))]
+    data = _data(rng, pools, len(keys))
+    for engine in NATIVE:
+        root = tmp_path / engine
+        ft = _tier(root, pools, engine)
+        assert not any(ft.write(_items(keys, data)).values())
+        for i, k in enumerate(keys):
+            for p in pools:
+                head = bpath(root, k, p.name).read_bytes()[:4096]
+                assert head == encode_header(k, p, checksum(data[p.name][i])), (engine, k, p.name)
+        ft.close()
+        reader = _tier(root, pools, "python")
+        out = {p.name: np.zeros_like(data[p.name]) for p in pools}
+        assert not any(reader.read(_items(keys, out)).values())
+        for name in data:
+            assert np.array_equal(out[name], data[name])
+        reader.close()

@@ -37,7 +37,7 @@ from tiercache.errors import ConfigError
 from tiercache.settings import IO_ENGINES
 
 READ, WRITE, RENAME, HASHONLY, UNLINK = 0, 1, 2, 3, 4
-DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH, CHECK = 1, 2, 4, 8, 16, 32, 64, 128
+DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH, CHECK, MAKEHEAD = 1, 2, 4, 8, 16, 32, 64, 128, 256
 #: ``Ops.kept_flags`` bits: the kept descriptor is O_DIRECT / O_RDWR
 KEPT_DIRECT, KEPT_RDWR = 1, 2
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file
@@ -184,7 +184,9 @@ class Ops:
     (:attr:`hash`: ``HASH`` reads, ``HASHONLY`` batches). Header pages live in :attr:`heads`
     (``uint8 [n, 4096]``, page-aligned).
 
-    ``CHECK`` reads (:meth:`expect_usual`) also compare each header with the usual header of
+    ``MAKEHEAD`` writes make each header page in C: the usual header of the key in the
+    final name, with :attr:`expect` after the key and the data's XXH3-64 (also left in
+    :attr:`hash`). ``CHECK`` reads (:meth:`expect_usual`) also compare each header with the usual header of
     the key in the operation's name: :attr:`expect` (addresses of the metadata text after the
     key), :attr:`expect_len`, :attr:`nbytes` (the block's bytes) and, out, :attr:`verdict`
     (1: header, size and data checksum all match; 0: not judged, or not matching)."""

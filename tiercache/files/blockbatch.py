@@ -34,6 +34,7 @@ import numpy as np
 from tiercache.errors import CorruptBlockError
 from tiercache.files import posix_io
 from tiercache.files.batchio import (
+    CHECK,
     DIRECT,
     EXCHANGE,
     FDATASYNC,
@@ -43,6 +44,7 @@ from tiercache.files.batchio import (
     KEEP_DIRECT,
     KEPT_DIRECT,
     KEPT_RDWR,
+    MAKEHEAD,
     NOT_REGULAR,
     PUBLISH,
     READ,
@@ -61,6 +63,7 @@ from tiercache.files.blockfile import (
     encode_header,
     file_size,
     header_checksum,
+    usual_header_tail,
 )
 from tiercache.files.openfiles import Entry, OpenFiles
 from tiercache.files.rootdir import RootDir, RootPath
@@ -369,6 +372,12 @@ class BlockBatches:
         self.native_hash = native_hash()
         self._local = threading.local()
         self._root = str(directory.path)  # for messages
+        #: per pool: its usual header text after the key, kept alive for the C checks
+        #: (array, address, length, block bytes)
+        self._tails: dict[str, tuple] = {}
+        for name, pool in pools.items():
+            text = np.frombuffer(usual_header_tail(pool), np.uint8).copy()
+            self._tails[name] = (text, text.ctypes.data, text.size, pool.block_nbytes)
 
     # -- request -> chunks -------------------------------------------------------------------
     @staticmethod
@@ -481,6 +490,7 @@ class BlockBatches:
             ops.dirs = np.fromiter((p.dir_fd for p in paths), np.int32, len(paths))
             if self.verify and self.native_hash:
                 ops.flags |= HASH
+                self._expect(ops, files)
             held = self._hold(names, ops)
             try:
                 self.native.run(READ, self.dir.fd, ops)
@@ -490,7 +500,8 @@ class BlockBatches:
                     try:
                         if i in errors:
                             raise CorruptBlockError("a sibling file failed")
-                        self._check_read(ops, j, key, pool, host, paths[j])
+                        if ops.verdict is None or not ops.verdict[j]:  # not vouched for by the C check
+                            self._check_read(ops, j, key, pool, host, paths[j])
                         entry = _kept_entry(ops, j) if kept is not None else None
                     except BaseException as exc:
                         errors.setdefault(i, exc)
@@ -533,6 +544,24 @@ class BlockBatches:
             elif self.open_files.reserve():
                 ops.flags[j] |= self._keep(ops, j)
         return held
+
+    def _expect(self, ops: Ops, files) -> None:
+        """Mark ``CHECK`` the reads whose blocks are whole pages: the C threads compare the
+        header with the usual one of the file's key and pool, the file's size and the data's
+        checksum (``kernels/blockio.c``), and Python looks only at the reads they could not
+        vouch for (:meth:`_check_read`: an error, a header with ``extra``, a bad file)."""
+        tails = self._tails
+        checked = [host.nbytes == tails[pool.name][3] and host.nbytes % ALIGN == 0 for _, _, pool, _, host in files]
+        if any(checked):
+            self._expect_tails(ops, files)
+            ops.flags[np.array(checked)] |= CHECK
+
+    def _expect_tails(self, ops: Ops, files) -> None:
+        """Give each operation its pool's usual header text after the key (``expect``) and
+        block bytes (``nbytes``): what ``CHECK`` reads compare and ``MAKEHEAD`` writes write."""
+        ops.expect_usual()
+        for j, (_, _, pool, _, _) in enumerate(files):
+            _, ops.expect[j], ops.expect_len[j], ops.nbytes[j] = self._tails[pool.name]
 
     def _check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray, path) -> None:
         code = int(ops.err[j])
@@ -582,12 +611,20 @@ class BlockBatches:
             reused: list[Entry | None] = [None] * len(files)
             paths = [self.dir.block_path(key, pool.name) for _, key, pool, _, _ in files]
             ops.dirs = np.fromiter((p.dir_fd for p in paths), np.int32, len(paths))
-            if self.native_hash:  # every file's XXH3-64 on the C threads, in parallel
+            # the usual headers are made by the C threads (checksum, then header: MAKEHEAD) in the
+            # write call itself; a header with extra metadata is encoded here
+            native_heads = self.native_hash and not (self.block_meta and any(
+                self.block_meta.get(key) for _, key, _, _, _ in files))
+            if native_heads:
+                self._expect_tails(ops, files)
+                ops.flags |= MAKEHEAD
+            elif self.native_hash:  # every file's XXH3-64 on the C threads
                 self.native.run(HASHONLY, self.dir.fd, ops)
             for j, (i, key, pool, _, host) in enumerate(files):
                 final = paths[j].name
-                digest = int(ops.hash[j]) if self.native_hash else checksum(host)
-                ops.heads[j] = np.frombuffer(encode_header(key, pool, digest, self.block_meta.get(key)), np.uint8)
+                if not native_heads:
+                    digest = int(ops.hash[j]) if self.native_hash else checksum(host)
+                    ops.heads[j] = np.frombuffer(encode_header(key, pool, digest, self.block_meta.get(key)), np.uint8)
                 free = of.take_free(int(ops.file_len[j]), int(ops.dirs[j])) if of is not None else None
                 if free is not None:  # a free file of this size: written through its descriptor
                     ops.names.append(free[0].encode())
