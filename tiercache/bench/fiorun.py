@@ -35,8 +35,7 @@ from tiercache.bench.fiobase import fio_binary, run_fio
 from tiercache.bench.fiospec import FioJob
 from tiercache.cuda import cuda_status
 from tiercache.errors import ConfigError
-from tiercache.files import FileTier, select_io_path
-from tiercache.files.batchio import choose_engine
+from tiercache.files import FileTier, choose_engine, select_io_path
 from tiercache.settings import MAX_IO_THREADS, FileSettings, TransferSettings
 from tiercache.geometry import PoolSpec
 from tiercache.memory import alloc_host, make_device_tier, make_host_tier
