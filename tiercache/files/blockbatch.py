@@ -495,6 +495,7 @@ class BlockBatches:
             try:
                 self.native.run(READ, self.dir.fd, ops)
                 to_device = []
+                adopted: list[tuple[str, Entry]] = []
                 for j, (i, key, pool, buf, host) in enumerate(files):
                     kept = int(ops.fd[j]) if held[j] is None and ops.flags[j] & KEEP else None
                     try:
@@ -510,13 +511,15 @@ class BlockBatches:
                         entry = None
                     if kept is not None:
                         if entry is not None:
-                            self.open_files.adopt(names[j], entry)
+                            adopted.append((names[j], entry))
                         else:
                             self.open_files.unreserve()
                     if i in errors:
                         continue
                     if not _is_host(buf):
                         to_device.append((i, buf, host))
+                if adopted:
+                    self.open_files.adopt_many(adopted)
             finally:
                 if self.open_files is not None:
                     self.open_files.release(held)
@@ -538,11 +541,14 @@ class BlockBatches:
         if self.open_files is None:
             return [None] * len(names)
         held = self.open_files.acquire(names, [bool(f & DIRECT) for f in ops.flags.tolist()])
+        misses = []
         for j, e in enumerate(held):
             if e is not None:
                 ops.fd[j] = e.fd
-            elif self.open_files.reserve():
-                ops.flags[j] |= self._keep(ops, j)
+            else:
+                misses.append(j)
+        for j in misses[:self.open_files.reserve_many(len(misses)) if misses else 0]:
+            ops.flags[j] |= self._keep(ops, j)
         return held
 
     def _expect(self, ops: Ops, files) -> None:
@@ -620,12 +626,19 @@ class BlockBatches:
                 ops.flags |= MAKEHEAD
             elif self.native_hash:  # every file's XXH3-64 on the C threads
                 self.native.run(HASHONLY, self.dir.fd, ops)
+            finals = [p.name for p in paths]
+            plan = of.plan_writes(list(zip(ops.file_len.tolist(), ops.dirs.tolist(), finals)), publish) \
+                if of is not None else None
             for j, (i, key, pool, _, host) in enumerate(files):
-                final = paths[j].name
+                final = finals[j]
                 if not native_heads:
                     digest = int(ops.hash[j]) if self.native_hash else checksum(host)
                     ops.heads[j] = np.frombuffer(encode_header(key, pool, digest, self.block_meta.get(key)), np.uint8)
-                free = of.take_free(int(ops.file_len[j]), int(ops.dirs[j])) if of is not None else None
+                free, reserved, exchange, move = plan[j] if plan is not None else (None, False, False, False)
+                if move:
+                    # a large file: one free elsewhere is moved here (a rename) rather than allocated
+                    free = of.take_free(int(ops.file_len[j]), int(ops.dirs[j]))
+                    reserved = free is None and of.reserve()
                 if free is not None:  # a free file of this size: written through its descriptor
                     ops.names.append(free[0].encode())
                     ops.fd[j] = free[1].fd
@@ -633,12 +646,13 @@ class BlockBatches:
                     ops.flags[j] |= KEEP_DIRECT if free[1].direct else 0
                 else:
                     ops.names.append(posix_io.tmp_name(final).encode())
-                    ops.flags[j] |= self._keep(ops, j) if of is not None and of.reserve() else 0
+                    ops.flags[j] |= self._keep(ops, j) if reserved else 0
                 ops.finals.append(final.encode())
-                ops.flags[j] |= flags | (EXCHANGE if publish and of is not None and of.exchange(final) else 0)
+                ops.flags[j] |= flags | (EXCHANGE if exchange else 0)
             self.native.run(WRITE, self.dir.fd, ops)
             io_failed: set[int] = set()
             entries: list[Entry | None] = [None] * len(files)
+            published: list[tuple[int, tuple]] = []
             for j, (i, *_rest) in enumerate(files):
                 if reused[j] is not None:
                     entries[j] = reused[j]
@@ -656,8 +670,9 @@ class BlockBatches:
                         errors[i] = error_for(int(ops.err[j]), str(paths[j]))
                         io_failed.add(i)
                 elif publish and of is not None:
-                    drop = of.published(ops.finals[j].decode(), ops.names[j].decode(), entries[j], int(ops.got[j]),
-                                        int(ops.dirs[j]))
+                    published.append((j, (finals[j], ops.names[j].decode(), entries[j], int(ops.got[j]), int(ops.dirs[j]))))
+            if published:
+                for (j, _), drop in zip(published, of.published_many([item for _, item in published])):
                     if drop:
                         paths[j].with_name(drop).unlink()
             if io_failed:  # a failed write leaves no file of its block (no stale or half-written one)
@@ -718,6 +733,7 @@ class BlockBatches:
                     ops.flags[j] = EXCHANGE
         self.native.run(RENAME, self.dir.fd, ops)
         out: list[BaseException | None] = []
+        published: list[tuple[int, tuple]] = []
         for j, (tmp, final, entry) in enumerate(items):
             if ops.err[j]:
                 out.append(error_for(int(ops.err[j]), str(final)))
@@ -726,7 +742,9 @@ class BlockBatches:
                 continue
             out.append(None)
             if of is not None:
-                drop = of.published(final.name, tmp.name, entry, int(ops.got[j]), final.dir_fd)
+                published.append((j, (final.name, tmp.name, entry, int(ops.got[j]), final.dir_fd)))
+        if published:
+            for (j, _), drop in zip(published, of.published_many([item for _, item in published])):
                 if drop:
-                    final.with_name(drop).unlink()
+                    items[j][1].with_name(drop).unlink()
         return out

@@ -7,7 +7,7 @@ shows the cost on the same disk (docs/performance.md, "Open files and recycled f
 random reads over 16384 files run at 0.9 of one file's speed when fio keeps every file open,
 0.2 when it opens and closes them. This module keeps the first and removes most of the second:
 
-- **Open descriptors** (:meth:`OpenFiles.acquire`, :meth:`OpenFiles.adopt`): the native
+- **Open descriptors** (:meth:`OpenFiles.acquire`, :meth:`OpenFiles.adopt_many`): the native
   engine's reads and writes leave the files they open or create open, by name, up to a
   capacity; a later read of the same file is one ``preadv`` on its descriptor. A descriptor
   is closed only when no batch uses it (reference counts), so its number is never reused under
@@ -188,22 +188,32 @@ class OpenFiles:
         with self._lock:
             return self._admit()
 
+    def reserve_many(self, n: int) -> int:
+        """:meth:`reserve` ``n`` times under one lock; how many were reserved (the first
+        ones asked for)."""
+        with self._lock:
+            k = 0
+            while k < n and self._admit():
+                k += 1
+            return k
+
     def unreserve(self) -> None:
         """A reserved descriptor was not kept (its operation failed)."""
         with self._lock:
             self._held -= 1
         _give_budget(1)
 
-    def adopt(self, name: str, entry: Entry) -> None:
-        """Hold a new, reserved ``entry`` (a descriptor a batch kept, as the native engine
-        described it: ``tiercache.files.blockbatch``) as the descriptor of the
-        published file ``name``, replacing any held one."""
+    def adopt_many(self, pairs: list[tuple[str, Entry]]) -> None:
+        """Hold each new, reserved ``entry`` (a descriptor a batch kept, as the native engine
+        described it: ``tiercache.files.blockbatch``) as the descriptor of the published file
+        ``name``, replacing any held one; one lock for all of ``pairs``."""
         close: list[Entry] = []
         with self._lock:
-            old = self._open.pop(name, None)
-            if old is not None:
-                self._retire(old, close)
-            self._open[name] = entry
+            for name, entry in pairs:
+                old = self._open.pop(name, None)
+                if old is not None:
+                    self._retire(old, close)
+                self._open[name] = entry
         _close(close)
 
     def forget(self, names) -> None:
@@ -250,6 +260,35 @@ class OpenFiles:
             self.reused += 1
         return name, e
 
+    def plan_writes(self, files: list[tuple[int, int, str]], publish: bool) -> list[tuple]:
+        """For a batch's writes, in order and under one lock (a lock per file, taken by
+        every I/O thread, cost each write a GIL hand-off under contention): per write
+        ``(size, dir_fd, final)``, ``(free, reserved, exchange, move)``: a free file of
+        ``size`` in ``dir_fd`` (its name and entry, with the writer's reference:
+        :meth:`take_free`) or None; whether a descriptor was reserved for the file the write
+        creates instead (:meth:`reserve`); whether publishing ``final`` should keep the file
+        it replaces (:meth:`exchange`, only where ``publish``); ``move``: a write of at least
+        :data:`MOVE_MIN_BYTES` that found no free file in its directory (nothing reserved):
+        the caller asks :meth:`take_free`, which may move one from another subdirectory, then
+        :meth:`reserve`."""
+        out = []
+        with self._lock:
+            for size, dir_fd, final in files:
+                found = self._take_free(size, dir_fd)
+                move = False
+                if found is not None:
+                    self.reused += 1
+                    free, reserved = (found[0], found[1]), False
+                else:
+                    free, move = None, size >= MOVE_MIN_BYTES
+                    reserved = not move and self._admit()
+                exchange = False
+                if publish and self.recycle:
+                    e = self._open.get(final)
+                    exchange = e is not None and e.writable and self._free_room(e)
+                out.append((free, reserved, exchange, move))
+        return out
+
     def _same_fs(self, a: int, b: int) -> bool:
         """Directories ``a`` and ``b`` are on one filesystem (a rename between them works: not
         so between the members of a root array)."""
@@ -279,30 +318,34 @@ class OpenFiles:
             e = self._open.get(final)
             return e is not None and e.writable and self._free_room(e)
 
-    def published(self, final: str, tmp: str, entry: Entry | None, ino: int, dir_fd: int | None = None) -> str | None:
-        """A new file of ``final`` was published from ``tmp`` (both in directory ``dir_fd``,
-        default the root). ``entry`` is its descriptor, with the writer's reference (a free
-        file the write reused, or a reserved one it kept), or None. ``ino`` is the inode an
-        exchange left under ``tmp`` (0: none): the replaced file's descriptor becomes a free
-        file under ``tmp`` when that is its file. Returns the temporary name to delete (an
-        exchanged file that is not kept), or None."""
-        dir_fd = self.dir_fd if dir_fd is None else dir_fd
+    def published_many(self, items: list[tuple]) -> list[str | None]:
+        """New files were published, one lock for all of them: per item ``(final, tmp,
+        entry, ino, dir_fd)``, a new file of ``final`` published from ``tmp`` (both in
+        directory ``dir_fd``). ``entry`` is its descriptor, with the writer's reference (a
+        free file the write reused, or a reserved one it kept), or None. ``ino`` is the inode
+        an exchange left under ``tmp`` (0: none): the replaced file's descriptor becomes a free
+        file under ``tmp`` when that is its file. Returns per item the temporary name to delete
+        (an exchanged file that is not kept), or None."""
         close: list[Entry] = []
-        drop = None
         with self._lock:
-            old = self._open.pop(final, None)
-            if entry is not None:
-                entry.refs -= 1
-                self._open[final] = entry
-            if ino:
-                if old is not None and old.ino == ino and old.writable and self._free_room(old):
-                    self._add_free(old, dir_fd, tmp)
-                    old = None
-                else:
-                    drop = tmp
-            if old is not None:
-                self._retire(old, close)
+            drops = [self._published(*item, close) for item in items]
         _close(close)
+        return drops
+
+    def _published(self, final: str, tmp: str, entry: Entry | None, ino: int, dir_fd: int, close: list) -> str | None:
+        drop = None
+        old = self._open.pop(final, None)
+        if entry is not None:
+            entry.refs -= 1
+            self._open[final] = entry
+        if ino:
+            if old is not None and old.ino == ino and old.writable and self._free_room(old):
+                self._add_free(old, dir_fd, tmp)
+                old = None
+            else:
+                drop = tmp
+        if old is not None:
+            self._retire(old, close)
         return drop
 
     def discard(self, entry: Entry | None) -> None:
