@@ -624,16 +624,19 @@ class BlockBatches:
             if native_heads:
                 self._expect_tails(ops, files)
                 ops.flags |= MAKEHEAD
-            elif self.native_hash:  # every file's XXH3-64 on the C threads
-                self.native.run(HASHONLY, self.dir.fd, ops)
+            else:
+                if self.native_hash:  # every file's XXH3-64 on the C threads
+                    self.native.run(HASHONLY, self.dir.fd, ops)
+                for j, (i, key, pool, _, host) in enumerate(files):
+                    digest = int(ops.hash[j]) if self.native_hash else checksum(host)
+                    ops.heads[j] = np.frombuffer(encode_header(key, pool, digest, self.block_meta.get(key)), np.uint8)
             finals = [p.name for p in paths]
+            # free files and reservations are taken for the whole batch at once: nothing below
+            # raises before the write call
             plan = of.plan_writes(list(zip(ops.file_len.tolist(), ops.dirs.tolist(), finals)), publish) \
                 if of is not None else None
             for j, (i, key, pool, _, host) in enumerate(files):
                 final = finals[j]
-                if not native_heads:
-                    digest = int(ops.hash[j]) if self.native_hash else checksum(host)
-                    ops.heads[j] = np.frombuffer(encode_header(key, pool, digest, self.block_meta.get(key)), np.uint8)
                 free, reserved, exchange, move = plan[j] if plan is not None else (None, False, False, False)
                 if move:
                     # a large file: one free elsewhere is moved here (a rename) rather than allocated
