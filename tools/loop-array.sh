@@ -41,7 +41,7 @@ down)
     rmdir "$mnt" 2>/dev/null || true
   done
   # loop devices left attached to our files (a mount that failed half-way)
-  losetup -a | grep -o '^/dev/loop[0-9]*:.*tcarray-d[0-9]*\.img' | cut -d: -f1 | while read -r dev; do
+  { losetup -a | grep -o '^/dev/loop[0-9]*:.*tcarray-d[0-9]*\.img' || true; } | cut -d: -f1 | while read -r dev; do
     losetup -d "$dev" 2>/dev/null || true
   done
   rm -f /dev/shm/tcarray-d*.img ;;
