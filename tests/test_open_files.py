@@ -265,3 +265,36 @@ def test_cache_evictions_recycle_files_for_later_offloads(tmp_path, rng):
     with TierCache(cfg) as c:
         got = c.get(list(expected), pool="kv", out=np.empty((8, 16384), np.uint8))
         assert np.array_equal(got, np.stack(list(expected.values())))
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_files_changed_under_held_descriptors_fail_their_reads(tmp_path, rng, engine):
+    """Reads through held descriptors are vouched for by the C check (header, checksum) without
+    a size from an open: a data byte flipped in place or a file truncated under the held
+    descriptor (the same inode) must fail its block, never be served, and the others read
+    exact."""
+    from tiercache import CorruptBlockError
+
+    pools = (PoolSpec("kv", (16384,), "uint8"),)
+    keys = random_keys(rng, 6)
+    data = _rows(rng, pools, 6)
+    from tiercache.memory import alloc_host
+
+    ft = _tier(tmp_path / "root", pools, engine, fsync="none")
+    assert not any(ft.write(_items(keys, data)).values())  # their descriptors kept (O_DIRECT)
+    buf, _owner = alloc_host(6 * 16384)  # page-aligned rows: O_DIRECT reads, through those descriptors
+    out = {"kv": buf.reshape(6, 16384)}
+    hits = ft.open_files.hits
+    with open(bpath(tmp_path / "root", keys[0], "kv"), "r+b") as f:  # a data byte flipped in place
+        f.seek(4096 + int(rng.integers(0, 16384)))
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.truncate(bpath(tmp_path / "root", keys[1], "kv"), 4096 + 100)
+    errs = ft.read(_items(keys, out))
+    assert ft.open_files.hits > hits  # the reads went through the held descriptors
+    assert isinstance(errs[keys[0]], CorruptBlockError) and "checksum" in str(errs[keys[0]])
+    assert isinstance(errs[keys[1]], CorruptBlockError) and "truncated" in str(errs[keys[1]])
+    for i in range(2, 6):
+        assert errs[keys[i]] is None and np.array_equal(out["kv"][i], data["kv"][i])
+    ft.close()
