@@ -1142,8 +1142,6 @@ int tc_pool_uring(void *pool)
     return ((tc_pool *)pool)->uring;
 }
 
-/* Run the n operations of batch b on the pool (the calling thread helps) and return when all
- * are done. Returns the number of operations that failed. */
 static int pool_run(tc_pool *p, const tc_batch *b, int n, int pass, const unsigned char *marks);
 
 /* bytes of data of the batch's operations */
@@ -1163,6 +1161,8 @@ static int count_failed(const tc_batch *b, int n)
     return failed;
 }
 
+/* Run the n operations of batch b on the pool (the calling thread helps) and return when all
+ * are done. Returns the number of operations that failed. */
 int tc_run(void *pool, const tc_batch *b, int n)
 {
     tc_pool *p = pool;
@@ -1193,12 +1193,12 @@ int tc_run(void *pool, const tc_batch *b, int n)
                     if (b->flags[i] & TC_MAKEHEAD)
                         bad += (b->err[i] = make_head(b, i)) != 0;
             }
-            if (bad) /* no header, no write: every operation fails (the caller removes nothing) */
+            if (bad) { /* no header, no write: every operation fails, as any failed write */
                 for (int i = 0; i < n; i++)
                     if (!b->err[i])
                         b->err[i] = ECANCELED;
-            if (bad)
                 return n;
+            }
         }
     }
     if (p->uring && (b->kind == TC_READ || b->kind == TC_WRITE)) {
