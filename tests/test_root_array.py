@@ -20,7 +20,7 @@ from tiercache import CacheConfig, PoolSpec, RowStore, TierCache
 from tiercache.errors import ConfigError, RootError
 from tiercache.files import (ARRAY, SUBDIRS, FileTier, IOPath, balanced_table, block_subdir, members_of, read_record,
                              reshape)
-from tiercache.files import rootarray
+from tiercache.files import rootreshape
 from tiercache.files.rootdir import RootDir, RootPath
 from tiercache.settings import sections
 
@@ -184,7 +184,7 @@ def test_an_interrupted_change_is_refused_then_finished_by_running_it_again(tmp_
     keys = random_keys(rng, 200)
     with TierCache(_cfg(a)) as cache:
         want = put_random(cache, keys, rng, tier="file")
-    real, moved = rootarray._move_file, []
+    real, moved = rootreshape._move_file, []
 
     def crash_after_some(src, dst, name):
         if len(moved) == 37:
@@ -192,10 +192,10 @@ def test_an_interrupted_change_is_refused_then_finished_by_running_it_again(tmp_
         moved.append(name)
         real(src, dst, name)
 
-    monkeypatch.setattr(rootarray, "_move_file", crash_after_some)
+    monkeypatch.setattr(rootreshape, "_move_file", crash_after_some)
     with pytest.raises(KeyboardInterrupt):
         reshape([a], add=[b])
-    monkeypatch.setattr(rootarray, "_move_file", real)
+    monkeypatch.setattr(rootreshape, "_move_file", real)
     for listed in ([a, b], [a]):
         with pytest.raises(RootError, match="interrupted.*run the same"):
             TierCache(_cfg(listed))
@@ -279,6 +279,11 @@ def test_cli_roots_show_add_remove_and_verify_over_the_array(tmp_path, rng):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     with TierCache(_cfg(a)) as cache:
         put_random(cache, random_keys(rng, 80), rng, tier="file")
+    r = runner.invoke(app, ["roots", "add", str(a), "--new", str(b), "--new", str(c)])
+    assert r.exit_code == 2 and "do not exist" in r.output  # a mistyped path is never created
+    assert not b.exists() and not c.exists() and not (a / ARRAY).exists()
+    b.mkdir(mode=0o700)
+    c.mkdir(mode=0o700)
     r = runner.invoke(app, ["roots", "add", str(a), "--new", str(b), "--new", str(c)])
     assert r.exit_code == 0, r.output
     assert "moved" in r.output

@@ -33,14 +33,15 @@ from .openfiles import FREE_FILES
 from .iopath import IOPath, select_io_path
 from .rootdir import (DIR_MODE, INDEX, QUARANTINE, STATS, NotRegularFileError, RootDir, RootLock, RootPath, classify,
                       is_root, lock_holder, write_stats)
-from .rootarray import (ARRAY, ArrayRecord, ReshapeResult, RootArray, balanced_table, members_of, open_roots,
-                        read_record, record_of, reshape, subdir_owner)
+from .rootarray import (ARRAY, ArrayRecord, MemberState, RootArray, balanced_table, member_states, members_of,
+                        open_roots, read_record, record_of, subdir_owner)
+from .rootreshape import ReshapeResult, reshape
 from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
 
 __all__ = [
-    "ARRAY", "ArrayRecord", "ReshapeResult", "RootArray", "balanced_table", "members_of", "open_roots", "read_record",
-    "record_of", "reshape", "subdir_owner",
+    "ARRAY", "ArrayRecord", "MemberState", "ReshapeResult", "RootArray", "balanced_table", "member_states", "members_of",
+    "open_roots", "read_record", "record_of", "reshape", "subdir_owner",
     "ALIGN", "BOOT_TAG", "CHECK", "DATA_OFFSET", "DIRECT", "DIR_MODE", "FANOUT", "FREE_FILES", "FileTier", "HASH",
     "INDEX", "IOPath", "IO_ENGINES", "IndexUnusable", "NOT_REGULAR", "NativeIO", "NotRegularFileError", "Ops",
     "QUARANTINE", "READ", "RootDir", "RootLock", "RootPath", "STATS", "SUBDIRS", "SavedIndex", "ScanResult", "UNLINK",

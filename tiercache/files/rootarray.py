@@ -32,22 +32,26 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.errors import RootError
 from tiercache.files.blockfile import SUBDIRS, block_location, is_temporary_name, parse_filename
-from tiercache.files.rootdir import (ARRAY, ARRAY_LOCK, FILE_MODE, INDEX, STATS, RootDir, RootLock, RootPath,
-                                    open_root, write_atomic)
+from tiercache.files.rootdir import (ARRAY, ARRAY_LOCK, FILE_MODE, RootDir, RootPath, is_root, open_root,
+                                    write_atomic)
 from tiercache.keys import Key
 
 from tiercache.settings import MAX_ROOTS
 
 _FORMAT = 1
 _SUBDIR_SET = frozenset(SUBDIRS)
+_ID = re.compile(r"[0-9a-f]{32}")
+
+Members = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -55,55 +59,115 @@ class ArrayRecord:
     """One member's ``.tiercache-array``.
 
     Attributes:
-        array_id: the array's id (hex).
-        member: this member's id (hex).
-        members: ``(id, path)`` of every member, the home first (the paths as they were when
-            the record was written: for messages).
+        array_id: the array's id (32 hex digits).
+        member: this member's id (32 hex digits).
+        members: ``(id, path)`` of every member, the home first (absolute paths as they were
+            when the record was written: for messages, and where ``tiercache`` commands given
+            one member look for the others, which must prove membership: :func:`member_states`).
         table: per subdirectory (in :data:`SUBDIRS` order), the index in ``members`` of its root.
         generation: counts the writes of the members' records.
         moving: while members change (``reshape``): ``(members, table)`` as they were before.
+        gone: while members change: the ids of the members taken out without their blocks
+            (``--forget``: their devices are gone).
     """
 
     array_id: str
     member: str
-    members: tuple[tuple[str, str], ...]
+    members: Members
     table: tuple[int, ...]
     generation: int
-    moving: tuple[tuple[tuple[str, str], ...], tuple[int, ...]] | None = None
+    moving: tuple[Members, tuple[int, ...]] | None = None
+    gone: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         out = {"format": _FORMAT, "array": self.array_id, "member": self.member,
                "members": [list(m) for m in self.members], "table": list(self.table), "generation": self.generation}
         if self.moving is not None:
-            out["moving"] = {"members": [list(m) for m in self.moving[0]], "table": list(self.moving[1])}
+            out["moving"] = {"members": [list(m) for m in self.moving[0]], "table": list(self.moving[1]),
+                             "gone": list(self.gone)}
         return json.dumps(out).encode()
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> ArrayRecord:
+        """The record in ``data`` (read from ``where``), checked field by field: its contents
+        are as untrusted as any file in a root.
+
+        Raises:
+            RootError: not a record of this format (naming what is wrong).
+        """
         try:
             d = json.loads(data)
+            if not isinstance(d, dict):
+                raise ValueError(f"a JSON {type(d).__name__}, not an object")
             if d.get("format") != _FORMAT:
                 raise ValueError(f"format {d.get('format')!r}")
-            members = tuple((str(i), str(p)) for i, p in d["members"])
-            table = tuple(int(t) for t in d["table"])
-            moving = None
-            if d.get("moving"):
-                moving = (tuple((str(i), str(p)) for i, p in d["moving"]["members"]),
-                          tuple(int(t) for t in d["moving"]["table"]))
-            rec = cls(str(d["array"]), str(d["member"]), members, table, int(d["generation"]), moving)
-        except (ValueError, KeyError, TypeError) as exc:
+            members = _members(d.get("members"))
+            table = _table(d.get("table"), len(members))
+            moving, gone = None, ()
+            if d.get("moving") is not None:
+                mv = d["moving"]
+                if not isinstance(mv, dict):
+                    raise ValueError("moving is not an object")
+                before = _members(mv.get("members"))
+                moving = (before, _table(mv.get("table"), len(before)))
+                gone = tuple(_id(g, "gone member id") for g in _list(mv.get("gone", []), "gone"))
+                if not set(gone) <= {i for i, _ in before}:
+                    raise ValueError("a gone member that was not a member")
+            gen = d.get("generation")
+            if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
+                raise ValueError(f"generation {gen!r}")
+            rec = cls(_id(d.get("array"), "array id"), _id(d.get("member"), "member id"), members, table, gen,
+                      moving, gone)
+        except (ValueError, TypeError, RecursionError) as exc:
             raise RootError(f"{where}/{ARRAY} is unreadable ({exc}): the root array's record is damaged") from None
-        if len(table) != len(SUBDIRS) or any(not 0 <= t < len(members) for t in table):
-            raise RootError(f"{where}/{ARRAY}: its table does not give each of the {len(SUBDIRS)} subdirectories a member")
-        if rec.member not in {i for i, _ in members}:
+        if rec.member not in {i for i, _ in rec.all_members()}:
             raise RootError(f"{where}/{ARRAY}: this member's id is not among the array's members")
         return rec
 
     def with_member(self, member: str) -> ArrayRecord:
-        return ArrayRecord(self.array_id, member, self.members, self.table, self.generation, self.moving)
+        return ArrayRecord(self.array_id, member, self.members, self.table, self.generation, self.moving, self.gone)
 
     def paths(self) -> list[str]:
         return [p for _, p in self.members]
+
+    def all_members(self) -> Members:
+        """The members, then those of a change under way that are leaving (``moving``)."""
+        ids = {i for i, _ in self.members}
+        return self.members + tuple(m for m in (self.moving[0] if self.moving else ()) if m[0] not in ids)
+
+
+def _list(v, what: str) -> list:
+    if not isinstance(v, list):
+        raise ValueError(f"{what} is not a list")
+    return v
+
+
+def _id(v, what: str) -> str:
+    if not isinstance(v, str) or not _ID.fullmatch(v):
+        raise ValueError(f"{what} {v!r} is not 32 hex digits")
+    return v
+
+
+def _members(v) -> Members:
+    out = []
+    for m in _list(v, "members"):
+        if not (isinstance(m, list) and len(m) == 2 and isinstance(m[1], str)):
+            raise ValueError(f"member {m!r} is not [id, path]")
+        if not m[1] or "\0" in m[1]:
+            raise ValueError(f"member path {m[1]!r}")
+        out.append((_id(m[0], "member id"), m[1]))
+    if not 1 <= len(out) <= MAX_ROOTS:
+        raise ValueError(f"{len(out)} members (1 .. {MAX_ROOTS})")
+    if len({i for i, _ in out}) != len(out):
+        raise ValueError("a member id listed twice")
+    return tuple(out)
+
+
+def _table(v, n: int) -> tuple[int, ...]:
+    t = _list(v, "table")
+    if len(t) != len(SUBDIRS) or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < n for x in t):
+        raise ValueError(f"its table does not give each of the {len(SUBDIRS)} subdirectories a member")
+    return tuple(t)
 
 
 def read_record(rd: RootDir) -> ArrayRecord | None:
@@ -129,11 +193,7 @@ def read_record(rd: RootDir) -> ArrayRecord | None:
 def write_record(rd: RootDir, rec: ArrayRecord) -> None:
     """Replace ``rd``'s array record atomically and durably."""
     write_atomic(rd, ARRAY, rec.encode(), fsync=True)
-    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=rd.fd)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(rd)
 
 
 def balanced_table(old: Sequence[int], n_old: int, keep: Sequence[int], n_new: int) -> tuple[int, ...]:
@@ -237,17 +297,22 @@ class RootArray:
 
 
 @contextlib.contextmanager
-def _array_lock(dirs: list[RootDir]):
-    """The exclusive lock on :data:`ARRAY_LOCK` of the member whose path sorts first: the
-    processes that open the same roots at once read and make the records one at a time."""
-    first = min(dirs, key=lambda d: str(d.path))
-    fd = first.child(ARRAY_LOCK).open(os.O_RDWR | os.O_CREAT, FILE_MODE)
+def _array_lock(dirs: Sequence[RootDir]):
+    """The exclusive lock on :data:`ARRAY_LOCK` of every root in ``dirs``, taken in the order of
+    their (device, inode): the processes that open or change the same roots at once, under any
+    spelling of their paths (symlinks, ``..``) and in any order, read and make the records one at
+    a time, and never deadlock."""
+    order = sorted(dirs, key=lambda d: (lambda st: (st.st_dev, st.st_ino))(os.fstat(d.fd)))
+    fds: list[int] = []
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        for d in order:
+            fds.append(d.child(ARRAY_LOCK).open(os.O_RDWR | os.O_CREAT, FILE_MODE))
+            fcntl.flock(fds[-1], fcntl.LOCK_EX)
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        for fd in reversed(fds):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 def holds_blocks(rd: RootDir) -> bool:
@@ -273,8 +338,13 @@ def _paths(roots: Sequence[os.PathLike | str]) -> list[Path]:
     return paths
 
 
-def _cmd(paths: Sequence[os.PathLike | str]) -> str:
+def _cmd(paths: Iterable[os.PathLike | str]) -> str:
     return " ".join(str(p) for p in paths)
+
+
+def new_members(dirs: Sequence[RootDir]) -> Members:
+    """Fresh member ids for ``dirs``, with their absolute paths (what records hold)."""
+    return tuple((uuid.uuid4().hex, os.path.abspath(d.path)) for d in dirs)
 
 
 def open_roots(roots: Sequence[os.PathLike | str], check_owner: bool = True) -> RootDir | RootArray:
@@ -304,7 +374,7 @@ def open_roots(roots: Sequence[os.PathLike | str], check_owner: bool = True) -> 
                         f"with `tiercache roots add {_cmd(full)} --new ...` (it moves a share of the blocks onto each "
                         "new root); nothing was changed")
                 array_id = uuid.uuid4().hex
-                members = tuple((uuid.uuid4().hex, str(d.path)) for d in dirs)
+                members = new_members(dirs)
                 table = tuple(i % len(dirs) for i in range(len(SUBDIRS)))
                 for d, (mid, _) in zip(dirs, members):
                     write_record(d, ArrayRecord(array_id, mid, members, table, 1))
@@ -330,7 +400,7 @@ def _assemble(dirs: list[RootDir], recs: list[ArrayRecord | None]) -> RootDir | 
         raise RootError(
             f"a change of the root array's members was interrupted (records of generations "
             f"{sorted(g for g, _ in gens)}): run the same `tiercache roots add` or `tiercache roots remove` again "
-            f"to finish it (members recorded: {', '.join(some.paths())})")
+            f"to finish it (members recorded: {', '.join(p for _, p in some.all_members())})")
     by_id = {r.member: d for d, r in zip(dirs, recs)}
     missing = [p for mid, p in some.members if mid not in by_id]
     if missing:
@@ -353,17 +423,99 @@ def record_of(root: os.PathLike | str) -> ArrayRecord | None:
         return read_record(rd)
 
 
-def members_of(root: os.PathLike | str) -> list[Path]:
-    """The member roots of the array that ``root`` belongs to, the home first, as their
-    records name them (``[root]`` for a plain root). Reads only.
+@dataclass(frozen=True)
+class MemberState:
+    """One member of a root array, as a member's record names it, and whether it is there.
+
+    Attributes:
+        id: the member's id ("" for a plain root).
+        path: where it is: the root asked about, or the path its record names.
+        state: ``"here"`` (the root asked about), ``"proven"`` (a tiercache root whose own
+            record names this array and this member id), ``"missing"`` (nothing at that path)
+            or ``"unproven"`` (something else is there: ``why``).
+        leaving: a member of an interrupted change that the change takes out.
+        why: for ``"unproven"`` and ``"missing"``, what was found.
+    """
+
+    id: str
+    path: Path
+    state: str
+    leaving: bool = False
+    why: str = ""
+
+    @property
+    def present(self) -> bool:
+        return self.state in ("here", "proven")
+
+
+def member_states(root: os.PathLike | str) -> tuple[ArrayRecord | None, list[MemberState]]:
+    """The record of ``root`` and every member of its array (the home first; during an
+    interrupted change, the members that it takes out last), each checked where the record
+    says it is: a path in a record is trusted only once that directory's own record names the
+    same array and member id, so a crafted record never leads a command outside its array.
+    Reads only.
 
     Raises:
-        RootError: the record is unreadable.
+        RootError: ``root`` is not a directory, or its record is unreadable.
     """
     rec = record_of(root)
     if rec is None:
-        return [Path(root)]
-    return [Path(p) if mid != rec.member else Path(root) for mid, p in rec.members]
+        return None, [MemberState("", Path(root), "here")]
+    after = {mid for mid, _ in rec.members}
+    here = os.path.realpath(root)
+    out = []
+    for mid, p in rec.all_members():
+        leaving = mid not in after
+        if mid == rec.member:
+            out.append(MemberState(mid, Path(root), "here", leaving))
+            continue
+        state, why = _prove(rec, mid, p, here)
+        out.append(MemberState(mid, Path(p), state, leaving, why))
+    return rec, out
+
+
+def _prove(rec: ArrayRecord, mid: str, path: str, here: str) -> tuple[str, str]:
+    """``(state, why)`` of the member ``mid`` that ``rec`` places at ``path`` (see :class:`MemberState`)."""
+    if not os.path.isabs(path):
+        return "unproven", "the record gives a relative path"
+    if os.path.realpath(path) == here:
+        return "unproven", "the record names the root itself under another member id"
+    if not os.path.lexists(path):
+        return "missing", "nothing at that path"
+    if not is_root(path):
+        return "unproven", "not a tiercache root (no .tiercache-root marker; an empty mount point?)"
+    try:
+        other = record_of(path)
+    except RootError as exc:
+        return "unproven", str(exc)
+    if other is None:
+        return "unproven", "a plain root, with no record of this array"
+    if other.array_id != rec.array_id:
+        return "unproven", "its record is of another root array"
+    if other.member != mid:
+        return "unproven", "its record names another member"
+    return "proven", ""
+
+
+def members_of(root: os.PathLike | str) -> list[Path]:
+    """The member roots of the array that ``root`` belongs to, the home first (and, during an
+    interrupted change, those it takes out), each proven by its own record
+    (:func:`member_states`); ``[root]`` for a plain root. Reads only.
+
+    Raises:
+        RootError: the record is unreadable, or a member is missing or does not prove its
+            membership (naming it and why).
+    """
+    _, states = member_states(root)
+    bad = [s for s in states if not s.present]
+    if bad:
+        raise RootError(
+            f"{str(root)!r} is a member of a root array whose member(s) "
+            + "; ".join(f"{s.path} ({s.why})" for s in bad)
+            + " cannot be reached or do not prove their membership: nothing was read or changed there. Mount "
+            "the missing devices, or take them out with `tiercache roots remove "
+            f"{root} --forget ROOT` (their blocks are lost)")
+    return [s.path for s in states]
 
 
 def subdir_owner(root: os.PathLike | str) -> dict[str, bool]:
@@ -371,41 +523,11 @@ def subdir_owner(root: os.PathLike | str) -> dict[str, bool]:
     rec = record_of(root)
     if rec is None:
         return {n: True for n in SUBDIRS}
-    me = [mid for mid, _ in rec.members].index(rec.member)
+    ids = [mid for mid, _ in rec.members]
+    if rec.member not in ids:  # leaving, in an interrupted change
+        return {n: False for n in SUBDIRS}
+    me = ids.index(rec.member)
     return {n: rec.table[i] == me for i, n in enumerate(SUBDIRS)}
-
-
-# -- changing the members --------------------------------------------------------------------
-
-def _move_file(src: RootDir, dst: RootDir, name: str) -> None:
-    """``src/name`` -> ``dst/name``: a rename on one filesystem, else a copy to a temporary
-    name in ``dst`` (flushed), a rename over ``name``, then the unlink of the source."""
-    s, d = src.child(name), dst.child(name)
-    try:
-        s.rename(d)
-        return
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-    tmp = dst.child(f".tmp.own.move.{name}.{os.getpid()}")
-    fin = s.open(os.O_RDONLY)
-    try:
-        fout = tmp.open(os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        try:
-            size = os.fstat(fin).st_size
-            off = 0
-            while off < size:
-                n = os.copy_file_range(fin, fout, size - off, off, off)
-                if n == 0:
-                    break
-                off += n
-            os.fdatasync(fout)
-        finally:
-            os.close(fout)
-    finally:
-        os.close(fin)
-    tmp.rename(d)
-    s.unlink()
 
 
 def _fsync_dir(d: RootDir) -> None:
@@ -416,177 +538,5 @@ def _fsync_dir(d: RootDir) -> None:
         os.close(fd)
 
 
-@dataclass
-class ReshapeResult:
-    """What :func:`reshape` did: members before and after (paths), subdirectories and files moved."""
-
-    before: list[str]
-    after: list[str]
-    subdirs_moved: int = 0
-    files_moved: int = 0
-    bytes_moved: int = 0
-    forgotten: list[str] | None = None
-
-
-def reshape(roots: Sequence[os.PathLike | str], add: Sequence[os.PathLike | str] = (),
-            drop: Sequence[os.PathLike | str] = (), forget: Sequence[os.PathLike | str] = (),
-            check_owner: bool = True, progress: Callable[[int], None] | None = None) -> ReshapeResult:
-    """Add roots to, or take roots out of, the array of ``roots`` (or make an array of a plain
-    root): the blocks of every subdirectory that changes hands move to their new member.
-
-    Crash-safe and idempotent: every member's record says first that a change is under way (with
-    the table before it), then the files move (a rename, or a copy flushed before the source is
-    removed: a block is always whole in one place or the other), then the records get the new
-    table; an open in between is refused, and the same call again finishes the change.
-
-    Args:
-        roots: the array's current members (all of them; any order), or one plain root.
-        add: new roots (empty, or new directories).
-        drop: members to take out; their blocks move to the others.
-        forget: members whose device is gone: taken out without their blocks (those are lost;
-            the only way tiercache drops blocks on purpose).
-        progress: called with the number of files moved so far.
-
-    Raises:
-        RootError: a root in use (every member is locked exclusively meanwhile), a new root that
-            holds blocks or another array's record, a member missing, nothing left.
-    """
-    want_forget = [str(Path(p)) for p in forget]
-    present = [p for p in _paths(list(roots) + list(add)) if str(p) not in want_forget]
-    dirs: list[RootDir] = []
-    locks: list[RootLock] = []
-    try:
-        for p in present:
-            dirs.append(open_root(p, check_owner))
-        for d in dirs:
-            locks.append(RootLock(d))
-        with _array_lock(dirs):
-            return _reshape_locked(dirs, [str(Path(p)) for p in add], [str(Path(p)) for p in drop], want_forget,
-                                   progress)
-    finally:
-        for lk in locks:
-            lk.release()
-        for d in dirs:
-            d.close()
-
-
-def _reshape_locked(dirs: list[RootDir], add: list[str], drop: list[str], forget: list[str],
-                    progress: Callable[[int], None] | None) -> ReshapeResult:
-    by_path = {str(d.path): d for d in dirs}
-    recs = {str(d.path): read_record(d) for d in dirs}
-    current = [p for p in by_path if p not in add]
-    newest = max((r for r in recs.values() if r is not None), key=lambda r: r.generation, default=None)
-    if newest is not None and newest.moving is not None:  # finish the interrupted change first
-        before_members, before_table = newest.moving
-        by_id = _ids(by_path, recs, newest)
-        result = ReshapeResult([p for _, p in before_members], newest.paths())
-        _finish(newest, by_id, before_members, before_table, newest.members, newest.table, result, progress)
-        return result
-    if newest is not None and any(r is not None and r.array_id == newest.array_id and
-                                  (r.generation, r.moving) != (newest.generation, None) for r in recs.values()):
-        # the last change wrote its final records to some members only: finish its last step
-        by_id = _ids(by_path, recs, newest)
-        _final_records(newest, by_id)
-        return ReshapeResult(newest.paths(), newest.paths())
-    for p in add:
-        if recs[p] is not None:
-            raise RootError(f"new root {p!r} already belongs to a root array; give an empty directory")
-        if holds_blocks(by_path[p]):
-            raise RootError(f"new root {p!r} holds blocks of its own; give an empty directory")
-    if newest is None:  # a plain root becoming an array
-        if len(current) != 1:
-            raise RootError(f"give one plain root to make an array of (got {', '.join(current)})")
-        mid = uuid.uuid4().hex
-        rec = ArrayRecord(uuid.uuid4().hex, mid, ((mid, current[0]),), (0,) * len(SUBDIRS), 0)
-        recs[current[0]] = rec
-    else:
-        rec = newest
-    by_id = {r.member: by_path[p] for p, r in recs.items() if r is not None and r.array_id == rec.array_id}
-    id_of = {str(by_id[mid].path): mid for mid in by_id}
-    members = list(rec.members)
-    missing = [p for mid, p in members if mid not in by_id and p not in forget]
-    if missing:
-        raise RootError(f"root(s) {', '.join(missing)} of the array are not reachable: give their paths, or name them "
-                        "with --forget if their devices are gone (their blocks are lost)")
-    gone_ids = {mid for mid, p in members if p in forget and mid not in by_id} | {
-        id_of[p] for p in forget if p in id_of}
-    drop_ids = {id_of[p] for p in drop if p in id_of}
-    unknown = [p for p in drop if p not in id_of]
-    if unknown:
-        raise RootError(f"root(s) {', '.join(unknown)} are not members of this array (members: {', '.join(rec.paths())})")
-    kept = [(mid, str(by_id[mid].path)) for mid, _ in members if mid not in gone_ids and mid not in drop_ids]
-    new_members = tuple(kept + [(uuid.uuid4().hex, p) for p in add])
-    if not new_members:
-        raise RootError("an array needs at least one root: nothing would be left")
-    index_of = {mid: i for i, (mid, _) in enumerate(new_members)}
-    keep = [index_of.get(mid, -1) for mid, _ in members]
-    table = balanced_table(rec.table, len(members), keep, len(new_members))
-    for mid, p in new_members[len(kept):]:
-        by_id[mid] = by_path[p]
-    result = ReshapeResult(rec.paths(), [p for _, p in new_members],
-                           forgotten=[p for mid, p in members if mid in gone_ids])
-    moving_rec = ArrayRecord(rec.array_id, "", new_members, table, rec.generation + 1, (tuple(members), rec.table))
-    for mid in {m for m, _ in members} | set(index_of):
-        if mid in by_id and mid not in gone_ids:
-            write_record(by_id[mid], moving_rec.with_member(mid))
-    _finish(moving_rec, by_id, tuple(members), rec.table, new_members, table, result, progress, gone=gone_ids)
-    return result
-
-
-def _ids(by_path: dict[str, RootDir], recs: dict[str, ArrayRecord | None], rec: ArrayRecord) -> dict[str, RootDir]:
-    return {r.member: by_path[p] for p, r in recs.items() if r is not None and r.array_id == rec.array_id}
-
-
-def _finish(rec: ArrayRecord, by_id: dict[str, RootDir], before_members, before_table, after_members, after_table,
-            result: ReshapeResult, progress, gone: set[str] = frozenset()) -> None:
-    missing = [p for mid, p in after_members if mid not in by_id]
-    if missing:
-        raise RootError(f"root(s) {', '.join(missing)} of the array are not reachable: give their paths")
-    for i, name in enumerate(SUBDIRS):
-        src_id, dst_id = before_members[before_table[i]][0], after_members[after_table[i]][0]
-        if src_id == dst_id:
-            continue
-        result.subdirs_moved += 1
-        src = by_id.get(src_id)
-        if src is None or src_id in gone:
-            continue
-        s = src.subdir(name)
-        if s is None:
-            continue
-        dst = by_id[dst_id].subdir(name, create=True)
-        with s.scandir() as it:
-            names = [e.name for e in it if e.is_file(follow_symlinks=False)]
-        for n in names:
-            if is_temporary_name(n):
-                s.child(n).unlink()
-                continue
-            size = s.child(n).lstat()
-            _move_file(s, dst, n)
-            result.files_moved += 1
-            result.bytes_moved += size.st_size if size is not None else 0
-            if progress is not None:
-                progress(result.files_moved)
-        _fsync_dir(dst)
-        _fsync_dir(s)
-    _final_records(ArrayRecord(rec.array_id, "", tuple(after_members), tuple(after_table), rec.generation + 1), by_id)
-
-
-def _final_records(final: ArrayRecord, by_id: dict[str, RootDir]) -> None:
-    """The last step of a change: the members' records get ``final``; members taken out lose
-    theirs (plain, empty roots again); one member left is a plain root."""
-    after_ids = {mid for mid, _ in final.members}
-    for mid, _ in final.members:
-        d = by_id[mid]
-        for name in (INDEX, STATS):  # the next open rebuilds the index (the home may have changed)
-            d.child(name).unlink()
-        write_record(d, final.with_member(mid))
-    for mid, d in by_id.items():
-        if mid not in after_ids:
-            for name in (INDEX, STATS, ARRAY):
-                d.child(name).unlink()
-    if len(final.members) == 1:
-        by_id[final.members[0][0]].child(ARRAY).unlink()
-
-
-__all__ = ["ARRAY", "ARRAY_LOCK", "ArrayRecord", "ReshapeResult", "RootArray", "balanced_table", "members_of",
-           "open_roots", "read_record", "record_of", "reshape", "subdir_owner"]
+__all__ = ["ARRAY", "ARRAY_LOCK", "ArrayRecord", "MemberState", "RootArray", "balanced_table", "member_states",
+           "members_of", "open_roots", "read_record", "record_of", "subdir_owner"]
