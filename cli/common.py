@@ -67,10 +67,13 @@ def roots_inside(root: Path) -> list[Path]:
 
 
 def not_a_root(root: Path) -> str:
-    """Why ``root`` is not a tiercache root, naming the roots directly inside it."""
+    """Why ``root`` is not a tiercache root, naming the roots directly inside it (a sentence)."""
     inside = roots_inside(root)
-    hint = f"; tiercache roots inside it: {', '.join(str(p) for p in inside[:5])}" if inside else ""
-    return f"{str(root)!r} is not a tiercache root (no .tiercache-root marker){hint}"
+    if inside:
+        more = f" and {len(inside) - 5} more" if len(inside) > 5 else ""
+        return (f"{str(root)!r} is not a tiercache root itself (no .tiercache-root marker) but holds tiercache "
+                f"roots: {', '.join(str(p) for p in inside[:5])}{more}; give one of them")
+    return f"{str(root)!r} is not a tiercache root (no .tiercache-root marker)"
 
 
 def array_members(root: Path) -> list[Path]:

@@ -14,7 +14,7 @@ from rich.table import Table
 from tiercache.config import load_config
 from tiercache.cuda import cuda_status
 from tiercache.errors import RootError, TierCacheError
-from tiercache.files import RootDir, index_summary, members_of, select_io_path, subdir_owner
+from tiercache.files import RootDir, index_summary, member_states, select_io_path, subdir_owner
 from tiercache.rootops import survey
 
 from .common import DEFAULT_CONFIG, fail, human_bytes, roots_inside
@@ -87,18 +87,21 @@ def _array(root: Path) -> list[dict] | None:
     """Per member of ``root``'s root array (None for a plain root): its path, the block
     subdirectories it holds, its blocks and bytes (a survey of each member)."""
     try:
-        members = members_of(root)
+        _, states = member_states(root)
     except RootError:
         return None
-    if len(members) == 1:
+    if len(states) == 1:
         return None
     out = []
-    for m in members:
-        row: dict = {"root": str(m), "missing": not m.is_dir()}
-        if not row["missing"]:
-            sv = survey(m).as_dict()
-            row.update(subdirs=sum(subdir_owner(m).values()), blocks=sv["blocks"], bytes=sv["block_files"]["bytes"],
-                       temporary=sv["temporary"]["files"], quarantined=sv["quarantined"]["files"])
+    for m in states:  # a member that does not prove its membership is not looked into
+        row: dict = {"root": str(m.path), "missing": not m.present}
+        if m.present:
+            sv = survey(m.path).as_dict()
+            row.update(subdirs=sum(subdir_owner(m.path).values()), blocks=sv["blocks"],
+                       bytes=sv["block_files"]["bytes"], temporary=sv["temporary"]["files"],
+                       quarantined=sv["quarantined"]["files"])
+        else:
+            row.update(state=m.state, why=m.why)
         out.append(row)
     return out
 
@@ -162,7 +165,7 @@ def _print(out: dict) -> None:
             t.add_column(col)
         for m in out["array"]:
             if m["missing"]:
-                t.add_row(m["root"], "[red]missing[/red]", "", "", "", "")
+                t.add_row(m["root"], f"[red]{m.get('state', 'missing')}[/red]: {m.get('why', '')}", "", "", "", "")
             else:
                 t.add_row(m["root"], str(m["subdirs"]), str(m["blocks"]), human_bytes(m["bytes"]), str(m["temporary"]),
                           str(m["quarantined"]))

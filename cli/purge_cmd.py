@@ -51,7 +51,7 @@ def purge(
     if not root.is_dir():
         fail(f"root {str(root)!r} does not exist or is not a directory")
     if not is_root(root):
-        fail(f"refusing to purge: {not_a_root(root)}, so tiercache did not create it")
+        fail(f"refusing to purge: {not_a_root(root)}; nothing was deleted")
     bad = [name for name in pool or () if not POOL_NAME_RE.fullmatch(name)]
     if bad:
         fail(f"--pool {bad[0]!r} is not a pool name (1-64 characters of [A-Za-z0-9_.-], starting alphanumeric)")
@@ -60,11 +60,17 @@ def purge(
     except InvalidKeyError as exc:
         fail(str(exc))
     cutoff = time.time() - parse_duration(older_than) if older_than else None
+    seen: set[str] = set()
     for member in array_members(root):  # a root array: each member in turn
-        _purge_root(member, pool, wanted_keys, cutoff, dry_run, yes, threads, force)
+        seen |= _purge_root(member, pool, wanted_keys, cutoff, dry_run, yes, threads, force)
+    absent = [p for p in pool or () if p not in seen]
+    if absent:
+        typer.echo(f"no block file of pool(s) {', '.join(absent)} in {root}"
+                   + (f" (its block files are of pool(s) {', '.join(sorted(seen))})" if seen else " (it holds no block file)"))
 
 
-def _purge_root(root: Path, pool, wanted_keys, cutoff, dry_run: bool, yes: bool, threads: int, force: bool) -> None:
+def _purge_root(root: Path, pool, wanted_keys, cutoff, dry_run: bool, yes: bool, threads: int, force: bool) -> set[str]:
+    """Purge one root (one member of an array); returns the pools its block files are of."""
     holder = lock_holder(root)
     shared = holder == "shared"
     if shared and not force:
@@ -83,14 +89,15 @@ def _purge_root(root: Path, pool, wanted_keys, cutoff, dry_run: bool, yes: bool,
         rd.close()
         fail(f"refusing to purge {str(root)!r}: {exc}")
     try:
-        _purge(rd, pool, wanted_keys, cutoff, dry_run, yes, shared, threads)
+        return _purge(rd, pool, wanted_keys, cutoff, dry_run, yes, shared, threads)
     finally:
         lock.release()
         rd.close()
 
 
 def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, shared: bool = False,
-           threads: int = PURGE_THREADS) -> None:
+           threads: int = PURGE_THREADS) -> set[str]:
+    """Purge ``rd``: asks first unless ``yes``; returns the pools its block files are of."""
     root = rd.path
     # the native header reads learn each file's size; --older-than needs every file's mtime
     stat_sizes = cutoff is not None or not native_status()[0]
@@ -101,9 +108,9 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
                 and (cutoff is None or e.mtime < cutoff)]
 
     if yes and not dry_run:  # no question to ask: check and delete as the root is listed
-        _purge_now(rd, wanted, stat_sizes, whole_root, cutoff, shared, threads)
-        return
+        return _purge_now(rd, wanted, stat_sizes, whole_root, cutoff, shared, threads)
     sv = survey(root, sizes=stat_sizes)
+    seen = {e.pool for e in sv.blocks}
     chosen = wanted(sv.blocks)
     leftovers, leftover_sizes = _leftovers(rd, sv, cutoff, shared) if whole_root else ([], [])
     own = own_entries(rd, chosen, threads)
@@ -116,19 +123,20 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
     total = sum(sizes)
     if not targets:
         typer.echo(f"nothing to purge in {root}")
-        return
+        return seen
     if dry_run:
         for t in targets:
             typer.echo(f"would delete {t}")
         typer.echo(f"would delete {len(targets)} file(s), {human_bytes(total)}")
-        return
+        return seen
     if not yes:
         try:
             ok = typer.confirm(f"delete {len(targets)} file(s), {human_bytes(total)}, from {root}?")
         except (typer.Abort, EOFError):  # no answer (no terminal, end of input)
-            ok = False
-        if not ok:
-            fail("nothing deleted: purge asks before deleting (add --yes to skip the question)")
+            fail("nothing deleted: purge asks before deleting and got no answer (add --yes to skip the question)")
+        if not ok:  # a deliberate no is not an error
+            typer.echo(f"nothing deleted from {root}")
+            return seen
     removed, freed = 0, 0
     if whole_root and cutoff is None:  # nothing left for the saved index to list
         rd.child(INDEX).unlink()
@@ -139,6 +147,7 @@ def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, sh
         removed += ok
         freed += size if ok else 0
     typer.echo(f"deleted {removed} file(s), {human_bytes(freed)}, from {root}")
+    return seen
 
 
 def _leftovers(rd: RootDir, sv: RootSurvey, cutoff, shared: bool) -> tuple[list, list[int]]:
@@ -160,14 +169,16 @@ def _leftovers(rd: RootDir, sv: RootSurvey, cutoff, shared: bool) -> tuple[list,
     return paths, sizes
 
 
-def _purge_now(rd: RootDir, wanted, stat_sizes: bool, whole_root: bool, cutoff, shared: bool, threads: int) -> None:
+def _purge_now(rd: RootDir, wanted, stat_sizes: bool, whole_root: bool, cutoff, shared: bool, threads: int) -> set[str]:
     """``purge --yes``: each subdirectory's chosen files are checked and deleted
     (:class:`RootCheck`, ``delete``) while the next is filed; then the leftovers."""
     chosen = 0
     drop_index = whole_root and cutoff is None
+    seen: set[str] = set()
 
     def add(entries: list[FileEntry]) -> None:
         nonlocal chosen
+        seen.update(e.pool for e in entries)
         mine = wanted(entries)
         if mine and drop_index and not chosen:
             rd.child(INDEX).unlink()  # before any block goes: nothing left for the saved index to list
@@ -187,9 +198,10 @@ def _purge_now(rd: RootDir, wanted, stat_sizes: bool, whole_root: bool, cutoff, 
     _left_alone(skipped)
     if not chosen and not leftovers:
         typer.echo(f"nothing to purge in {rd.path}")
-        return
+        return seen
     freed = sum(e.size for e in gone) + sum(size for ok, size in zip(done, leftover_sizes) if ok)
     typer.echo(f"deleted {len(gone) + sum(done)} file(s), {human_bytes(freed)}, from {rd.path}")
+    return seen
 
 
 def _left_alone(skipped: int) -> None:

@@ -81,8 +81,15 @@ def show(
            "changing": bool(rec and rec.moving), "members": rows}
     if as_json:
         typer.echo(json.dumps(out, indent=2))
-        return
-    typer.echo(f"{'root array ' + out['array'][:12] if rec else 'plain root'}: {len(rows)} root(s)"
+    else:
+        _print_show(out, rec is not None)
+    if any(not r["present"] for r in rows):
+        raise typer.Exit(EXIT_FINDING)
+
+
+def _print_show(out: dict, array: bool) -> None:
+    rows = out["members"]
+    typer.echo(f"{'root array ' + out['array'][:12] if array else 'plain root'}: {len(rows)} root(s)"
                + (" (a change of members was interrupted: run it again to finish it)" if out["changing"] else ""))
     for r in rows:
         if r["present"]:
@@ -90,8 +97,6 @@ def show(
                        + (" (leaving)" if r.get("leaving") else ""))
         else:
             typer.echo(f"  {r['root']}: {r['state'].upper()} ({r['why']})")
-    if any(not r["present"] for r in rows):
-        raise typer.Exit(EXIT_FINDING)
 
 
 def _run(roots: list[Path], add=(), drop=(), forget=(), check_owner: bool = True) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import urllib.error
 import urllib.parse
@@ -59,6 +60,8 @@ def read_root(root: Path) -> tuple[list, float | None]:
     from tiercache.rootops import survey
     from tiercache.metrics import families
 
+    if not os.path.isdir(root):
+        raise LookupError("no such directory")
     try:  # a root array's cache saves its stats in the array's home (its first member)
         root = members_of(root)[0]
     except RootError:
@@ -66,7 +69,7 @@ def read_root(root: Path) -> tuple[list, float | None]:
     sv = survey(root)
     st = sv.stats
     if not st:
-        raise LookupError(f"{root}: no cache has saved its stats here yet (a cache saves them every "
+        raise LookupError("no cache has saved its stats here yet (a cache saves them every "
                           "[metrics] snapshot_interval_s, on flush and on close)")
     name = st.get("metrics_name") or f"pid {st.get('pid', '?')}"
     age = time.time() - st["time"] if "time" in st else None
@@ -243,8 +246,10 @@ def top(
             else:
                 fams, age = read_root(root)
                 note = "" if age is None else f" (saved {age:.0f} s ago)"
-        except (OSError, urllib.error.URLError) as exc:
-            fail(f"cannot read {source}: {getattr(exc, 'reason', None) or exc}")
+        except urllib.error.URLError as exc:
+            fail(f"cannot read {source}: {exc.reason}")
+        except OSError as exc:
+            fail(f"cannot read {source}: {exc.strerror or exc}")
         except (LookupError, ValueError) as exc:
             fail(f"{source}: {exc}")
         view = frame(fams)

@@ -5,9 +5,10 @@ with other such processes.
     python shared_worker.py ROOT LOGDIR SEED SECONDS [CAPACITY_BLOCKS]
 
 Every block read is compared with the bytes its key names; a mismatch is written to
-``LOGDIR/wrong-<pid>.log`` and the process exits 3. Keys are appended to
-``flushed-<pid>.log`` after ``flush`` returned, and to ``evicted-<pid>.log`` before any of
-their files are deleted (evict, sweeps; so a SIGKILL in between errs on the safe side). Any unexpected error goes to
+``LOGDIR/wrong-<pid>.log`` and the process exits 3. The keys a ``flush`` wrote are appended to
+``flushed-<pid>.log`` once it returned, with the time it started; keys whose files are to be
+deleted (evict, sweeps, reconciliations) to ``evicting-<pid>.log`` before, and to
+``evicted-<pid>.log`` after. Any unexpected error goes to
 ``error-<pid>.log`` (exit 4). A read of a key another process deleted meanwhile is expected.
 """
 
@@ -43,10 +44,10 @@ def config(root: str, capacity_blocks: int) -> CacheConfig:
                        io_threads=4)
 
 
-def _log(logdir: str, what: str, line: str) -> None:
-    """Append ``<time.time()> line`` to ``LOGDIR/<what>-<pid>.log``."""
+def _log(logdir: str, what: str, line: str, when: float | None = None) -> None:
+    """Append ``<time> line`` to ``LOGDIR/<what>-<pid>.log`` (``when``, else now)."""
     with open(os.path.join(logdir, f"{what}-{os.getpid()}.log"), "a") as fh:
-        fh.write(f"{time.time():.6f} {line}\n")
+        fh.write(f"{time.time() if when is None else when:.6f} {line}\n")
 
 
 def _vanished(exc: BaseException) -> bool:
@@ -56,16 +57,20 @@ def _vanished(exc: BaseException) -> bool:
 
 
 def _log_deletions(logdir: str) -> None:
-    """Every deletion of block files (explicit evictions, sweeps) is logged first, so the test
-    knows which flushed keys may be gone by eviction."""
+    """Every deletion of block files (explicit evictions, sweeps, reconciliations) is logged
+    as it starts (``evicting``) and once it is done (``evicted``), so the test knows until when
+    each key's files may have been deleted (a process killed in between: until its death)."""
     from tiercache.files import FileTier
 
     real = FileTier.delete
 
     def delete(self, keys):
-        if keys:
-            _log(logdir, "evicted", " ".join(k.hex() for k in keys if isinstance(k, bytes)))
+        names = " ".join(k.hex() for k in keys if isinstance(k, bytes))
+        if names:
+            _log(logdir, "evicting", names)
         real(self, keys)
+        if names:
+            _log(logdir, "evicted", names)
 
     FileTier.delete = delete
 
@@ -89,8 +94,13 @@ def run(root: str, logdir: str, seed: int, seconds: float, capacity: int) -> int
                 elif op == "flush":
                     have = [k for k in ks if cache.lookup(k)]
                     if have:
+                        # the keys this flush writes (those already in the file tier, this
+                        # process's or discovered, it leaves alone), logged with its start time
+                        written = [k for k in have if "file" not in cache.lookup(k)]
+                        started = time.time()
                         cache.flush(have)
-                        _log(logdir, "flushed", " ".join(k.hex() for k in have))
+                        if written:
+                            _log(logdir, "flushed", " ".join(k.hex() for k in written), started)
                 elif op == "onboard":
                     have = [k for k in ks if cache.lookup(k)]
                     if have:

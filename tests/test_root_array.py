@@ -344,3 +344,24 @@ def test_top_reads_the_array_stats_from_any_member(tmp_path, rng):
     for member in roots:  # the stats live in the home (the first member); any member finds them
         fams, age = read_root(member)
         assert fams and age is not None and age < 60
+
+
+def test_an_opener_that_lists_a_new_root_after_another_finished_opening_it_takes_it(tmp_path, monkeypatch):
+    """The race behind "not empty and has no marker": this opener found no marker, then another
+    opener wrote its marker and made the block subdirectories before this one listed the root."""
+    from tiercache.files import rootdir
+
+    where = tmp_path / "fresh"
+    real, raced = RootDir.scandir, []
+
+    def other_opener_finishes_first(self):
+        if self.path == where and not raced:
+            raced.append(True)
+            other = rootdir.open_root(where)
+            other.block_dirs(create=True)
+            other.close()
+        return real(self)
+
+    monkeypatch.setattr(RootDir, "scandir", other_opener_finishes_first)
+    rootdir.open_root(where).close()
+    assert raced

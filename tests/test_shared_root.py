@@ -303,6 +303,31 @@ def _last_times(logs: Path, prefix: str) -> dict[bytes, float]:
     return out
 
 
+def _deletions_end(logs: Path, deaths: dict[int, float]) -> dict[bytes, float]:
+    """Per key, until when its files may have been deleted: the latest end of a deletion
+    (``evicted``), or, for a deletion that started (``evicting``) and never ended, the death of
+    its process."""
+    out: dict[bytes, float] = {}
+    for p in logs.glob("evicting-*.log"):
+        pid = int(p.stem.split("-")[1])
+        starts: dict[bytes, int] = {}
+        for line in p.read_text().splitlines():
+            for h in line.split()[1:]:
+                starts[bytes.fromhex(h)] = starts.get(bytes.fromhex(h), 0) + 1
+        ends: dict[bytes, int] = {}
+        done = logs / f"evicted-{pid}.log"
+        for line in done.read_text().splitlines() if done.exists() else ():
+            t, *keys = line.split()
+            for h in keys:
+                k = bytes.fromhex(h)
+                ends[k] = ends.get(k, 0) + 1
+                out[k] = max(out.get(k, 0.0), float(t))
+        for k, n in starts.items():
+            if n > ends.get(k, 0):  # cut short: until the process died
+                out[k] = max(out.get(k, 0.0), deaths[pid])
+    return out
+
+
 def _block_count(root: Path) -> int:
     keys = {}
     for n in names(root, "block_"):
@@ -316,8 +341,9 @@ def test_processes_share_a_root_through_sigkills(tmp_path):
     """4 processes for TIERCACHE_SHARED_SECONDS (default 60) on one root, overlapping content
     keys, one killed with SIGKILL and restarted every 1-4 s: no byte read differs from what its
     key names; no unexpected error (a live writer's temporary file removed would fail its
-    write); every flushed key whose files nobody deleted since (deletions are logged before they
-    happen) is on disk and verifies; a sweep brings the root back to its capacity (during the
+    write); every key written by a flush that started after every deletion of its files had
+    ended (deletions are logged as they start and end; one cut short ends at its process's
+    death) is on disk and verifies; a sweep brings the root back to its capacity (during the
     run it exceeds it by what the processes wrote within min_age_s + one sweep interval: the
     peak is printed)."""
     seconds = float(os.environ.get("TIERCACHE_SHARED_SECONDS", "60"))
@@ -328,7 +354,7 @@ def test_processes_share_a_root_through_sigkills(tmp_path):
     print("seed", seed)
     rnd = random.Random(seed)
     workers = [_spawn(root, logs, rnd.randrange(1 << 30), 3600, capacity) for _ in range(4)]
-    kills, peak = 0, 0
+    kills, peak, deaths = 0, 0, {}
     t_end = time.monotonic() + seconds
     try:
         next_kill = time.monotonic() + rnd.uniform(1, 4)
@@ -343,6 +369,7 @@ def test_processes_share_a_root_through_sigkills(tmp_path):
                 i = rnd.randrange(4)
                 workers[i].send_signal(signal.SIGKILL)
                 workers[i].wait()
+                deaths[workers[i].pid] = time.time()
                 kills += 1
                 workers[i] = _spawn(root, logs, rnd.randrange(1 << 30), 3600, capacity)
                 next_kill = time.monotonic() + rnd.uniform(1, 4)
@@ -350,12 +377,13 @@ def test_processes_share_a_root_through_sigkills(tmp_path):
         for w in workers:
             w.send_signal(signal.SIGKILL)
             w.wait()
+            deaths[w.pid] = time.time()
     problems = [(p.name, p.read_text()[-3000:]) for p in logs.iterdir() if p.name.startswith(("wrong", "error"))]
     assert not problems, problems
-    flushed, deleted = _last_times(logs, "flushed"), _last_times(logs, "evicted")
-    # kept: flushed after any deletion of its files was logged (a deleter logs first, then
-    # unlinks: 1 s of margin for one delayed between the two)
-    kept = {k for k, t in flushed.items() if t > deleted.get(k, 0.0) + 1.0}
+    flushed, deleted = _last_times(logs, "flushed"), _deletions_end(logs, deaths)
+    # kept: written by a flush that started after every deletion of its files had ended (no
+    # margin: a deletion cut short by a SIGKILL ends at its process's death)
+    kept = {k for k, t in flushed.items() if t > deleted.get(k, 0.0)}
     print(f"kills {kills}, flushed {len(flushed)}, kept {len(kept)}, peak {peak} blocks (capacity {capacity})")
     assert kills >= seconds / 4 - 1
     # with 60 s, 5-11 flushed keys outlived every deletion in local runs; short runs may have none

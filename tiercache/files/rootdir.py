@@ -411,20 +411,25 @@ def open_root(path: os.PathLike | str, check_owner: bool = True) -> RootDir:
         if not os.access(path, os.W_OK | os.X_OK):
             raise RootError(f"file-tier root {str(path)!r} is not writable by this user")
         marker = root.child(MARKER).lstat()
+        if marker is None:
+            with root.scandir() as it:
+                # only tiercache's own names (a marker being written by another process opening
+                # the same new root at this moment, its lock files): ours too
+                foreign = any(classify(e.name) not in ("own", "temporary") for e in it)
+            if foreign:
+                # another process opening the same new root may have finished meanwhile: its
+                # marker came first, then its block subdirectories
+                marker = root.child(MARKER).lstat()
+                if marker is None:
+                    raise RootError(
+                        f"refusing to use {str(path)!r} as a file-tier root: it is not empty and has no "
+                        f"{MARKER} marker (not created by tiercache); give an empty or new directory")
         if marker is not None:
             if not stat.S_ISREG(marker.st_mode):
                 raise RootError(f"file-tier root {str(path)!r}: its marker {MARKER} is not a regular file "
                                 "(a symlink?); refusing the root")
             check_marker(root)
             return root
-        with root.scandir() as it:
-            # only tiercache's own names (a marker being written by another process opening the
-            # same new root at this moment, its lock files): ours too
-            if any(classify(e.name) not in ("own", "temporary") for e in it):
-                raise RootError(
-                    f"refusing to use {str(path)!r} as a file-tier root: it is not empty and has no "
-                    f"{MARKER} marker (not created by tiercache); give an empty or new directory"
-                )
         try:
             write_atomic(root, MARKER, json.dumps({"format": FORMAT_VERSION, "created": time.time()}).encode())
         except OSError as exc:
