@@ -9,6 +9,7 @@ TierCacheTier, tokens compared and every file verified.
 from __future__ import annotations
 
 import os
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,92 @@ def test_tiny_model_in_a_real_vllm_tokens_match_and_files_verify(tmp_path):
     assert tc["same_tokens_as_fs"] == tc["compared"] == 4
     assert rep["ok"] and tc["verify"] and all(v["bad"] == 0 and v["checked"] > 0 for v in tc["verify"])
     assert fs["repeat_file_tokens"] > 0
+
+
+class _Out:
+    def __init__(self, tokens):
+        self.total_num_scheduled_tokens = tokens
+
+
+class _Result:
+    def __init__(self, job_id):
+        self.job_id = job_id
+
+
+class _Job:
+    def __init__(self, job_id, keys):
+        self.job_id, self.keys = job_id, keys
+
+
+class _Engine:
+    """Stand-ins for the wrapped vLLM classes, each method taking a known time."""
+
+    def schedule(self, tokens):
+        time.sleep(0.001)
+        return _Out(tokens)
+
+    def execute_model(self, seconds):
+        time.sleep(seconds)
+
+    def lookup(self):
+        time.sleep(0.002)
+        return 0
+
+    def submit_read(self, job):
+        pass
+
+    def reads_done(self, ids):
+        return (_Result(i) for i in ids)  # a generator, as some releases return
+
+    def submit_upload(self, job_id, src, dst):
+        pass
+
+    def uploads_done(self, ids):
+        return [_Result(i) for i in ids]
+
+
+def test_stage_trace_splits_a_requests_time_into_the_engines_stages():
+    import time as _t
+
+    from tiercache.bench.stagetrace import StageTrace, breakdown
+
+    targets = tuple((__name__, "_Engine", m, s) for m, s in (
+        ("schedule", "step"), ("execute_model", "forward"), ("lookup", "lookup"), ("submit_read", "read_submit"),
+        ("reads_done", "read_done"), ("submit_upload", "upload_submit"), ("uploads_done", "upload_done")))
+    targets += (("no.such.module", "X", "y", "step"), (__name__, "_Engine", "no_such_method", "step"))
+    real = {m: getattr(_Engine, m) for _, _, m, _ in targets[:7]}
+    trace = StageTrace(targets).install()
+    try:
+        assert len(trace.installed) == 7
+        e = _Engine()
+        mark, t0 = trace.mark(), _t.perf_counter()
+        e.lookup()
+        e.schedule(0)
+        e.submit_read(_Job(7, ["a", "b", "c"]))
+        _t.sleep(0.02)
+        assert list(e.reads_done([])) == []          # a poll that found nothing: no event
+        assert [r.job_id for r in e.reads_done([7])] == [7]
+        e.schedule(0)
+        e.execute_model(0.001)
+        _t.sleep(0.01)
+        e.submit_upload(3, None, None)
+        _t.sleep(0.005)
+        n = trace.mark()
+        assert [r.job_id for r in e.uploads_done([99])] == [99] and trace.mark() == n  # a store's completion: no event
+        e.uploads_done([3])
+        e.schedule(256)
+        e.execute_model(0.03)
+        t1 = _t.perf_counter()
+        st = breakdown(trace.since(mark), t0, t1)
+    finally:
+        for m, f in real.items():
+            setattr(_Engine, m, f)
+    assert st["lookups"] == 1 and 1.5 <= st["lookup_ms"] <= 50
+    assert st["read_chunks"] == 3 and 19 <= st["read_ms"] <= 200
+    assert 10 <= st["read_to_upload_ms"] <= 200 and 4 <= st["upload_ms"] <= 200
+    assert 29 <= st["prefill_ms"] <= 300 and st["prefill_ms"] <= st["after_upload_ms"]
+    assert st["steps"] == 3 and st["step_tokens"] == [0, 0, 256] and st["idle_forward_ms"] < st["prefill_ms"]
+    assert abs(st["ttft_ms"] - (t1 - t0) * 1e3) < 1e-3
+    # a recompute: no reads, no upload
+    only = breakdown([("step", 1.0, 1.001, {"tokens": 8448}), ("forward", 1.002, 1.2, {})], 0.9, 1.25)
+    assert only["read_ms"] is None and only["upload_ms"] is None and abs(only["prefill_ms"] - 198) < 1e-6

@@ -67,6 +67,7 @@ import time
 from pathlib import Path
 
 from tiercache.errors import ConfigError, MissingDependencyError
+from tiercache.bench.stagetrace import StageTrace, breakdown
 
 #: the modes of one run, in order
 MODES = ("recompute", "cpu", "fs", "tiercache", "tiercache-shared")
@@ -242,6 +243,7 @@ def worker_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     counter = _LoadCounter() if spec["mode"] != "recompute" else None
     skipped = _skip_stores_after_finish()
+    trace = StageTrace().install()  # before the engine: its classes are wrapped, not its instances
     from vllm import LLM, SamplingParams
 
     reqs = json.loads(Path(spec["workload"]).read_text())
@@ -278,14 +280,16 @@ def worker_main(spec_path: str) -> int:
     for i in spec["requests"]:
         r = reqs[i]
         before, chunks0 = _by_source(llm), counter.chunks if counter else 0
+        mark, submitted = trace.mark(), time.perf_counter()
         ttft, wall, toks, cached = one(r["ids"])
+        stages = breakdown(trace.since(mark), submitted, submitted + ttft)
         after = _by_source(llm)
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         rows.append({"index": i, "prefix": r["prefix"], "round": r["round"], "ttft_s": ttft, "wall_s": wall,
                      "tokens": toks, "prompt_tokens": len(r["ids"]), "cached_tokens": cached,
                      "gpu_tokens": delta.get("local_cache_hit"), "connector_tokens": delta.get("external_kv_transfer"),
                      "computed_tokens": delta.get("local_compute"),
-                     "file_chunks": (counter.chunks - chunks0) if counter else 0})
+                     "file_chunks": (counter.chunks - chunks0) if counter else 0, "stages": stages})
         if spec.get("progress"):
             with open(spec["progress"], "a") as f:
                 f.write(f"{i}\n")
@@ -293,6 +297,7 @@ def worker_main(spec_path: str) -> int:
     extra["drain_s"] = _drain_stores(llm)
     if spec.get("h2d_probe"):
         extra["h2d_gbps"] = _h2d_gbps()
+    extra["traced"] = trace.installed
     Path(spec["out"]).write_text(json.dumps({"mode": spec["mode"], "startup_s": startup, "run_s": run_s,
                                              "requests": rows, "tier_roots": counter.roots if counter else [],
                                              "stores_skipped_after_finish": skipped[0], **extra}))
@@ -439,14 +444,29 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
                 "repeat_cpu_tokens": None if conn is None else max(0, conn - file_tokens),
                 "repeat_computed_tokens": tot("computed_tokens", reps),
                 "file_bytes_read": sum(r["file_chunks"] for r in rows) * chunk_bytes})
-    out["per_request"] = [{k: r[k] for k in ("index", "prefix", "round", "ttft_s", "gpu_tokens", "connector_tokens",
-                                             "computed_tokens", "file_chunks")} for r in rows]
+    out["per_request"] = [{k: r.get(k) for k in ("index", "prefix", "round", "ttft_s", "gpu_tokens", "connector_tokens",
+                                                 "computed_tokens", "file_chunks", "stages")} for r in rows]
+    out["stages_repeat_p50"] = stage_medians([r.get("stages") for r in reps])
     toks = {r["index"]: r["tokens"] for r in rows}
     if reference is not None:
         out["same_tokens_as_recompute"] = sum(toks[i] == reference.get(i) for i in toks)
     for name, other in others.items():
         out[f"same_tokens_as_{name}"] = sum(toks[i] == other.get(i) for i in toks if i in other)
     out["compared"] = len(toks)
+    return out
+
+
+#: the stages of a repeat's TTFT, in the order they happen (tiercache/bench/stagetrace.py)
+STAGES = ("lookup_ms", "before_read_ms", "read_ms", "read_to_upload_ms", "upload_ms", "after_upload_ms",
+          "prefill_ms", "idle_forward_ms", "steps")
+
+
+def stage_medians(stages: list[dict | None]) -> dict:
+    """Per stage, the median over the requests that had it (``None`` where none had)."""
+    out = {}
+    for k in ("ttft_ms",) + STAGES:
+        vals = [st[k] for st in stages if st and st.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
     return out
 
 
@@ -706,6 +726,13 @@ def format_serve_report(rep: dict) -> str:
                      f"{n('repeat_cpu_tokens'):>7}{n('repeat_file_tokens'):>7}{n('repeat_computed_tokens'):>7}     "
                      f"{n('same_tokens_as_recompute'):>5}{n('same_tokens_as_cpu'):>5}{n('same_tokens_as_fs'):>5}"
                      f" {vtxt}")
+    staged = {mode: m["stages_repeat_p50"] for mode, m in rep["modes"].items() if m.get("stages_repeat_p50")}
+    if staged:
+        lines.append("repeat TTFT by stage, medians in ms (bench/stagetrace.py): " + "  ".join(
+            k.removesuffix("_ms") for k in ("ttft_ms",) + STAGES))
+        for mode, st in staged.items():
+            lines.append(f"  {mode:<18}" + "  ".join("-" if st.get(k) is None else f"{st[k]:.1f}"
+                                                     for k in ("ttft_ms",) + STAGES))
     lines.append("(token columns: prompt tokens of the repeats by source; =rec/=cpu/=fs: requests whose tokens "
                  f"equal that mode's, of {next(iter(rep['modes'].values()))['compared'] if rep['modes'] else 0})")
     fio = rep.get("fio") or {}
