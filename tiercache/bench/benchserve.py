@@ -447,6 +447,7 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
     out["per_request"] = [{k: r.get(k) for k in ("index", "prefix", "round", "ttft_s", "gpu_tokens", "connector_tokens",
                                                  "computed_tokens", "file_chunks", "stages")} for r in rows]
     out["stages_repeat_p50"] = stage_medians([r.get("stages") for r in reps])
+    out["stages_traced"] = res.get("traced")
     toks = {r["index"]: r["tokens"] for r in rows}
     if reference is not None:
         out["same_tokens_as_recompute"] = sum(toks[i] == reference.get(i) for i in toks)

@@ -16,7 +16,8 @@ a time, every event between a request's submission and its first token is that r
   between the promotion and the GPU load);
 - ``upload_ms``: from the first CPU -> GPU load submitted to the last one reported done;
 - ``after_upload_ms``: from the last upload done to the first token, of which ``prefill_ms`` is
-  the forward pass that computes the suffix (the step with the most scheduled tokens);
+  the forward work (the worker's ``execute_model`` and ``sample_tokens``) of the step with the
+  most scheduled tokens, the suffix's prefill;
 - ``steps``: scheduler steps in the interval, and ``idle_forward_ms``: the other forward passes.
 
 A stage that did not happen (a recompute, a prefix from the CPU tier) is None.
@@ -32,7 +33,8 @@ from collections.abc import Callable
 #: (module, class, method, stage): what is wrapped, where it exists
 TARGETS: tuple[tuple[str, str, str, str], ...] = (
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "step"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", "forward"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "execute_model", "forward"),  # either model runner, v1 or v2
+    ("vllm.v1.worker.gpu_worker", "Worker", "sample_tokens", "forward"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler", "OffloadingConnectorScheduler",
      "get_num_new_matched_tokens", "lookup"),
     ("vllm.v1.kv_offload.tiering.fs.manager", "FileSystemTierManager", "submit_load", "read_submit"),
@@ -141,13 +143,14 @@ def breakdown(events: list[tuple[str, float, float, dict]], submitted: float, fi
     ups_in, ups_out = times("upload_submit", 1), times("upload_done", 2)
     forwards = [e for e in ev if e[0] == "forward"]
     steps = [e for e in ev if e[0] == "step"]
-    prefill = None
+    prefill: list = []  # the forward work of the step with the most tokens (until the next step)
     if steps and forwards:
         biggest = max(steps, key=lambda e: e[3].get("tokens", 0))
-        after = [f for f in forwards if f[1] >= biggest[2]]
-        prefill = after[0] if after else None
+        later = [e[1] for e in steps if e[1] > biggest[1]]
+        end = min(later) if later else first_token
+        prefill = [f for f in forwards if biggest[2] <= f[1] <= end]
     elif forwards:
-        prefill = forwards[-1]
+        prefill = forwards[-1:]
     first_read, last_read = (min(reads_in), max(reads_out)) if reads_in and reads_out else (None, None)
     first_up, last_up = (min(ups_in), max(ups_out)) if ups_in and ups_out else (None, None)
     return {
@@ -160,10 +163,10 @@ def breakdown(events: list[tuple[str, float, float, dict]], submitted: float, fi
         "read_to_upload_ms": _ms(first_up - last_read) if first_up is not None and last_read is not None else None,
         "upload_ms": _ms(last_up - first_up) if first_up is not None else None,
         "after_upload_ms": _ms(first_token - last_up) if last_up is not None else None,
-        "prefill_ms": _ms(prefill[2] - prefill[1]) if prefill is not None else None,
+        "prefill_ms": _ms(sum(f[2] - f[1] for f in prefill)) if prefill else None,
         "steps": len(steps),
         "step_tokens": [e[3].get("tokens", 0) for e in steps],
-        "idle_forward_ms": _ms(sum(f[2] - f[1] for f in forwards if f is not prefill)),
+        "idle_forward_ms": _ms(sum(f[2] - f[1] for f in forwards if not any(f is p for p in prefill))),
     }
 
 
