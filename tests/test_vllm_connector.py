@@ -1,0 +1,233 @@
+"""tiercache's KV connector for vLLM (tiercache/integrations/vllmconnector.py) on the CPU: both
+roles built through vLLM's own ``KVConnectorBase_V1``, driven step by step as vLLM's scheduler
+and worker drive them, with CPU tensors in vLLM's KV cache layouts standing for the GPU's.
+
+Stored blocks come back byte-exact into other blocks of a restarted engine; a corrupt, truncated
+or deleted file is a load error from that block on (vLLM recomputes) and leaves the index; a
+finished request's blocks are held until its stores are published; lookups leave at least one
+token to compute.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import require_integration
+
+vllm = require_integration("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from tiercache.errors import ConfigError  # noqa: E402
+from tiercache.integrations.vllmconnector import (TierCacheConnector, block_views, parse_config,  # noqa: E402
+                                                   rank_roots)
+
+BS, LAYERS, HEADS, HD, NB = 16, 4, 2, 8, 64
+
+
+class _Model:
+    model, dtype = "org/tiny-llama", "float16"
+
+    def get_num_layers(self, pc):
+        return LAYERS
+
+    def get_num_kv_heads(self, pc):
+        return HEADS
+
+    def get_head_size(self):
+        return HD
+
+
+def _config(root, **extra):
+    ktc = SimpleNamespace(kv_connector_extra_config={"root": str(root), "fsync": "none", "staging_bytes": 1 << 20,
+                                                     "piece_blocks": 2, **extra},
+                          kv_load_failure_policy="fail")
+    return SimpleNamespace(model_config=_Model(), cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+                           kv_transfer_config=ktc)
+
+
+def _caches(layout: str = "flash") -> dict:
+    """Random per-layer KV caches: FlashAttention's [2, NB, BS, H, D] or [NB, 2, BS, H, D]."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    shape = (2, NB, BS, HEADS, HD) if layout == "flash" else (NB, 2, BS, HEADS, HD)
+    return {f"model.layers.{i}.attn": torch.randint(-30000, 30000, shape, generator=g, dtype=torch.int16
+                                                    ).view(torch.float16) for i in range(LAYERS)}
+
+
+class _Engine:
+    """One engine: the scheduler-side and worker-side connectors over one set of KV caches."""
+
+    def __init__(self, root, layout="flash", **extra) -> None:
+        cfg = _config(root, **extra)
+        kvc = SimpleNamespace(num_blocks=NB)
+        self.sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+        self.worker = TierCacheConnector(cfg, KVConnectorRole.WORKER, kvc)
+        self.config = cfg
+        self.caches = _caches(layout)
+        self.worker.register_kv_caches(self.caches)
+
+    def block(self, b: int) -> list[bytes]:
+        """Every layer's K and V bytes of block ``b``."""
+        out = []
+        for t in self.caches.values():
+            if t.shape[0] == 2:
+                out += [t[0, b].contiguous().view(torch.uint8).numpy().tobytes(),
+                        t[1, b].contiguous().view(torch.uint8).numpy().tobytes()]
+            else:
+                out += [t[b, 0].contiguous().view(torch.uint8).numpy().tobytes(),
+                        t[b, 1].contiguous().view(torch.uint8).numpy().tobytes()]
+        return out
+
+    def step(self, new=(), finished=(), out=None):
+        """One scheduler step (``new``: (request, block ids, computed, scheduled) tuples) and
+        the worker's part of it; returns the worker's (sending, recving, errors) once ``wait``
+        holds, polling as vLLM's steps do."""
+        so = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,), num_computed_tokens=c)
+                                for r, ids, c, _ in new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                  resumed_req_ids=set()),
+            num_scheduled_tokens={r.request_id: n for r, _, _, n in new})
+        meta = self.sched.build_connector_meta(so)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        return meta
+
+    def poll(self, finished=(), want_send=(), want_recv=(), timeout=20.0):
+        sent, recvd, errors = set(), set(), set()
+        deadline = time.monotonic() + timeout
+        fin = set(finished)
+        while time.monotonic() < deadline:
+            s, r = self.worker.get_finished(fin)
+            fin = set()
+            sent |= s or set()
+            recvd |= r or set()
+            errors |= self.worker.get_block_ids_with_load_errors()
+            if set(want_send) <= sent and set(want_recv) <= recvd:
+                break
+            time.sleep(0.005)
+        self.sched.update_connector_output(SimpleNamespace(finished_sending=sent, finished_recving=recvd,
+                                                           invalid_block_ids=errors))
+        return sent, recvd, errors
+
+    def close(self):
+        self.worker.shutdown()
+
+
+def _request(rid, hashes, tokens):
+    return SimpleNamespace(request_id=rid, block_hashes=list(hashes), num_prompt_tokens=tokens)
+
+
+def _blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _store(engine, rid, hashes, tokens, ids):
+    """Compute a request's prompt into ``ids`` (the caches' random bytes stand for it) and
+    store it; returns its blocks' bytes."""
+    req = _request(rid, hashes, tokens)
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    engine.sched.update_state_after_alloc(req, _blocks(ids), 0)
+    meta = engine.step(new=[(req, ids, 0, tokens)])
+    assert [len(t.keys) for t in meta.stores] == [tokens // BS] and not meta.loads
+    assert engine.sched.request_finished(req, ids) == (True, None)  # held until published
+    sent, _, _ = engine.poll(finished={rid}, want_send={rid})
+    assert sent == {rid}
+    return [engine.block(b) for b in ids[:tokens // BS]]
+
+
+def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng):
+    hashes = [rng.bytes(32) for _ in range(6)]
+    a = _Engine(tmp_path)
+    want = _store(a, "r1", hashes, 5 * BS + 3, list(range(10, 16)))
+    assert a.config.kv_transfer_config.kv_load_failure_policy == "recompute"
+    a.close()
+    b = _Engine(tmp_path)  # a restarted engine: the index comes from the files
+    req = _request("r2", hashes[:5] + [rng.bytes(32)], 6 * BS + 1)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    ids = [40, 7, 33, 2, 61, 5, 6]
+    b.sched.update_state_after_alloc(req, _blocks(ids), 5 * BS)
+    meta = b.step(new=[(req, ids, 0, BS + 1)])
+    assert [(t.req_id, t.block_ids) for t in meta.loads] == [("r2", ids[:5])]
+    _, recvd, errors = b.poll(want_recv={"r2"})
+    assert recvd == {"r2"} and not errors
+    assert [b.block(x) for x in ids[:5]] == want
+    # a prompt of whole blocks leaves its last block to compute; a local hit is not loaded again
+    req = _request("r3", hashes[:5], 5 * BS)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    assert b.sched.get_num_new_matched_tokens(req, 2 * BS) == (2 * BS, True)
+    b.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage):
+    hashes = [rng.bytes(32) for _ in range(5)]
+    a = _Engine(tmp_path)
+    want = _store(a, "r1", hashes, 5 * BS, list(range(5)))
+    a.close()
+    (root,) = [p for p in tmp_path.iterdir() if p.name.endswith("_c_r0")]
+    victim = next(root.glob(f"*/block_x{hashes[2].hex()}_pool_*.bin"))
+    if damage == "flip":
+        with open(victim, "r+b") as f:
+            f.seek(4096 + 100)
+            byte = f.read(1)
+            f.seek(4096 + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "truncate":
+        os.truncate(victim, 5000)
+    else:
+        victim.unlink()
+    b = _Engine(tmp_path)
+    req = _request("r2", hashes, 5 * BS + 1)
+    matched = b.sched.get_num_new_matched_tokens(req, 0)
+    if damage == "delete":
+        assert matched == (2 * BS, True)  # the listing at start no longer has it
+        return b.close()
+    assert matched == (5 * BS, True)
+    ids = [20, 21, 22, 23, 24, 25]
+    b.sched.update_state_after_alloc(req, _blocks(ids), 5 * BS)
+    b.step(new=[(req, ids, 0, 1)])
+    _, recvd, errors = b.poll(want_recv={"r2"})
+    assert recvd == {"r2"} and errors == {22, 23, 24}
+    assert [b.block(x) for x in ids[:2]] == want[:2]  # the blocks before it loaded exact
+    again = _request("r3", hashes, 5 * BS + 1)
+    assert b.sched.get_num_new_matched_tokens(again, 0) == (2 * BS, True)  # the bad key left the index
+    b.close()
+    assert list(root.glob("quarantine/*"))
+
+
+def test_block_views_split_each_layout_into_contiguous_block_pages():
+    for layout, regions in (("flash", 2), ("paged", 1)):
+        t = next(iter(_caches(layout).values()))
+        views = block_views(t, NB)
+        assert len(views) == regions and all(v.shape == (NB, 2 * BS * HEADS * HD * 2 // regions) for v in views)
+        b = 17
+        got = b"".join(v[b].numpy().tobytes() for v in views)
+        want = (torch.stack([t[0, b], t[1, b]]) if layout == "flash" else t[b]).contiguous().view(torch.uint8)
+        assert got == want.numpy().tobytes()
+    mla = torch.zeros((NB, BS, 96), dtype=torch.float16)
+    assert [v.shape for v in block_views(mla, NB)] == [(NB, BS * 96 * 2)]
+    with pytest.raises(ConfigError, match="no axis of 64 blocks"):
+        block_views(torch.zeros((3, 5)), NB)
+
+
+def test_the_config_is_checked():
+    with pytest.raises(ConfigError, match="unknown key.*'rooot'.*valid keys"):
+        parse_config({"rooot": "/x"})
+    with pytest.raises(ConfigError, match="'root'"):
+        parse_config({})
+    with pytest.raises(ConfigError, match="piece_blocks"):
+        parse_config({"root": "/x", "piece_blocks": 0})
+    with pytest.raises(ConfigError, match="fsync"):
+        parse_config({"root": "/x", "fsync": "sometimes"})
+    assert parse_config({"root": ["/a", "/b"]})["root"] == ["/a", "/b"]
+    assert [p.name for p in rank_roots(["/a"], "d1g", "org/Llama-3.1 8B/", 1)] == ["Llama-3.1-8B_d1g_c_r1"]
