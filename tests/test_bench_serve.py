@@ -46,7 +46,7 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
     rep = run_serve_bench(tmp_path, model="tiny-llama", prefixes=3, prefix_tokens=512, suffix_tokens=256, rounds=2,
                           max_tokens=4, kill9=True, fio=False, seed=11)
-    assert set(rep["modes"]) == set(MODES) | {"fs+restart", "tiercache+restart", "tiercache+kill9"}
+    assert set(rep["modes"]) == set(MODES) | {"fs+restart", "tiercache+restart", "connector+restart", "tiercache+kill9"}
     for mode in MODES:
         m = rep["modes"][mode]
         assert m["requests"] == 6 and m["compared"] == 6, mode
@@ -101,6 +101,27 @@ def test_tiny_model_in_a_real_vllm_tokens_match_and_files_verify(tmp_path):
     assert tc["same_tokens_as_fs"] == tc["compared"] == 4
     assert rep["ok"] and tc["verify"] and all(v["bad"] == 0 and v["checked"] > 0 for v in tc["verify"])
     assert fs["repeat_file_tokens"] > 0
+
+
+@pytest.mark.gpu
+def test_tiny_model_through_the_connector_equals_recompute_even_with_damaged_files(tmp_path):
+    """tiercache's own path (TierCacheConnector) in a real vLLM: repeats load their prefixes from
+    files straight into the GPU's blocks and give recompute's tokens; then, with a byte flipped in
+    one block file, one truncated and one deleted before the repeats, every request still gives
+    recompute's tokens (those blocks are recomputed) and what is left verifies."""
+    if not _real_vllm():
+        pytest.skip("needs vLLM with a GPU build")
+    kw = dict(model="tiny-llama", prefixes=2, prefix_tokens=2048, suffix_tokens=64, rounds=2, max_tokens=4,
+              restart=False, fio=False, gpu_util=0.3, seed=3, cpu_tier_prefixes=1.25)
+    rep = run_serve_bench(tmp_path / "a", modes=("recompute", "connector"), **kw)
+    cn = rep["modes"]["connector"]
+    assert cn["repeat_file_tokens"] >= 2 * 1024, cn
+    assert cn["same_tokens_as_recompute"] == cn["compared"] == 4
+    assert rep["ok"] and cn["verify"] and all(v["bad"] == 0 and v["checked"] > 0 for v in cn["verify"])
+    rep = run_serve_bench(tmp_path / "b", modes=("recompute", "connector"), damage=5, **kw)
+    cn = rep["modes"]["connector"]
+    assert len(cn["damaged"]) == 3 and cn["same_tokens_as_recompute"] == cn["compared"] == 4, cn
+    assert all(v["bad"] == 0 for v in cn["verify"])  # the bad files went to quarantine when read
 
 
 class _Out:

@@ -70,7 +70,7 @@ from tiercache.errors import ConfigError, MissingDependencyError
 from tiercache.bench.stagetrace import StageTrace, breakdown
 
 #: the modes of one run, in order
-MODES = ("recompute", "cpu", "fs", "tiercache", "tiercache-shared")
+MODES = ("recompute", "cpu", "fs", "tiercache", "connector", "tiercache-shared")
 #: where the model geometries live (``configs/models/<name>.json``)
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 #: tokens per GPU block and per offloaded chunk (vLLM's default block size)
@@ -140,6 +140,10 @@ def kv_transfer(mode: str, root: Path | None, cpu_bytes: int) -> dict | None:
     """The ``kv_transfer_config`` of ``mode`` (None: no connector)."""
     if mode == "recompute":
         return None
+    if mode.startswith("connector"):  # tiercache's own path: files <-> vLLM's GPU blocks, no CPU tier
+        return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.integrations.vllmconnector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"root": str(root), "fsync": "none", "io_threads": 16}}
     extra: dict = {"cpu_bytes_to_use": int(cpu_bytes)}
     if mode == "fs":
         extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "fs", "root_dir": str(root)}])
@@ -192,6 +196,7 @@ class _LoadCounter:
         classes.append(TierCacheTier)
         for cls in classes:
             self._wrap(cls)
+        self._wrap_connector()
         init = TierCacheTier.__init__
 
         def tier_init(tier, *a, **kw):
@@ -199,6 +204,23 @@ class _LoadCounter:
             self.roots.append(str(tier.root))
 
         TierCacheTier.__init__ = tier_init
+
+    def _wrap_connector(self) -> None:
+        try:
+            from tiercache.integrations.vllmconnector import _Worker
+        except ImportError:  # no vLLM connector base in this engine
+            return
+        load, init = _Worker._load, _Worker.__init__
+
+        def counted_load(worker, t):
+            self.chunks += len(t.keys)
+            return load(worker, t)
+
+        def worker_init(worker, settings, roots):
+            init(worker, settings, roots)
+            self.roots.extend(str(r) for r in roots)
+
+        _Worker._load, _Worker.__init__ = counted_load, worker_init
 
     def _wrap(self, cls) -> None:
         submit = cls.submit_load
@@ -277,8 +299,11 @@ def worker_main(spec_path: str) -> int:
         extra["gpu_hit_ttft_s"] = one(probe)[0]
     rows = []
     t_run = time.perf_counter()
+    damaged: list[str] | None = None
     for i in spec["requests"]:
         r = reqs[i]
+        if spec.get("damage") and damaged is None and r["round"] > 0:
+            damaged = _damage_files(counter.roots if counter else [], spec["damage"])
         before, chunks0 = _by_source(llm), counter.chunks if counter else 0
         mark, submitted = trace.mark(), time.perf_counter()
         ttft, wall, toks, cached = one(r["ids"])
@@ -298,6 +323,8 @@ def worker_main(spec_path: str) -> int:
     if spec.get("h2d_probe"):
         extra["h2d_gbps"] = _h2d_gbps()
     extra["traced"] = trace.installed
+    if damaged is not None:
+        extra["damaged"] = damaged
     Path(spec["out"]).write_text(json.dumps({"mode": spec["mode"], "startup_s": startup, "run_s": run_s,
                                              "requests": rows, "tier_roots": counter.roots if counter else [],
                                              "stores_skipped_after_finish": skipped[0], **extra}))
@@ -307,6 +334,27 @@ def worker_main(spec_path: str) -> int:
             time.sleep(0.1)
     _shutdown(llm)
     return 0
+
+
+def _damage_files(roots: list[str], seed: int) -> list[str]:
+    """Between rounds: one block file under ``roots`` gets a byte flipped, one is truncated,
+    one deleted (random ones, by ``seed``); returns what was done to which file."""
+    files = sorted(str(p) for r in roots for p in Path(r).glob("[0-9a-f][0-9a-f]/block_*.bin"))
+    picks = random.Random(seed).sample(files, min(3, len(files)))
+    done = []
+    for what, f in zip(("flip", "truncate", "delete"), picks):
+        if what == "flip":
+            with open(f, "r+b") as fh:
+                fh.seek(4096 + 1000)
+                b = fh.read(1)
+                fh.seek(4096 + 1000)
+                fh.write(bytes([b[0] ^ 0x5A]))
+        elif what == "truncate":
+            os.truncate(f, 4096 + 512)
+        else:
+            os.unlink(f)
+        done.append(f"{what} {f}")
+    return done
 
 
 def _h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float | None:
@@ -488,12 +536,14 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     max_tokens: int = 8, restart: bool = True, kill9: bool = False, fio: bool = True,
                     seed: int | None = None, gpu_util: float = 0.9, keep: bool = False,
                     cpu_tier_prefixes: float = CPU_TIER_PREFIXES, tensor_parallel: int = 1,
-                    shared_gpus: tuple[int, int] | None = None, log=lambda s: None) -> dict:
+                    shared_gpus: tuple[int, int] | None = None, damage: int | None = None,
+                    log=lambda s: None) -> dict:
     """Run the modes on ``model`` over files under ``directory`` (module docstring) and return
     the report: per mode its TTFTs, requests/s, tokens by source, token agreement and verify
     results (``cpu_tier_prefixes``: vLLM's CPU tier in prefixes' worth of KV;
     ``tensor_parallel``: GPUs per engine; ``shared_gpus``: the shared pair's two engines on
-    these two GPUs instead of halves of one); the baselines (fio's best read at the chunk's file
+    these two GPUs instead of halves of one; ``damage``: a seed: before the first repeat, each
+    engine on files flips a byte of one block file, truncates one and deletes one); the baselines (fio's best read at the chunk's file
     size, host -> GPU rate, GPU-hit TTFT), the bound for a repeat from files, its ratio, and
     the break-even arithmetic.
 
@@ -567,9 +617,11 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
             results[mode] = _shared_pair(run, root, cold, repeats, gpu_util, shared_gpus)
             continue
         extra = {"gpu_hit_probe": True, "h2d_probe": True} if mode == "recompute" else {}
+        if damage is not None and mode != "recompute":
+            extra["damage"] = damage
         results[mode] = run.run(run.spec(mode, every, root, **extra))
     if restart:
-        for mode in ("fs", "tiercache"):
+        for mode in ("fs", "tiercache", "connector"):
             if mode in results:
                 results[f"{mode}+restart"] = run.run(run.spec(f"{mode}+restart", repeats, roots[mode]))
     if kill9:
@@ -581,7 +633,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
         s = _summary(res, ref, {k: v for k, v in own.items() if k != mode}, chunk_bytes, prefix_tokens)
         if res.get("tier_roots"):
             s["verify"] = [_verify(r) for r in sorted(set(res["tier_roots"]))]
-        for k in ("killed_after", "kill_detail", "stores_skipped_after_finish", "drain_s"):
+        for k in ("killed_after", "kill_detail", "stores_skipped_after_finish", "drain_s", "damaged"):
             if k in res:
                 s[k] = res[k]
         report["modes"][mode] = s
@@ -670,7 +722,8 @@ def _bounds(report: dict, cfg: dict, results: dict) -> dict:
     if read and h2d and gpu_hit is not None:
         bound = kv_prefix / (read * 1e9) + kv_prefix / (h2d * 1e9) + gpu_hit
         out["file_hit_bound_s"] = bound
-        for mode in ("fs", "tiercache", "fs+restart", "tiercache+restart", "tiercache-shared"):
+        for mode in ("fs", "tiercache", "connector", "fs+restart", "tiercache+restart", "connector+restart",
+                     "tiercache-shared"):
             m = report["modes"].get(mode)
             if m and m.get("ttft_repeat_p50_s"):
                 m["bound_over_ttft"] = bound / m["ttft_repeat_p50_s"]
@@ -686,6 +739,9 @@ def _bounds(report: dict, cfg: dict, results: dict) -> dict:
         disks.update({f"NVMe {g:g} GB/s": g for g in NVME_GBPS})
         out["read_over_recompute"] = {k: (report["kv_bytes_per_token"] / (g * 1e9)) / per_token
                                       for k, g in disks.items()}
+    fs, cn = report["modes"].get("fs"), report["modes"].get("connector")
+    if fs and cn and fs.get("ttft_repeat_p50_s") and cn.get("ttft_repeat_p50_s"):
+        out["connector_over_fs_speed"] = fs["ttft_repeat_p50_s"] / cn["ttft_repeat_p50_s"]
     fs, tc = report["modes"].get("fs"), report["modes"].get("tiercache")
     if fs and tc and fs.get("ttft_repeat_p50_s") and tc.get("ttft_repeat_p50_s"):
         out["tiercache_over_fs_speed"] = fs["ttft_repeat_p50_s"] / tc["ttft_repeat_p50_s"]
@@ -746,6 +802,9 @@ def format_serve_report(rep: dict) -> str:
     if rep.get("file_hit_bound_s"):
         ratios = ", ".join(f"{k} {m['bound_over_ttft']:.2f}" for k, m in rep["modes"].items() if "bound_over_ttft" in m)
         lines.append(f"bound for a repeat from files: {rep['file_hit_bound_s'] * 1e3:.1f} ms; bound / repeat p50: {ratios}")
+    if rep.get("connector_over_fs_speed"):
+        lines.append(f"connector (tiercache's own path) vs fs tier, repeat TTFT p50 (speed ratio): "
+                     f"{rep['connector_over_fs_speed']:.2f}")
     if rep.get("tiercache_over_fs_speed"):
         lines.append(f"tiercache vs fs tier, repeat TTFT p50 (speed ratio): {rep['tiercache_over_fs_speed']:.2f}")
     if rep.get("tiercache_over_fs_served_speed"):
