@@ -26,8 +26,11 @@ docs/vllm.md, "The direct path: design".
   store.
 - **Worker side** (one per rank). A :class:`~tiercache.rowstore.RowStore` over a pinned
   staging buffer of rows (one row = one block's file data), on the native I/O engine. A load
-  reads a prefix in pieces; while piece ``i + 1`` is read, piece ``i`` goes up to the GPU in one
-  copy and is scattered into its blocks' pages (a side stream). A store waits for the step's
+  reads a prefix in pieces; while piece ``i + 1`` is read, piece ``i`` goes from its pinned rows
+  straight into its blocks' pages, every region of every block in one ``cuMemcpyBatchAsync``
+  on a side stream (addresses computed at once: no Python per block or layer, which inside
+  vLLM's busy engine loop waits for the GIL at every call; without the batch call, a copy and
+  a scatter per region). A store waits for the step's
   forward pass (an event), gathers the blocks' pages into staging rows and writes them in the
   background; a finished request's blocks are held until its stores are published.
 - **Never a wrong token.** A block whose file is missing, truncated or fails its checksum is
@@ -368,6 +371,15 @@ class _Worker:
         self.staging = torch.empty((rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
         self.dev_staging = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.batch = None
+        if self.cuda:  # one driver call per piece: every region of every block, host rows <-> device pages
+            from tiercache.copypaths.batchcopy import BatchCopy
+
+            b = BatchCopy()
+            self.batch = b if b.available else None
+        self.view_ptrs = np.array([v.data_ptr() for v in views], dtype=np.uint64)
+        self.view_strides = np.array([v.stride(0) for v in views], dtype=np.uint64)
+        self.view_sizes = np.array([v.shape[1] for v in views], dtype=np.uint64)
         s = self.settings
         self.store = RowStore(self.staging.numpy(), [str(r) for r in self.roots] if len(self.roots) > 1 else
                               str(self.roots[0]), capacity_blocks=s["capacity_blocks"],
@@ -486,9 +498,24 @@ class _Worker:
             self._scatter(rows[0], ids[:good])
         return failed_from
 
+    def _addresses(self, row0: int, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(device pages, host row parts, sizes)``: one copy per block and region, row-major."""
+        n = len(ids)
+        blocks = np.asarray(ids, dtype=np.uint64)
+        dev = (self.view_ptrs[None, :] + blocks[:, None] * self.view_strides[None, :]).ravel()
+        base = np.uint64(self.staging.data_ptr() + row0 * self.row_bytes)
+        host = (base + np.arange(n, dtype=np.uint64)[:, None] * np.uint64(self.row_bytes)
+                + np.asarray(self.offsets[:-1], dtype=np.uint64)[None, :]).ravel()
+        return dev, host, np.tile(self.view_sizes, n)
+
     def _scatter(self, row0: int, ids: list[int]) -> None:
         """Staging rows ``row0 ..`` -> the pages of blocks ``ids`` (one copy up, then a scatter
         per region on the device)."""
+        if self.batch is not None:
+            dev, host, sizes = self._addresses(row0, ids)
+            self.batch.launch(self.batch.prepare(dev, host, sizes), self.stream.cuda_stream)
+            self.stream.synchronize()
+            return
         n = len(ids)
         src = self.staging[row0:row0 + n]
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -506,6 +533,13 @@ class _Worker:
     def _gather(self, row0: int, ids: list[int], ev) -> None:
         """The pages of blocks ``ids`` -> staging rows ``row0 ..`` (after ``ev``: the forward
         pass that computed them)."""
+        if self.batch is not None:
+            if ev is not None:
+                self.stream.wait_event(ev)
+            dev, host, sizes = self._addresses(row0, ids)
+            self.batch.launch(self.batch.prepare(host, dev, sizes), self.stream.cuda_stream)
+            self.stream.synchronize()
+            return
         n = len(ids)
         dst = self.staging[row0:row0 + n]
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
