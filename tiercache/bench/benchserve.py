@@ -207,10 +207,10 @@ class _LoadCounter:
 
     def _wrap_connector(self) -> None:
         try:
-            from tiercache.integrations.vllmconnector import _Worker
+            from tiercache.integrations.vllmconnector import ConnectorWorker
         except ImportError:  # no vLLM connector base in this engine
             return
-        load, init = _Worker._load, _Worker.__init__
+        load, init = ConnectorWorker._load, ConnectorWorker.__init__
 
         def counted_load(worker, t):
             self.chunks += len(t.keys)
@@ -220,7 +220,7 @@ class _LoadCounter:
             init(worker, settings, roots)
             self.roots.extend(str(r) for r in roots)
 
-        _Worker._load, _Worker.__init__ = counted_load, worker_init
+        ConnectorWorker._load, ConnectorWorker.__init__ = counted_load, worker_init
 
     def _wrap(self, cls) -> None:
         submit = cls.submit_load

@@ -202,8 +202,16 @@ class _Req:
     storing: list[bytes] = field(default_factory=list)
 
 
-class _Scheduler:
-    """The scheduler side: the index of blocks on disk, the loads and stores of each step."""
+class ConnectorScheduler:
+    """The scheduler side of :class:`TierCacheConnector`: the index of the blocks on disk (keys
+    present in every rank's root, in least-recently-used order), and the loads and stores of
+    each step.
+
+    Args:
+        vllm_config: vLLM's config (``cache_config.block_size``: tokens per block).
+        settings: :func:`parse_config`'s result (``capacity_blocks`` bounds the index).
+        roots_by_rank: per tensor-parallel rank, its roots (listed once, names only).
+    """
 
     def __init__(self, vllm_config, settings: dict, roots_by_rank: list[list[Path]]) -> None:
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -330,9 +338,19 @@ class _Scheduler:
         return False, None
 
 
-class _Worker:
-    """The worker side: staging rows, the RowStore of this rank's root, the load and store
-    thread, and what finished."""
+class ConnectorWorker:
+    """The worker side of :class:`TierCacheConnector` for one rank: the pinned staging rows
+    (``[2 * piece, row_bytes]`` uint8; a row is one block's pages of every layer region), the
+    :class:`~tiercache.rowstore.RowStore` of this rank's roots, the thread that runs loads
+    (first) and stores, and what finished.
+
+    Args:
+        settings: :func:`parse_config`'s result.
+        roots: this rank's roots (one, or a root array's members).
+
+    A load or store never raises into vLLM: a failed load is reported as load errors of its
+    blocks from the first bad one, a failed store is logged and its blocks are not kept.
+    """
 
     def __init__(self, settings: dict, roots: list[Path]) -> None:
         self.settings = settings
@@ -373,7 +391,7 @@ class _Worker:
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.batch = None
         if self.cuda:  # one driver call per piece: every region of every block, host rows <-> device pages
-            from tiercache.copypaths.batchcopy import BatchCopy
+            from tiercache.copypaths import BatchCopy
 
             b = BatchCopy()
             self.batch = b if b.available else None
@@ -600,16 +618,16 @@ class TierCacheConnector(KVConnectorBase_V1):
         model = str(vllm_config.model_config.model)
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         self.kv_cache_config = kv_cache_config
-        self._sched: _Scheduler | None = None
-        self._worker: _Worker | None = None
+        self._sched: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _Scheduler(vllm_config, self.settings,
+            self._sched = ConnectorScheduler(vllm_config, self.settings,
                                      [rank_roots(self.settings["root"], digest, model, r) for r in range(tp)])
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if tp > 1 else 0
-            self._worker = _Worker(self.settings, rank_roots(self.settings["root"], digest, model, rank))
+            self._worker = ConnectorWorker(self.settings, rank_roots(self.settings["root"], digest, model, rank))
 
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -659,5 +677,5 @@ class TierCacheConnector(KVConnectorBase_V1):
             self._worker.close()
 
 
-__all__ = ["DEFAULTS", "TierCacheConnector", "TierCacheConnectorMetadata", "block_key", "block_views",
+__all__ = ["ConnectorScheduler", "ConnectorWorker", "DEFAULTS", "TierCacheConnector", "TierCacheConnectorMetadata", "block_key", "block_views",
            "parse_config", "rank_roots"]
