@@ -194,46 +194,27 @@ def _m(tmp_path: Path, n: int) -> list[Path]:
     return [tmp_path / "devs" / f"m{i}" for i in range(n)]
 
 
-@pytest.mark.slow
-def test_add_killed_at_every_step_is_finished_by_its_rerun(tmp_path, rng):
-    m = _m(tmp_path, 3)
-    want = _array(tmp_path, m[:2], rng)
-    m[2].mkdir(mode=0o700)
-    argv = ["roots", "add", str(m[0]), str(m[1]), "--new", str(m[2])]
-    assert _every_step(tmp_path, m[:2], argv, m, want, extra=[m[2]]) > 10
+#: each change: (members, how many hold blocks before, the command, members after, whether the
+#: last member is a new, empty directory)
+CHANGES = {
+    "add": (3, 2, lambda m: ["roots", "add", m[0], m[1], "--new", m[2]], 3, True),
+    "remove given one member": (3, 3, lambda m: ["roots", "remove", m[0], "--drop", m[2]], 2, False),
+    "remove given every member": (3, 3, lambda m: ["roots", "remove", m[0], m[1], m[2], "--drop", m[2]], 2, False),
+    "plain root to array": (2, 1, lambda m: ["roots", "add", m[0], "--new", m[1]], 2, True),
+    "array to plain root": (2, 2, lambda m: ["roots", "remove", m[0], "--drop", m[1]], 1, False),
+}
 
 
 @pytest.mark.slow
-def test_remove_drop_given_one_member_killed_at_every_step(tmp_path, rng):
-    m = _m(tmp_path, 3)
-    want = _array(tmp_path, m, rng)
-    argv = ["roots", "remove", str(m[0]), "--drop", str(m[2])]
-    assert _every_step(tmp_path, m, argv, m[:2], want) > 10
-
-
-@pytest.mark.slow
-def test_remove_drop_given_every_member_killed_at_every_step(tmp_path, rng):
-    m = _m(tmp_path, 3)
-    want = _array(tmp_path, m, rng)
-    argv = ["roots", "remove", str(m[0]), str(m[1]), str(m[2]), "--drop", str(m[2])]
-    assert _every_step(tmp_path, m, argv, m[:2], want) > 10
-
-
-@pytest.mark.slow
-def test_plain_root_to_array_killed_at_every_step(tmp_path, rng):
-    m = _m(tmp_path, 2)
-    want = _array(tmp_path, m[:1], rng)
-    m[1].mkdir(mode=0o700)
-    argv = ["roots", "add", str(m[0]), "--new", str(m[1])]
-    assert _every_step(tmp_path, m[:1], argv, m, want, extra=[m[1]]) > 10
-
-
-@pytest.mark.slow
-def test_array_to_plain_root_killed_at_every_step(tmp_path, rng):
-    m = _m(tmp_path, 2)
-    want = _array(tmp_path, m, rng)
-    argv = ["roots", "remove", str(m[0]), "--drop", str(m[1])]
-    assert _every_step(tmp_path, m, argv, m[:1], want) > 10
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_killed_at_every_step_is_finished_by_its_rerun(tmp_path, rng, change):
+    n, holding, command, after, new = CHANGES[change]
+    m = _m(tmp_path, n)
+    want = _array(tmp_path, m[:holding], rng)
+    if new:
+        m[-1].mkdir(mode=0o700)
+    argv = command([str(p) for p in m])
+    assert _every_step(tmp_path, m[:holding], argv, m[:after], want, extra=m[holding:]) > 10
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
+from tiercache.bench.benchserve import damage_file  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.integrations.vllmconnector import (TierCacheConnector, block_views, parse_config,  # noqa: E402
                                                    rank_roots)
@@ -175,17 +176,7 @@ def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage)
     want = _store(a, "r1", hashes, 5 * BS, list(range(5)))
     a.close()
     (root,) = [p for p in tmp_path.iterdir() if p.name.endswith("_c_r0")]
-    victim = next(root.glob(f"*/block_x{hashes[2].hex()}_pool_*.bin"))
-    if damage == "flip":
-        with open(victim, "r+b") as f:
-            f.seek(4096 + 100)
-            byte = f.read(1)
-            f.seek(4096 + 100)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    elif damage == "truncate":
-        os.truncate(victim, 5000)
-    else:
-        victim.unlink()
+    damage_file(next(root.glob(f"*/block_x{hashes[2].hex()}_pool_*.bin")), damage)
     b = _Engine(tmp_path)
     req = _request("r2", hashes, 5 * BS + 1)
     matched = b.sched.get_num_new_matched_tokens(req, 0)
@@ -221,7 +212,7 @@ def test_block_views_split_each_layout_into_contiguous_block_pages():
 
 
 def test_the_config_is_checked():
-    with pytest.raises(ConfigError, match="unknown key.*'rooot'.*valid keys"):
+    with pytest.raises(ConfigError, match="unknown config key.*'rooot'.*valid keys"):
         parse_config({"rooot": "/x"})
     with pytest.raises(ConfigError, match="'root'"):
         parse_config({})

@@ -336,25 +336,35 @@ def worker_main(spec_path: str) -> int:
     return 0
 
 
+def damage_file(path: str | os.PathLike, how: str) -> None:
+    """Damage a block file as a failing disk or a careless hand would: ``"flip"`` inverts some
+    bits of one data byte, ``"truncate"`` cuts the file inside its data, ``"delete"`` removes it.
+
+    Raises:
+        ValueError: another ``how``. OSError: the file cannot be changed.
+    """
+    if how == "flip":
+        with open(path, "r+b") as fh:
+            fh.seek(4096 + 1000)
+            b = fh.read(1)
+            fh.seek(4096 + 1000)
+            fh.write(bytes([b[0] ^ 0x5A]))
+    elif how == "truncate":
+        os.truncate(path, 4096 + 512)
+    elif how == "delete":
+        os.unlink(path)
+    else:
+        raise ValueError(f"damage {how!r}: flip, truncate or delete")
+
+
 def _damage_files(roots: list[str], seed: int) -> list[str]:
     """Between rounds: one block file under ``roots`` gets a byte flipped, one is truncated,
     one deleted (random ones, by ``seed``); returns what was done to which file."""
     files = sorted(str(p) for r in roots for p in Path(r).glob("[0-9a-f][0-9a-f]/block_*.bin"))
     picks = random.Random(seed).sample(files, min(3, len(files)))
-    done = []
-    for what, f in zip(("flip", "truncate", "delete"), picks):
-        if what == "flip":
-            with open(f, "r+b") as fh:
-                fh.seek(4096 + 1000)
-                b = fh.read(1)
-                fh.seek(4096 + 1000)
-                fh.write(bytes([b[0] ^ 0x5A]))
-        elif what == "truncate":
-            os.truncate(f, 4096 + 512)
-        else:
-            os.unlink(f)
-        done.append(f"{what} {f}")
-    return done
+    for how, f in zip(("flip", "truncate", "delete"), picks):
+        damage_file(f, how)
+    return [f"{how} {f}" for how, f in zip(("flip", "truncate", "delete"), picks)]
 
 
 def _h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float | None:

@@ -148,6 +148,27 @@ _COUNTERS = {STORED: "stored_blocks", LOADED: "loaded_blocks", EVICTED: "evicted
              CORRUPT: "corrupt_blocks", VANISHED: "vanished_blocks"}
 
 
+def with_defaults(config: dict[str, Any], defaults: dict[str, Any], who: str) -> dict[str, Any]:
+    """``config`` completed with ``defaults``, its keys and its ``root`` (a directory, or a list
+    of 1 .. 64 different ones: a root array) checked; ``who`` names the integration in errors.
+
+    Raises:
+        ConfigError: an unknown key (named, with the valid ones), or ``root`` missing or bad.
+    """
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise ConfigError(f"{who}: unknown config key(s) {', '.join(map(repr, unknown))}; "
+                          f"valid keys: {', '.join(defaults)}")
+    out = {**defaults, **config}
+    roots = out["root"] if isinstance(out["root"], (list, tuple)) else [out["root"]]
+    if not roots or any(not isinstance(r, (str, os.PathLike)) or not str(r) for r in roots):
+        raise ConfigError(f"{who}: 'root' = {out['root']!r}: give the directory for the files, or a "
+                          "list of directories (one per device)")
+    if len(set(map(str, roots))) != len(roots) or len(roots) > MAX_ROOTS:
+        raise ConfigError(f"{who}: 'root' = {out['root']!r}: give 1 .. {MAX_ROOTS} different directories")
+    return out
+
+
 def parse_config(config: dict[str, Any]) -> dict[str, Any]:
     """The tier's settings: ``config`` checked and completed with :data:`DEFAULTS`.
 
@@ -155,17 +176,7 @@ def parse_config(config: dict[str, Any]) -> dict[str, Any]:
         ConfigError: an unknown key (named, with the valid ones), ``root`` missing, or a value
             out of range (the ranges of :mod:`tiercache.settings`).
     """
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:
-        raise ConfigError(f"TierCacheTier: unknown config key(s) {', '.join(map(repr, unknown))}; "
-                          f"valid keys: {', '.join(DEFAULTS)}")
-    out = {**DEFAULTS, **config}
-    roots = out["root"] if isinstance(out["root"], (list, tuple)) else [out["root"]]
-    if not roots or any(not isinstance(r, (str, os.PathLike)) or not str(r) for r in roots):
-        raise ConfigError(f"TierCacheTier: 'root' = {out['root']!r}: give the directory for the tier's files, or a "
-                          "list of directories (one per device)")
-    if len(set(map(str, roots))) != len(roots) or len(roots) > MAX_ROOTS:
-        raise ConfigError(f"TierCacheTier: 'root' = {out['root']!r}: give 1 .. {MAX_ROOTS} different directories")
+    out = with_defaults(config, DEFAULTS, "TierCacheTier")
     if out["capacity_bytes"] is None:  # as before the settings had one default: no byte bound given
         out["capacity_bytes"] = 0
     try:

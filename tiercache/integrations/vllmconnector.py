@@ -61,7 +61,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from tiercache.errors import ConfigError
 from tiercache.files import SUBDIRS, parse_filename
 from tiercache.rowstore import RowStore
-from tiercache.settings import MAX_ROOTS, sections
+from tiercache.integrations.vllm import with_defaults
+from tiercache.settings import sections
 
 log = logging.getLogger("tiercache")
 
@@ -84,18 +85,8 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
         ConfigError: an unknown key (named, with the valid ones), ``root`` missing, or a value
             out of range (the ranges of :mod:`tiercache.settings`).
     """
-    unknown = sorted(set(extra) - set(DEFAULTS))
-    if unknown:
-        raise ConfigError(f"TierCacheConnector: unknown key(s) {', '.join(map(repr, unknown))} in "
-                          f"kv_connector_extra_config; valid keys: {', '.join(DEFAULTS)}")
-    out = {**DEFAULTS, **extra}
-    roots = out["root"] if isinstance(out["root"], (list, tuple)) else [out["root"]]
-    if not roots or any(not isinstance(r, (str, os.PathLike)) or not str(r) for r in roots):
-        raise ConfigError(f"TierCacheConnector: 'root' = {out['root']!r}: give the directory for the files, or a list "
-                          "of directories (one per device)")
-    if len(set(map(str, roots))) != len(roots) or len(roots) > MAX_ROOTS:
-        raise ConfigError(f"TierCacheConnector: 'root' = {out['root']!r}: give 1 .. {MAX_ROOTS} different directories")
-    out["root"] = [str(r) for r in roots]
+    out = with_defaults(extra, DEFAULTS, "TierCacheConnector")
+    out["root"] = [str(r) for r in (out["root"] if isinstance(out["root"], (list, tuple)) else [out["root"]])]
     try:
         sections(**{name: out[k] for k, name in SETTING_KEYS.items()})
     except ConfigError as exc:
