@@ -12,9 +12,9 @@ import typer
 
 from tiercache.config import load_config
 from tiercache.errors import TierCacheError
+from tiercache.resources import default_config
 from tiercache.settings import IO_MODES
 
-from .common import DEFAULT_CONFIG
 from .common import fail as _fail
 
 
@@ -51,15 +51,6 @@ NoBaselineOpt = Annotated[bool, typer.Option("--no-baseline", help="Skip the bas
 
 def _repeat_opt(default: int, what: str):
     return Annotated[int, typer.Option(help=f"Alternated passes ({what}; default {default}).", min=1, max=20)]
-
-
-def default_config() -> Path:
-    """configs/default.toml from the source tree, or the copy shipped in the package."""
-    if DEFAULT_CONFIG.is_file():
-        return DEFAULT_CONFIG
-    from importlib.resources import files
-
-    return Path(str(files("tiercache").joinpath("configs/default.toml")))
 
 
 def _log(output_format: OutputFormat) -> Callable[[str], None]:

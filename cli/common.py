@@ -7,7 +7,9 @@ from pathlib import Path
 
 import typer
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+from tiercache.resources import default_config
+
+DEFAULT_CONFIG = default_config()
 
 EXIT_OK, EXIT_FINDING, EXIT_USAGE = 0, 1, 2
 

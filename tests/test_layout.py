@@ -20,12 +20,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: folders of the repository and the package each one is installed as (pyproject.toml's package-dir)
-SOURCES = {"tiercache": "tiercache", "cli": "tiercache.cli", "kernels": "tiercache.kernels"}
-FOUNDATION = ("errors", "keys", "dtypes", "geometry", "cuda", "arrays", "settings")
+SOURCES = {"tiercache": "tiercache", "cli": "tiercache.cli", "kernels": "tiercache.kernels", "configs": "tiercache.configs"}
+FOUNDATION = ("errors", "keys", "dtypes", "geometry", "cuda", "arrays", "settings", "resources")
 FACADE = ("__init__", "cache", "rowstore", "aio", "config", "metrics")
 #: bottom to top: a unit may import units of lower layers only (and itself)
 LAYERS = [
-    ["foundation", "tiercache.kernels"],
+    ["foundation", "tiercache.kernels", "tiercache.configs"],
     ["tiercache.memory"],
     ["tiercache.copypaths", "tiercache.files"],
     ["tiercache.rootops"],

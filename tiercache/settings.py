@@ -335,16 +335,18 @@ def default(section: str, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
 
 
-#: the example configuration shown in the reference (the repository's; absent from an installed package)
-DEFAULT_TOML = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
 
 
 def reference(default_toml: str | None = None) -> str:
     """The configuration reference (Markdown): per section, each setting's default, range and
     meaning, after ``default_toml`` (the text of ``configs/default.toml``, read from
-    :data:`DEFAULT_TOML` when None and present); docs/configuration.md holds this text."""
-    if default_toml is None and DEFAULT_TOML.is_file():
-        default_toml = DEFAULT_TOML.read_text()
+    :func:`tiercache.resources.default_config` when None and present); docs/configuration.md
+    holds this text."""
+    if default_toml is None:
+        from tiercache.resources import default_config
+
+        if default_config().is_file():
+            default_toml = default_config().read_text()
     lines = ["# Configuration", "",
              "Generated from `tiercache/settings.py` (`python -m tiercache.settings > docs/configuration.md`); a test",
              "fails when the two differ.", "",

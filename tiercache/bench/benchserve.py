@@ -67,12 +67,13 @@ import time
 from pathlib import Path
 
 from tiercache.errors import ConfigError, MissingDependencyError
+from tiercache.resources import models_dir
 from tiercache.bench.stagetrace import StageTrace, breakdown
 
 #: the modes of one run, in order
 MODES = ("recompute", "cpu", "fs", "tiercache", "connector", "tiercache-shared")
 #: where the model geometries live (``configs/models/<name>.json``)
-MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+MODELS_DIR = models_dir()
 #: tokens per GPU block and per offloaded chunk (vLLM's default block size)
 TOKENS_PER_CHUNK = 16
 #: NVMe read rates for the break-even arithmetic (GB/s): one Gen4 and one Gen5 drive
