@@ -38,6 +38,9 @@ def test_the_configuration_reference_is_generated_from_the_settings():
 
 
 def test_cache_row_store_and_vllm_tier_share_one_default_per_setting(tmp_path):
+    from conftest import require_integration
+
+    require_integration("vllm")  # skipped where vLLM is not installed (never in CI)
     from tiercache.integrations.vllm import DEFAULTS, SETTING_KEYS, parse_config
 
     cfg = CacheConfig(pools=(POOL,), host_slots=1, root=tmp_path / "c")

@@ -42,7 +42,12 @@ from tiercache.rowstore import KeyState, RowJobResult, RowStore
 from tiercache.serving import DevicePools
 from tiercache.transfer import sm_carveout
 
-__version__ = "0.1.0"
+try:  # the one version: pyproject.toml's, as installed
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    __version__ = _version("tiercache")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "TierCache",
