@@ -716,3 +716,27 @@ class TestFsTierScenarios:
         finally:
             t.shutdown()
             m.shutdown()
+
+
+def test_the_spec_skips_a_store_for_a_request_whose_state_is_finalized(tmp_path, rng):
+    """vLLM 0.26's manager raises KeyError inside the engine for a store built after the
+    request's tiering state was finalized; TierCacheTieringSpec's manager skips it (None, as for
+    a store the CPU tier cannot take) and counts it, and later stores go on as before."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from tiercache.integrations.vllm import guard_stores_after_finish
+
+    _, m = H.build({"root": str(tmp_path), "fsync": "none"})
+    engine = H.Engine(m)
+    keys = H.new_keys(rng, 3)
+    gone = ReqContext(req_id="finished-earlier")  # never registered, or already finalized
+    with engine.lock:
+        assert "_req_state" in vars(m)  # 0.26 and 0.33 keep per-request state
+        with pytest.raises(KeyError):  # what the engine met without the guard
+            type(m).prepare_store(m, keys, gone)
+        assert m.prepare_store(keys, gone) is None
+    assert m.tiercache_stores_skipped_after_finish == 1
+    guard_stores_after_finish(m)  # idempotent
+    assert m.tiercache_stores_skipped_after_finish == 1
+    stored = engine.store(H.new_keys(rng, 2))
+    assert len(stored) == 2

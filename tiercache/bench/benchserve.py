@@ -146,8 +146,9 @@ def kv_transfer(mode: str, root: Path | None, cpu_bytes: int) -> dict | None:
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"root": str(root), "fsync": "none", "io_threads": 16}}
     extra: dict = {"cpu_bytes_to_use": int(cpu_bytes)}
-    if mode == "fs":
-        extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "fs", "root_dir": str(root)}])
+    if mode == "fs":  # vLLM's fs tier, under the spec that guards vLLM 0.26's store after a request's end
+        extra.update(spec_name="TierCacheTieringSpec", spec_module_path="tiercache.integrations.vllm",
+                     secondary_tiers=[{"type": "fs", "root_dir": str(root)}])
     elif mode.startswith("tiercache"):
         # matched to the fs tier: no flush before a store is reported, and its 16 + 16 threads
         tier = {"type": "TierCacheTier", "root": str(root), "fsync": "none", "io_threads": 16}
@@ -233,28 +234,24 @@ class _LoadCounter:
         cls.submit_load = submit_load
 
 
-def _skip_stores_after_finish() -> list[int]:
-    """vLLM 0.26's connector can build a store for a request whose tiering state it already
-    finalized (its last chunks, after an earlier "cannot store chunks" when the CPU tier was
-    full), and ``TieringOffloadingManager.prepare_store`` then raises ``KeyError`` inside the
-    engine (0.33 signals the finish after the stores). Such a store is skipped instead, as vLLM
-    skips a store its CPU tier cannot take; the returned list counts them (one element)."""
-    skipped = [0]
+def _skipped_stores() -> list:
+    """The managers TierCacheTieringSpec guards in this process (their
+    ``tiercache_stores_skipped_after_finish`` counts the stores skipped for requests whose
+    tiering state was already finalized)."""
+    managers: list = []
     try:
-        from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
-    except ImportError:
-        return skipped
-    prepare = TieringOffloadingManager.prepare_store
+        from tiercache.integrations import vllm as tc_vllm
+    except ImportError:  # an engine without vLLM's tiering code
+        return managers
+    guard = tc_vllm.guard_stores_after_finish
 
-    def prepare_store(self, keys, req_context, *a, **kw):
-        state = getattr(self, "_req_state", None)
-        if state is not None and req_context.req_id not in state:
-            skipped[0] += 1
-            return None
-        return prepare(self, keys, req_context, *a, **kw)
+    def recorded(manager) -> None:
+        guard(manager)
+        if manager not in managers:
+            managers.append(manager)
 
-    TieringOffloadingManager.prepare_store = prepare_store
-    return skipped
+    tc_vllm.guard_stores_after_finish = recorded
+    return managers
 
 
 def worker_main(spec_path: str) -> int:
@@ -265,7 +262,7 @@ def worker_main(spec_path: str) -> int:
     process stays up while the second runs)."""
     spec = json.loads(Path(spec_path).read_text())
     counter = _LoadCounter() if spec["mode"] != "recompute" else None
-    skipped = _skip_stores_after_finish()
+    guarded = _skipped_stores()
     trace = StageTrace().install()  # before the engine: its classes are wrapped, not its instances
     from vllm import LLM, SamplingParams
 
@@ -328,7 +325,9 @@ def worker_main(spec_path: str) -> int:
         extra["damaged"] = damaged
     Path(spec["out"]).write_text(json.dumps({"mode": spec["mode"], "startup_s": startup, "run_s": run_s,
                                              "requests": rows, "tier_roots": counter.roots if counter else [],
-                                             "stores_skipped_after_finish": skipped[0], **extra}))
+                                             "stores_skipped_after_finish": sum(
+                                                 getattr(m, "tiercache_stores_skipped_after_finish", 0) or 0
+                                                 for m in guarded), **extra}))
     hold = spec.get("hold")
     if hold:
         while not Path(hold).exists():

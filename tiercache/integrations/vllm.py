@@ -411,10 +411,39 @@ class TierCacheTieringSpec(TieringOffloadingSpec):
           "spec_module_path": "tiercache.integrations.vllm", "cpu_bytes_to_use": 17179869184,
           "secondary_tiers": [{"type": "TierCacheTier", "root": "/mnt/nvme/kv"}]}
 
-    It changes nothing else: the CPU primary tier, its eviction policy and every other secondary
-    tier behave as under ``TieringOffloadingSpec`` (vLLM's connector imports this module, which
-    registers the tier, before it reads the tiers' metric definitions).
+    It changes one thing more: a store built for a request whose tiering state vLLM has already
+    finalized is skipped (``prepare_store`` returns None, as vLLM does for a store its CPU tier
+    cannot take), where vLLM 0.26's manager raises ``KeyError`` inside the engine (seen after a
+    "cannot store chunks" when the CPU tier was full); the skipped stores are counted in the
+    manager's ``tiercache_stores_skipped_after_finish``. The CPU primary tier, its eviction policy
+    and every secondary tier, vLLM's own included, behave as under ``TieringOffloadingSpec``
+    (vLLM's connector imports this module, which registers the tier, before it reads the tiers'
+    metric definitions).
     """
+
+    def get_manager(self):
+        manager = super().get_manager()
+        guard_stores_after_finish(manager)
+        return manager
+
+
+def guard_stores_after_finish(manager) -> None:
+    """Make ``manager`` (vLLM's ``TieringOffloadingManager``) skip a store for a request it no
+    longer tracks, instead of raising ``KeyError`` (see :class:`TierCacheTieringSpec`).
+    Idempotent; a manager without per-request state is left as it is."""
+    if getattr(manager, "tiercache_stores_skipped_after_finish", None) is not None \
+            or not hasattr(manager, "_req_state"):
+        return
+    manager.tiercache_stores_skipped_after_finish = 0
+    real = manager.prepare_store
+
+    def prepare_store(keys, req_context, *args, **kwargs):
+        if req_context.req_id not in manager._req_state:
+            manager.tiercache_stores_skipped_after_finish += 1
+            return None
+        return real(keys, req_context, *args, **kwargs)
+
+    manager.prepare_store = prepare_store
 
 
 compat.register_tier("TierCacheTier", __name__, "TierCacheTier")
