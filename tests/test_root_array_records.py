@@ -12,7 +12,6 @@ import subprocess
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 

@@ -28,7 +28,6 @@ Adding or removing members moves the fewest subdirectories that even the shares 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
@@ -40,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.errors import RootError
-from tiercache.files.blockfile import SUBDIRS, block_location, is_temporary_name, parse_filename
+from tiercache.files.blockfile import SUBDIRS, block_location, parse_filename
 from tiercache.files.rootdir import (ARRAY, ARRAY_LOCK, FILE_MODE, RootDir, RootPath, is_root, open_root,
                                     write_atomic)
 from tiercache.keys import Key

@@ -29,7 +29,6 @@ import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tiercache.errors import RootError
 from tiercache.files.blockfile import SUBDIRS, is_temporary_name
