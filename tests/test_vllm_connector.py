@@ -4,8 +4,9 @@ and worker drive them, with CPU tensors in vLLM's KV cache layouts standing for 
 
 Stored blocks come back byte-exact into other blocks of a restarted engine; a corrupt, truncated
 or deleted file is a load error from that block on (vLLM recomputes) and leaves the index; a
-finished request's blocks are held until its stores are published; lookups leave at least one
-token to compute.
+finished request's blocks are held until its stores are gathered into pinned staging, and a
+load of a block whose file is still being written waits for it; lookups leave at least one token
+to compute; loads are synchronous (in ``start_load_kv``).
 """
 
 from __future__ import annotations
@@ -53,30 +54,39 @@ def _config(root, **extra):
                            kv_transfer_config=ktc)
 
 
-def _caches(layout: str = "flash") -> dict:
+def _caches(layout: str = "flash", device: str = "cpu") -> dict:
     """Random per-layer KV caches: FlashAttention's [2, NB, BS, H, D] or [NB, 2, BS, H, D]."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     shape = (2, NB, BS, HEADS, HD) if layout == "flash" else (NB, 2, BS, HEADS, HD)
     return {f"model.layers.{i}.attn": torch.randint(-30000, 30000, shape, generator=g, dtype=torch.int16
-                                                    ).view(torch.float16) for i in range(LAYERS)}
+                                                    ).view(torch.float16).to(device) for i in range(LAYERS)}
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Where the KV caches live: the CPU (torch's copies), or a GPU (the pinned staging, the
+    gather/scatter kernel, side streams and events)."""
+    return request.param
 
 
 class _Engine:
     """One engine: the scheduler-side and worker-side connectors over one set of KV caches."""
 
-    def __init__(self, root, layout="flash", **extra) -> None:
+    def __init__(self, root, layout="flash", device="cpu", **extra) -> None:
         cfg = _config(root, **extra)
         kvc = SimpleNamespace(num_blocks=NB)
         self.sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
         self.worker = TierCacheConnector(cfg, KVConnectorRole.WORKER, kvc)
         self.config = cfg
-        self.caches = _caches(layout)
+        self.caches = _caches(layout, device)
         self.worker.register_kv_caches(self.caches)
 
     def block(self, b: int) -> list[bytes]:
         """Every layer's K and V bytes of block ``b``."""
         out = []
-        for t in self.caches.values():
+        if self.caches[next(iter(self.caches))].is_cuda:
+            torch.cuda.synchronize()
+        for t in (c.cpu() for c in self.caches.values()):
             if t.shape[0] == 2:
                 out += [t[0, b].contiguous().view(torch.uint8).numpy().tobytes(),
                         t[1, b].contiguous().view(torch.uint8).numpy().tobytes()]
@@ -139,60 +149,123 @@ def _store(engine, rid, hashes, tokens, ids):
     engine.sched.update_state_after_alloc(req, _blocks(ids), 0)
     meta = engine.step(new=[(req, ids, 0, tokens)])
     assert [len(t.keys) for t in meta.stores] == [tokens // BS] and not meta.loads
-    assert engine.sched.request_finished(req, ids) == (True, None)  # held until published
+    assert engine.sched.request_finished(req, ids) == (True, None)  # held until gathered
     sent, _, _ = engine.poll(finished={rid}, want_send={rid})
     assert sent == {rid}
     return [engine.block(b) for b in ids[:tokens // BS]]
 
 
-def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng):
+@pytest.mark.parametrize("layout", ["flash", "paged"])
+def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng, device, layout):
     hashes = [rng.bytes(32) for _ in range(6)]
-    a = _Engine(tmp_path)
+    a = _Engine(tmp_path, layout, device)
     want = _store(a, "r1", hashes, 5 * BS + 3, list(range(10, 16)))
     assert a.config.kv_transfer_config.kv_load_failure_policy == "recompute"
     a.close()
-    b = _Engine(tmp_path)  # a restarted engine: the index comes from the files
+    b = _Engine(tmp_path, layout, device)  # a restarted engine: the index comes from the files
     req = _request("r2", hashes[:5] + [rng.bytes(32)], 6 * BS + 1)
-    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
     ids = [40, 7, 33, 2, 61, 5, 6]
     b.sched.update_state_after_alloc(req, _blocks(ids), 5 * BS)
-    meta = b.step(new=[(req, ids, 0, BS + 1)])
+    meta = b.step(new=[(req, ids, 5 * BS, BS + 1)])
     assert [(t.req_id, t.block_ids) for t in meta.loads] == [("r2", ids[:5])]
-    _, recvd, errors = b.poll(want_recv={"r2"})
-    assert recvd == {"r2"} and not errors
+    # synchronous: the blocks are in when start_load_kv returns, before the forward pass
     assert [b.block(x) for x in ids[:5]] == want
+    _, recvd, errors = b.poll()
+    assert not recvd and not errors
     # a prompt of whole blocks leaves its last block to compute; a local hit is not loaded again
     req = _request("r3", hashes[:5], 5 * BS)
-    assert b.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
-    assert b.sched.get_num_new_matched_tokens(req, 2 * BS) == (2 * BS, True)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
+    assert b.sched.get_num_new_matched_tokens(req, 2 * BS) == (2 * BS, False)
     b.close()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage):
+def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage, device):
     hashes = [rng.bytes(32) for _ in range(5)]
-    a = _Engine(tmp_path)
+    a = _Engine(tmp_path, device=device)
     want = _store(a, "r1", hashes, 5 * BS, list(range(5)))
     a.close()
     (root,) = [p for p in tmp_path.iterdir() if p.name.endswith("_c_r0")]
     damage_file(next(root.glob(f"*/block_x{hashes[2].hex()}_pool_*.bin")), damage)
-    b = _Engine(tmp_path)
+    b = _Engine(tmp_path, device=device)
     req = _request("r2", hashes, 5 * BS + 1)
     matched = b.sched.get_num_new_matched_tokens(req, 0)
     if damage == "delete":
-        assert matched == (2 * BS, True)  # the listing at start no longer has it
+        assert matched == (2 * BS, False)  # the listing at start no longer has it
         return b.close()
-    assert matched == (5 * BS, True)
+    assert matched == (5 * BS, False)
     ids = [20, 21, 22, 23, 24, 25]
     b.sched.update_state_after_alloc(req, _blocks(ids), 5 * BS)
-    b.step(new=[(req, ids, 0, 1)])
-    _, recvd, errors = b.poll(want_recv={"r2"})
-    assert recvd == {"r2"} and errors == {22, 23, 24}
+    b.step(new=[(req, ids, 5 * BS, 1)])
+    _, recvd, errors = b.poll()
+    assert not recvd and errors == {22, 23, 24}
     assert [b.block(x) for x in ids[:2]] == want[:2]  # the blocks before it loaded exact
     again = _request("r3", hashes, 5 * BS + 1)
-    assert b.sched.get_num_new_matched_tokens(again, 0) == (2 * BS, True)  # the bad key left the index
+    assert b.sched.get_num_new_matched_tokens(again, 0) == (2 * BS, False)  # the bad key left the index
     b.close()
     assert list(root.glob("quarantine/*"))
+
+
+def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng, device):
+    """More pieces than load slabs: each slab is read again only once its last piece is up."""
+    n = NB // 2 - 1
+    hashes = [rng.bytes(32) for _ in range(n + 1)]
+    a = _Engine(tmp_path, device=device, piece_blocks=3)
+    w = a.worker._worker
+    w.load_slabs, w._slab_events = 2, [None, None]  # two slabs of 3 blocks for 31 blocks
+    want = _store(a, "r1", hashes, n * BS, list(range(n)))
+    ids = list(rng.permutation(range(n, NB))[:n + 1])
+    req = _request("r2", hashes, (n + 1) * BS)
+    assert a.sched.get_num_new_matched_tokens(req, 0) == (n * BS, False)
+    a.sched.update_state_after_alloc(req, _blocks(ids), n * BS)
+    a.step(new=[(req, ids, n * BS, BS)])
+    assert [a.block(x) for x in ids[:n]] == want
+    assert w.counters["loaded_blocks"] == n and not a.worker.get_block_ids_with_load_errors()
+    a.close()
+
+
+def test_a_load_waits_for_a_store_of_the_same_blocks_still_being_written(tmp_path, rng, device):
+    """Blocks are freed (finished_sending) once gathered into staging, before their files are
+    written; a request that hits them at once waits for the writes, and loads them exact."""
+    hashes = [rng.bytes(32) for _ in range(4)]
+    a = _Engine(tmp_path, device=device)
+    w = a.worker._worker
+    real = w.store.submit_store
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    w.store.submit_store = slow
+    t0 = time.monotonic()
+    want = _store(a, "r1", hashes, 4 * BS, [3, 9, 27, 81 % NB])
+    assert time.monotonic() - t0 < 0.4  # freed before the write
+    assert w._writing  # still being written
+    req = _request("r2", hashes, 4 * BS + 5)
+    assert a.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
+    ids = [50, 51, 52, 53, 54]
+    a.sched.update_state_after_alloc(req, _blocks(ids), 4 * BS)
+    a.step(new=[(req, ids, 4 * BS, 5)])
+    assert [a.block(x) for x in ids[:4]] == want
+    assert not a.worker.get_block_ids_with_load_errors() and not w._writing
+    a.close()
+
+
+def test_stores_are_skipped_not_held_when_the_writes_fall_behind(tmp_path, rng, device):
+    hashes = [rng.bytes(32) for _ in range(5)]
+    a = _Engine(tmp_path, device=device)
+    w = a.worker._worker
+    w.max_queued = 4
+    req = _request("r1", hashes, 5 * BS)
+    a.sched.update_state_after_alloc(req, _blocks(range(5)), 0)
+    meta = a.step(new=[(req, list(range(5)), 0, 5 * BS)])
+    assert [len(t.keys) for t in meta.stores] == [5]
+    assert a.sched.request_finished(req, list(range(5))) == (True, None)
+    sent, _, _ = a.poll(finished={"r1"}, want_send={"r1"})
+    assert sent == {"r1"}  # its blocks are not held for a store that will not happen
+    assert w.counters["stores_skipped_blocks"] == 5 and w.store.drain(10) and len(w.store) == 0
+    a.close()
 
 
 def test_block_views_split_each_layout_into_contiguous_block_pages():

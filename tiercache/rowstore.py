@@ -39,7 +39,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +168,9 @@ class RowStore:
             not looked for again for ``negative_ttl_s``, temporary files older than
             ``tmp_max_age_s`` are abandoned, at most one capacity sweep per
             ``sweep_interval_s`` (longer where a sweep takes more than a tenth of that).
+        on_finish: called with a job's id from the I/O thread that settles its last file, once
+            :meth:`finished` can report it (a waiter's wake-up; it must not call back into the
+            store, and must be quick).
         **settings: single ``[file]`` and ``[sharing]`` settings by name (``fsync="none"``,
             ``sharing="shared"``), over the two sections. Their defaults are the cache's
             (:mod:`tiercache.settings`).
@@ -181,7 +184,8 @@ class RowStore:
 
     def __init__(self, rows, root: str | os.PathLike, *, capacity_blocks: int | None = None,
                  file_settings: FileSettings | None = None, sharing_settings: SharingSettings | None = None,
-                 **settings) -> None:
+                 on_finish: Callable[[Hashable], None] | None = None, **settings) -> None:
+        self.on_finish = on_finish
         self.rows = _row_view(rows)
         self.num_rows, self.row_bytes = self.rows.shape
         bad = sorted(set(settings) - _ROWSTORE_KEYS)
@@ -493,6 +497,8 @@ class RowStore:
         with self._cv:
             self._done.append(job)
             self._cv.notify_all()
+        if self.on_finish is not None:
+            self.on_finish(res.job_id)
 
     def _victims(self, count: int, protect: set[bytes]) -> list[bytes]:
         return lru_victims(self.index.lru, count, lambda k: k in protect or k in self._storing or bool(self._pins.get(k)))

@@ -517,7 +517,7 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
 
 #: the stages of a repeat's TTFT, in the order they happen (tiercache/bench/stagetrace.py)
 STAGES = ("lookup_ms", "before_read_ms", "read_ms", "read_to_upload_ms", "upload_ms", "after_upload_ms",
-          "prefill_ms", "idle_forward_ms", "steps")
+          "load_ms", "after_load_ms", "prefill_ms", "idle_forward_ms", "steps")
 
 
 def stage_medians(stages: list[dict | None]) -> dict:

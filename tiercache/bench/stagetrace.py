@@ -18,6 +18,9 @@ a time, every event between a request's submission and its first token is that r
 - ``after_upload_ms``: from the last upload done to the first token, of which ``prefill_ms`` is
   the forward work (the worker's ``execute_model`` and ``sample_tokens``) of the step with the
   most scheduled tokens, the suffix's prefill;
+- ``load_ms``: tiercache's connector's synchronous loads on the engine thread (the reads, and
+  the uploads issued behind them), summed, and ``after_load_ms``: from the last one's end to
+  the first token;
 - ``steps``: scheduler steps in the interval, and ``idle_forward_ms``: the other forward passes.
 
 A stage that did not happen (a recompute, a prefix from the CPU tier) is None.
@@ -43,6 +46,8 @@ TARGETS: tuple[tuple[str, str, str, str], ...] = (
     ("tiercache.integrations.vllm", "TierCacheTier", "get_finished_jobs", "read_done"),
     ("vllm.v1.kv_offload.cpu.gpu_worker", "CPUOffloadingWorker", "submit_load", "upload_submit"),
     ("vllm.v1.kv_offload.cpu.gpu_worker", "CPUOffloadingWorker", "get_finished", "upload_done"),
+    ("tiercache.integrations.vllmconnector", "ConnectorScheduler", "get_num_new_matched_tokens", "lookup"),
+    ("tiercache.integrations.vllmconnector", "ConnectorWorker", "_load", "load"),
 )
 
 
@@ -97,6 +102,8 @@ class StageTrace:
             return {"tokens": int(getattr(out, "total_num_scheduled_tokens", 0) or 0)}
         if stage == "lookup":
             return {"result": repr(out)[:40]}
+        if stage == "load":
+            return {"keys": len(getattr(args[0], "keys", ()) or ())}
         if stage == "read_submit":
             job = args[0] if args else kwargs.get("job_metadata")
             with self._lock:
@@ -164,6 +171,8 @@ def breakdown(events: list[tuple[str, float, float, dict]], submitted: float, fi
         "upload_ms": _ms(last_up - first_up) if first_up is not None else None,
         "after_upload_ms": _ms(first_token - last_up) if last_up is not None else None,
         "prefill_ms": _ms(sum(f[2] - f[1] for f in prefill)) if prefill else None,
+        "load_ms": _ms(sum(e[2] - e[1] for e in ev if e[0] == "load")) if times("load", 1) else None,
+        "after_load_ms": _ms(first_token - max(times("load", 2))) if times("load", 2) else None,
         "steps": len(steps),
         "step_tokens": [e[3].get("tokens", 0) for e in steps],
         "idle_forward_ms": _ms(sum(f[2] - f[1] for f in forwards if not any(f is p for p in prefill))),

@@ -306,6 +306,34 @@ class CopyLauncher:
         used.add(self.launch_table(sp, dp, p, p + 8 * n, n, p + 16 * n, seg, vec, stream, force))
         self.ring.release(stream)
 
+    def copy_segments(self, dst_addrs, src_addrs, nbytes: int, stream) -> str:
+        """Copy ``n`` segments of ``nbytes`` bytes each within this launcher's GPU: segment ``i``
+        from device address ``src_addrs[i]`` to ``dst_addrs[i]`` (integer arrays ``[n]``;
+        segments must not overlap), on ``stream`` (a CuPy stream), in one launch: one table
+        upload (pinned ring, asynchronous) and one kernel (the bulk kernel where every address
+        is 16-byte aligned and the GPU has it, else the gather/scatter kernel), or one batched
+        driver copy for segments of at least ``batch_min_bytes``. What a scatter from a
+        contiguous staging buffer into paged blocks needs, and the gather back: no call per
+        segment (the driver's batched copy costs ~1-2 us of host time per segment).
+
+        Returns the path (``bulk``, ``kernel``, ``batch``; ``none`` for no segment).
+
+        Raises:
+            ValueError: arrays of different lengths, or ``nbytes`` < 1.
+        """
+        src = np.ascontiguousarray(src_addrs, dtype=np.int64).reshape(-1)
+        dst = np.ascontiguousarray(dst_addrs, dtype=np.int64).reshape(-1)
+        if src.size != dst.size or nbytes < 1:
+            raise ValueError(f"copy_segments: {src.size} sources, {dst.size} destinations, nbytes = {nbytes} "
+                             "(lengths must match, nbytes >= 1)")
+        if not src.size:
+            return "none"
+        used: set = set()
+        vec = vector_bytes(int(nbytes), int(np.bitwise_or.reduce(src)), int(np.bitwise_or.reduce(dst)))
+        self._launch_offsets(0, src, 0, dst, int(nbytes), Segments(1, int(nbytes), int(nbytes)), stream, None, used,
+                             vec)
+        return "+".join(sorted(used))
+
     def offsets_table(self, src_offs: list, dst_offs: list) -> np.ndarray:
         """The kernels' argument table for launches of ``len(src_offs)`` lists of blocks: all
         source offsets, all destination offsets, then one zeroed counter area per launch (the

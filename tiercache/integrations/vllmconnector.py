@@ -18,21 +18,22 @@ docs/vllm.md, "The direct path: design".
   layout and the parallel sizes). The key is vLLM's block hash (a prefix hash: it names the
   block's tokens and every token before them).
 - **Scheduler side.** An in-memory index of the blocks every rank's root holds (listed at
-  start; then the stores that finished, less the loads that failed). A lookup counts the
-  leading blocks of a request's prompt that are there, beyond vLLM's own prefix-cache hit, and
-  asks vLLM to load them asynchronously: the request waits in ``WAITING_FOR_REMOTE_KVS`` while
-  other requests run, and no step polls the disk. Each step's metadata names, per request, the
-  blocks to load (keys and GPU block ids) and the newly computed full blocks of its prompt to
-  store.
-- **Worker side** (one per rank). A :class:`~tiercache.rowstore.RowStore` over a pinned
-  staging buffer of rows (one row = one block's file data), on the native I/O engine. A load
-  reads a prefix in pieces; while piece ``i + 1`` is read, piece ``i`` goes from its pinned rows
-  straight into its blocks' pages, every region of every block in one ``cuMemcpyBatchAsync``
-  on a side stream (addresses computed at once: no Python per block or layer, which inside
-  vLLM's busy engine loop waits for the GIL at every call; without the batch call, a copy and
-  a scatter per region). A store waits for the step's
-  forward pass (an event), gathers the blocks' pages into staging rows and writes them in the
-  background; a finished request's blocks are held until its stores are published.
+  start; then the stores gathered, less the loads that failed). A lookup counts the leading
+  blocks of a request's prompt that are there, beyond vLLM's own prefix-cache hit, and asks
+  vLLM for a synchronous load: the request runs in the same step, and its blocks are in before
+  its forward pass. (A first version loaded asynchronously; while a request waited in
+  ``WAITING_FOR_REMOTE_KVS``, vLLM 0.26's engine loop ran empty steps back to back, holding
+  the GIL, and the loader thread starved: docs/vllm.md.) Each step's metadata names, per
+  request, the blocks to load (keys and GPU block ids) and the newly computed full blocks of
+  its prompt to store.
+- **Worker side** (one per rank, :class:`ConnectorWorker`). A
+  :class:`~tiercache.rowstore.RowStore` over a pinned staging buffer of rows (one row = one
+  block's file data), on the native I/O engine. A load runs on the engine's thread: the
+  prefix is read in pieces by the I/O engine's threads while the pieces already read go up,
+  each in one contiguous copy into VRAM and one launch of the project's gather/scatter kernel
+  into the blocks' pages (no Python per block or layer). A store is gathered the same way in
+  reverse after the step's forward pass, and written by a background thread; a finished
+  request's blocks are held only until their bytes are in pinned staging.
 - **Never a wrong token.** A block whose file is missing, truncated or fails its checksum is
   reported through ``get_block_ids_with_load_errors``: vLLM recomputes from that block on
   (``kv_load_failure_policy = "recompute"``, which the connector sets where it is not), the
@@ -43,9 +44,11 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -214,6 +217,7 @@ class ConnectorScheduler:
         self.present: collections.OrderedDict[bytes, None] = collections.OrderedDict((k, None) for k in keys or ())
         self.reqs: dict[str, _Req] = {}
         self._to_load: list[str] = []
+        self._storing: set[bytes] = set()  # keys some request is storing
         log.info("tiercache: vLLM connector: %d block(s) on disk under %s", len(self.present),
                  ", ".join(str(r[0]) for r in roots_by_rank))
 
@@ -235,7 +239,10 @@ class ConnectorScheduler:
                 break
             keys.append(k)
         st.load = (start, keys) if keys else None
-        return (len(keys) * self.block_size, True) if keys else (0, False)
+        # a synchronous load: the request runs in this step, its blocks read and sent up in
+        # start_load_kv before the forward pass (no step waits on the disk, and vLLM's engine
+        # loop does not spin through empty steps while a load is out)
+        return len(keys) * self.block_size, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._req(request)
@@ -289,30 +296,29 @@ class ConnectorScheduler:
         keys, ids = [], []
         for b in range(st.stored_upto, full):
             k = block_key(st.request.block_hashes[b])
-            if k not in self.present and k not in st.storing:
+            if k not in self.present and k not in self._storing:
                 keys.append(k)
                 ids.append(st.block_ids[b])
         st.stored_upto = full
         if keys:
             st.storing.extend(keys)
+            self._storing.update(keys)
             meta.stores.append(_Transfer(rid, keys, ids))
 
     def update_connector_output(self, out) -> None:
         for rid in getattr(out, "finished_sending", None) or ():
             st = self.reqs.pop(rid, None)
-            if st is not None:
+            if st is not None:  # its blocks' bytes are in pinned staging, on their way to files
                 for k in st.storing:
                     self.present[k] = None
+                self._storing.difference_update(st.storing)
                 self._evict()
         bad = set(getattr(out, "invalid_block_ids", None) or ())
-        for rid in getattr(out, "finished_recving", None) or ():
-            st = self.reqs.get(rid)
-            if st is not None and bad:
+        if bad:  # loads that failed: their keys leave the index
+            for st in self.reqs.values():
                 for k, b in zip(st.loading, st.load_ids):
                     if b in bad:
                         self.present.pop(k, None)
-            if st is not None:
-                st.loading = []
 
     def _evict(self) -> None:
         cap = self.settings["capacity_blocks"]
@@ -324,41 +330,67 @@ class ConnectorScheduler:
         if st is None:
             return False, None
         if st.storing:
-            return True, None  # held until the stores are published (finished_sending)
+            return True, None  # held until its stores are gathered into staging (finished_sending)
         self.reqs.pop(request.request_id, None)
         return False, None
 
 
 class ConnectorWorker:
-    """The worker side of :class:`TierCacheConnector` for one rank: the pinned staging rows
-    (``[2 * piece, row_bytes]`` uint8; a row is one block's pages of every layer region), the
-    :class:`~tiercache.rowstore.RowStore` of this rank's roots, the thread that runs loads
-    (first) and stores, and what finished.
+    """The worker side of :class:`TierCacheConnector` for one rank: pinned staging rows
+    (``[rows, row_bytes]`` uint8; a row is one block's pages of every layer region, as in its
+    file), the :class:`~tiercache.rowstore.RowStore` of this rank's roots, and the thread that
+    writes stores.
+
+    - **Loads** run on the engine's own thread, inside ``start_load_kv``, before the forward
+      pass that needs them: the prefix is read in pieces of ``piece`` blocks into a ring of
+      load slabs (the native I/O engine's threads read and verify; the engine thread waits
+      with the GIL released), and each piece, once read, goes up in one contiguous copy into a
+      device slab and from there into its blocks' pages by one launch of the gather/scatter
+      kernel (:meth:`CopyLauncher.copy_segments`), while the next pieces are read. The forward
+      pass's stream waits for the uploads (an event; the host does not).
+    - **Stores** are gathered on a side stream after the step's forward pass (an event): the
+      pages of up to ``piece`` blocks into a device slab by one kernel launch, then one copy
+      into a free store slab of pinned rows; the writer thread then writes the slab's files. A
+      request's blocks are held only until their bytes are in pinned staging, not until the
+      files are published.
 
     Args:
         settings: :func:`parse_config`'s result.
         roots: this rank's roots (one, or a root array's members).
 
     A load or store never raises into vLLM: a failed load is reported as load errors of its
-    blocks from the first bad one, a failed store is logged and its blocks are not kept.
+    blocks from the first bad one on (vLLM recomputes them), a failed store is logged and its
+    blocks are not kept.
     """
+
+    #: seconds a load waits for a store of the same block still being written
+    WRITE_WAIT_S = 30.0
 
     def __init__(self, settings: dict, roots: list[Path]) -> None:
         self.settings = settings
         self.roots = roots
         self.views: list[torch.Tensor] = []
         self.store: RowStore | None = None
-        self._q: collections.deque = collections.deque()
-        self._cv = threading.Condition()
-        self._recving: set[str] = set()
+        self.launcher = None
+        self.counters: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+        self._job_ids = itertools.count(1)
+        self._job_events: dict[int, threading.Event] = {}
+        self._results: dict = {}
         self._errors: set[int] = set()
-        self._stores_left: collections.Counter = collections.Counter()
+        self._slab_events: list = []
+        self._next_slab = 0
+        # stores: [req_id, keys, block ids, step event] waiting for a store slab
+        self._gathers: collections.deque = collections.deque()
+        self._unstamped: list[list] = []  # planned this step, before its forward pass ends
+        self._queued: collections.Counter = collections.Counter()  # blocks per request not yet gathered
+        self._gathering: dict[str, list] = collections.defaultdict(list)  # gather events per request
         self._had_stores: set[str] = set()
         self._finished_reqs: set[str] = set()
-        self._results: dict = {}
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._step_event = None
+        self._free_slabs: list[int] = []
+        self._writing: dict[bytes, threading.Event] = {}  # gathered, file not yet written
+        self._writes: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     # -- setup -------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -374,128 +406,122 @@ class ConnectorWorker:
         self.row_bytes = int(self.offsets[-1])
         self.device = views[0].device
         self.cuda = views[0].is_cuda
-        # two slabs of staging rows: one piece lands while the next is read
-        self.piece = max(1, min(self.settings["piece_blocks"], self.settings["staging_bytes"] // self.row_bytes // 2))
-        rows = 2 * self.piece
+        total = max(4, self.settings["staging_bytes"] // self.row_bytes)
+        self.piece = max(1, min(self.settings["piece_blocks"], total // 4))
+        slabs = total // self.piece
+        self.load_slabs = max(2, slabs // 2)
+        store_slabs = max(2, slabs - self.load_slabs)
+        rows = (self.load_slabs + store_slabs) * self.piece
         self.staging = torch.empty((rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
-        self.dev_staging = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
-        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self.batch = None
-        if self.cuda:  # one driver call per piece: every region of every block, host rows <-> device pages
-            from tiercache.copypaths import BatchCopy
-
-            b = BatchCopy()
-            self.batch = b if b.available else None
-        self.view_ptrs = np.array([v.data_ptr() for v in views], dtype=np.uint64)
-        self.view_strides = np.array([v.stride(0) for v in views], dtype=np.uint64)
-        self.view_sizes = np.array([v.shape[1] for v in views], dtype=np.uint64)
+        self._slab_events = [None] * self.load_slabs
+        self._free_slabs = list(range(self.load_slabs, self.load_slabs + store_slabs))
+        self.max_queued = 4 * store_slabs * self.piece
+        # per region: device address of block 0, bytes between blocks, bytes; grouped by size
+        self.view_ptrs = np.array([v.data_ptr() for v in views], dtype=np.int64)
+        self.view_strides = np.array([v.stride(0) for v in views], dtype=np.int64)
+        self.view_sizes = np.array([v.shape[1] for v in views], dtype=np.int64)
+        self.row_offsets = np.array(self.offsets[:-1], dtype=np.int64)
+        self.size_groups = [(int(s), np.flatnonzero(self.view_sizes == s)) for s in np.unique(self.view_sizes)]
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device=self.device)  # loads
+            self.store_stream = torch.cuda.Stream(device=self.device)  # gathers of stores
+            self.dev_load = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
+            self.dev_store = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
+            self.launcher, self.copy_path = _launcher(self.device)
+        else:
+            self.copy_path = "torch (CPU)"
         s = self.settings
         self.store = RowStore(self.staging.numpy(), [str(r) for r in self.roots] if len(self.roots) > 1 else
-                              str(self.roots[0]), capacity_blocks=s["capacity_blocks"],
+                              str(self.roots[0]), capacity_blocks=s["capacity_blocks"], on_finish=self._job_finished,
                               **{name: s[k] for k, name in SETTING_KEYS.items()})
-        self._thread = threading.Thread(target=self._run, name="tiercache-vllm-connector", daemon=True)
-        self._thread.start()
-        log.info("tiercache: vLLM connector worker: %d region(s) per block, %d bytes per block file, %d staging "
-                 "rows, pieces of %d, root %s (%d blocks held)", len(views), self.row_bytes, rows, self.piece,
-                 self.roots[0], len(self.store))
+        self._writer = threading.Thread(target=self._write_loop, name="tiercache-vllm-connector-writer", daemon=True)
+        self._writer.start()
+        log.info("tiercache: vLLM connector worker: %d region(s) per block, %d bytes per block file, pieces of %d "
+                 "blocks, %d load and %d store slab(s) of pinned staging, copies by %s, I/O engine %s, root %s "
+                 "(%d blocks held)", len(views), self.row_bytes, self.piece, self.load_slabs, store_slabs,
+                 self.copy_path, self.store.ft.engine, self.roots[0], len(self.store))
 
-    # -- the step's calls --------------------------------------------------------------------
-    def submit(self, meta: TierCacheConnectorMetadata) -> None:
-        with self._cv:
-            for t in meta.loads:
-                self._q.appendleft(("load", t, None))  # loads before queued stores
-            if meta.stores:
-                ev = None
-                if self.cuda:  # stores wait for this step's forward pass
-                    ev = torch.cuda.Event()
-                    self._step_event = ev
-                for t in meta.stores:
-                    self._stores_left[t.req_id] += 1
-                    self._had_stores.add(t.req_id)
-                    self._q.append(("store", t, ev))
-            self._cv.notify()
-
-    def after_forward(self) -> None:
-        """``wait_for_save``: the step's stores may read the blocks once the forward pass that
-        computed them is done (an event on the current stream)."""
-        ev, self._step_event = self._step_event, None
+    # -- RowStore jobs -----------------------------------------------------------------------
+    def _job_finished(self, job_id) -> None:
+        ev = self._job_events.get(job_id)
         if ev is not None:
-            ev.record(torch.cuda.current_stream(self.device))
+            ev.set()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        with self._cv:
-            self._finished_reqs |= set(finished_req_ids)
-            sending = {r for r in self._finished_reqs if r in self._had_stores and not self._stores_left[r]}
-            self._finished_reqs -= sending
-            self._had_stores -= sending
-            self._finished_reqs &= self._had_stores
-            recving, self._recving = self._recving, set()
-        return sending or None, recving or None
+    def _submit(self, fn, keys: list[bytes], row0: int) -> int:
+        jid = next(self._job_ids)
+        self._job_events[jid] = threading.Event()
+        try:
+            fn(keys, list(range(row0, row0 + len(keys))), job_id=jid)
+        except BaseException:
+            self._job_events.pop(jid, None)
+            raise
+        return jid
 
-    def load_errors(self) -> set[int]:
-        with self._cv:
-            out, self._errors = self._errors, set()
-        return out
-
-    # -- the thread --------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._q and not self._closed:
-                    self._cv.wait()
-                if self._closed and not self._q:
-                    return
-                kind, t, ev = self._q.popleft()
-            try:
-                if kind == "load":
-                    self._load(t)
-                else:
-                    self._store(t, ev)
-            except Exception:  # pragma: no cover - reported, never raised into vLLM
-                log.exception("tiercache: vLLM connector %s of request %s failed", kind, t.req_id)
-                if kind == "load":
-                    with self._cv:
-                        self._errors.update(t.block_ids)
-                        self._recving.add(t.req_id)
-            finally:
-                if kind == "store":
-                    with self._cv:
-                        self._stores_left[t.req_id] -= 1
-
-    def _wait_job(self, job_id) -> Any:
-        while True:
+    def _wait(self, jid: int):
+        """Wait (GIL released) for RowStore job ``jid``; its :class:`RowJobResult`."""
+        self._job_events[jid].wait()
+        with self._lock:
             for r in self.store.finished():
                 self._results[r.job_id] = r
-            if job_id in self._results:
-                return self._results.pop(job_id)
-            time.sleep(0.0001)
+            del self._job_events[jid]
+            return self._results.pop(jid)
 
-    def _slab(self, i: int, n: int) -> list[int]:
-        """Rows of staging slab ``i % 2``, ``n`` of them."""
-        base = (i % 2) * self.piece
-        return list(range(base, base + n))
+    # -- loads (the engine thread) -----------------------------------------------------------
+    def load(self, transfers: list[_Transfer]) -> None:
+        """Load every transfer's blocks before the step's forward pass (which waits for the
+        uploads on its stream)."""
+        if not transfers:
+            return
+        t0 = time.perf_counter()
+        for t in transfers:
+            self._load(t)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.counters["load_calls"] += 1
+        self.counters["load_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _await_writes(self, keys: list[bytes]) -> None:
+        """A block stored moments ago may still be on its way to its file: wait for it."""
+        deadline = time.monotonic() + self.WRITE_WAIT_S
+        for k in keys:
+            ev = self._writing.get(k)
+            if ev is not None and not ev.wait(max(0.0, deadline - time.monotonic())):
+                return
 
     def _load(self, t: _Transfer) -> None:
-        pending: collections.deque = collections.deque()
+        self._await_writes(t.keys)
+        inflight: collections.deque = collections.deque()
         failed_from = None
-        for i, lo in enumerate(range(0, len(t.keys), self.piece)):
-            keys, ids = t.keys[lo:lo + self.piece], t.block_ids[lo:lo + self.piece]
-            rows = self._slab(i, len(keys))
-            pending.append((lo, keys, ids, rows, self.store.submit_load(keys, rows)))
-            if len(pending) >= 2:
-                failed_from = self._land(pending.popleft(), failed_from)
-        while pending:
-            failed_from = self._land(pending.popleft(), failed_from)
-        with self._cv:
-            if failed_from is not None:
+        try:
+            for lo in range(0, len(t.keys), self.piece):
+                if failed_from is not None:
+                    break  # vLLM recomputes from the first bad block: the rest is not needed
+                keys, ids = t.keys[lo:lo + self.piece], t.block_ids[lo:lo + self.piece]
+                slab = self._next_slab
+                self._next_slab = (slab + 1) % self.load_slabs
+                ev = self._slab_events[slab]
+                if ev is not None:
+                    ev.synchronize()  # the slab's previous piece is up
+                inflight.append((lo, keys, ids, slab, self._submit(self.store.submit_load, keys, slab * self.piece)))
+                if len(inflight) >= self.load_slabs:
+                    failed_from = self._land(inflight.popleft(), failed_from)
+            while inflight:
+                failed_from = self._land(inflight.popleft(), failed_from)
+        except Exception:
+            log.exception("tiercache: vLLM connector: the load of request %s failed; vLLM recomputes it", t.req_id)
+            failed_from = 0 if failed_from is None else failed_from
+            for item in inflight:
+                self._wait(item[4])
+        if failed_from is not None:
+            with self._lock:
                 self._errors.update(t.block_ids[failed_from:])
-            self._recving.add(t.req_id)
+            self.counters["load_error_blocks"] += len(t.block_ids) - failed_from
+        self.counters["loaded_blocks"] += len(t.block_ids) if failed_from is None else failed_from
 
     def _land(self, item, failed_from: int | None) -> int | None:
-        """Wait for a piece's reads, then copy its good leading rows into their blocks (done
-        when this returns: the slab is read again next)."""
-        lo, keys, ids, rows, job = item
-        res = self._wait_job(job)
+        """Wait for a piece's reads, then send its good leading rows up into their blocks."""
+        lo, keys, ids, slab, job = item
+        res = self._wait(job)
         good = next((i for i, k in enumerate(keys) if k in res.failed), len(keys))
         if good < len(keys) and failed_from is None:
             failed_from = lo + good
@@ -504,86 +530,202 @@ class ConnectorWorker:
         if failed_from is not None and failed_from <= lo:
             good = 0
         if good:
-            self._scatter(rows[0], ids[:good])
+            self._upload(slab, ids[:good])
         return failed_from
 
-    def _addresses(self, row0: int, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(device pages, host row parts, sizes)``: one copy per block and region, row-major."""
-        n = len(ids)
-        blocks = np.asarray(ids, dtype=np.uint64)
-        dev = (self.view_ptrs[None, :] + blocks[:, None] * self.view_strides[None, :]).ravel()
-        base = np.uint64(self.staging.data_ptr() + row0 * self.row_bytes)
-        host = (base + np.arange(n, dtype=np.uint64)[:, None] * np.uint64(self.row_bytes)
-                + np.asarray(self.offsets[:-1], dtype=np.uint64)[None, :]).ravel()
-        return dev, host, np.tile(self.view_sizes, n)
+    def _segments(self, base: int, ids: list[int]):
+        """Per region size: (device page addresses, staging addresses from ``base``) of every
+        block ``ids[i]`` (row ``i``) and region of that size, row-major."""
+        blocks = np.asarray(ids, dtype=np.int64)
+        rows = base + np.arange(len(ids), dtype=np.int64) * self.row_bytes
+        for size, regions in self.size_groups:
+            pages = (self.view_ptrs[regions][None, :] + blocks[:, None] * self.view_strides[regions][None, :]).ravel()
+            staged = (rows[:, None] + self.row_offsets[regions][None, :]).ravel()
+            yield size, pages, staged
 
-    def _scatter(self, row0: int, ids: list[int]) -> None:
-        """Staging rows ``row0 ..`` -> the pages of blocks ``ids`` (one copy up, then a scatter
-        per region on the device)."""
-        if self.batch is not None:
-            dev, host, sizes = self._addresses(row0, ids)
-            self.batch.launch(self.batch.prepare(dev, host, sizes), self.stream.cuda_stream)
-            self.stream.synchronize()
-            return
-        n = len(ids)
+    def _upload(self, slab: int, ids: list[int]) -> None:
+        """Staging rows of load slab ``slab`` -> the pages of blocks ``ids``."""
+        n, row0 = len(ids), slab * self.piece
         src = self.staging[row0:row0 + n]
-        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         if not self.cuda:
+            idx = torch.tensor(ids, dtype=torch.long)
             for v, off in zip(self.views, self.offsets):
                 v.index_copy_(0, idx, src[:, off:off + v.shape[1]])
             return
         with torch.cuda.stream(self.stream):
-            dev = self.dev_staging[:n]
-            dev.copy_(src, non_blocking=True)
-            for v, off in zip(self.views, self.offsets):
-                v.index_copy_(0, idx, dev[:, off:off + v.shape[1]])
-        self.stream.synchronize()
+            self.dev_load[:n].copy_(src, non_blocking=True)  # one contiguous copy over PCIe
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self._slab_events[slab] = ev  # the pinned slab may take the next piece once this is up
+            self._device_copy(self.dev_load, ids, self.stream, to_pages=True)
 
-    def _gather(self, row0: int, ids: list[int], ev) -> None:
-        """The pages of blocks ``ids`` -> staging rows ``row0 ..`` (after ``ev``: the forward
-        pass that computed them)."""
-        if self.batch is not None:
-            if ev is not None:
-                self.stream.wait_event(ev)
-            dev, host, sizes = self._addresses(row0, ids)
-            self.batch.launch(self.batch.prepare(host, dev, sizes), self.stream.cuda_stream)
-            self.stream.synchronize()
+    def _device_copy(self, dev: torch.Tensor, ids: list[int], stream, to_pages: bool) -> None:
+        """Device slab rows <-> the pages of blocks ``ids``, on ``stream`` (current)."""
+        if self.launcher is not None:
+            import cupy
+
+            cs = cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index or 0)
+            for size, pages, staged in self._segments(dev.data_ptr(), ids):
+                if to_pages:
+                    self.launcher.copy_segments(pages, staged, size, cs)
+                else:
+                    self.launcher.copy_segments(staged, pages, size, cs)
             return
-        n = len(ids)
-        dst = self.staging[row0:row0 + n]
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        n = len(ids)
+        for v, off in zip(self.views, self.offsets):
+            if to_pages:
+                v.index_copy_(0, idx, dev[:n, off:off + v.shape[1]])
+            else:
+                dev[:n, off:off + v.shape[1]].copy_(v.index_select(0, idx))
+
+    # -- stores (the engine thread gathers, the writer thread writes) --------------------------
+    def plan_stores(self, stores: list[_Transfer]) -> None:
+        """Queue the step's stores; they are gathered once its forward pass is done."""
+        for t in stores:
+            self._had_stores.add(t.req_id)
+            if sum(self._queued.values()) + len(t.keys) > self.max_queued:
+                # the writes fall behind: skip rather than hold the engine's blocks
+                self.counters["stores_skipped_blocks"] += len(t.keys)
+                if self.counters["stores_skipped_blocks"] == len(t.keys):
+                    log.warning("tiercache: vLLM connector: writes fall behind (%d blocks queued); stores are "
+                                "skipped until they catch up", sum(self._queued.values()))
+                continue
+            self._queued[t.req_id] += len(t.keys)
+            entry = [t.req_id, list(t.keys), list(t.block_ids), None]
+            self._gathers.append(entry)
+            self._unstamped.append(entry)
+
+    def after_forward(self) -> None:
+        """``wait_for_save``: the step's stores may read their blocks once the forward pass
+        that computed them is done (an event on the current stream); gather what fits."""
+        if self._unstamped:
+            ev = True
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+            for e in self._unstamped:
+                e[3] = ev
+            self._unstamped = []
+        self._gather()
+
+    def _gather(self) -> None:
+        while self._gathers and self._gathers[0][3] is not None:
+            with self._lock:
+                if not self._free_slabs:
+                    return
+                slab = self._free_slabs.pop()
+            entry = self._gathers[0]
+            rid, keys, ids, step_ev = entry
+            n = min(len(keys), self.piece)
+            with self._lock:
+                for k in keys[:n]:
+                    self._writing[k] = threading.Event()
+            gev = self._gather_rows(slab, ids[:n], step_ev)
+            if gev is not None:
+                self._gathering[rid].append(gev)
+            self._queued[rid] -= n
+            if n == len(keys):
+                self._gathers.popleft()
+            else:
+                entry[1], entry[2] = keys[n:], ids[n:]
+            self._writes.put((keys[:n], slab, gev))
+
+    def _gather_rows(self, slab: int, ids: list[int], step_ev):
+        """The pages of blocks ``ids`` -> the rows of store slab ``slab`` (after ``step_ev``);
+        returns the event that marks the rows complete (None: complete now)."""
+        n, row0 = len(ids), slab * self.piece
+        dst = self.staging[row0:row0 + n]
         if not self.cuda:
+            idx = torch.tensor(ids, dtype=torch.long)
             for v, off in zip(self.views, self.offsets):
                 dst[:, off:off + v.shape[1]] = v.index_select(0, idx)
-            return
-        with torch.cuda.stream(self.stream):
-            if ev is not None:
-                self.stream.wait_event(ev)
-            dev = self.dev_staging[:n]
-            for v, off in zip(self.views, self.offsets):
-                dev[:, off:off + v.shape[1]].copy_(v.index_select(0, idx))
-            dst.copy_(dev, non_blocking=True)
-        self.stream.synchronize()
+            return None
+        with torch.cuda.stream(self.store_stream):
+            self.store_stream.wait_event(step_ev)
+            self._device_copy(self.dev_store, ids, self.store_stream, to_pages=False)
+            dst.copy_(self.dev_store[:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.store_stream)
+        return ev
 
-    def _store(self, t: _Transfer, ev) -> None:
-        for lo in range(0, len(t.keys), self.piece):
-            keys, ids = t.keys[lo:lo + self.piece], t.block_ids[lo:lo + self.piece]
-            rows = self._slab(0, len(keys))
-            self._gather(rows[0], ids, ev)
-            res = self._wait_job(self.store.submit_store(keys, rows))
-            if res.failed:
-                log.warning("tiercache: vLLM connector: %d block(s) not stored: %s", len(res.failed),
-                            next(iter(res.failed.values())))
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            keys, slab, gev = item
+            try:
+                if gev is not None:
+                    gev.synchronize()
+                res = self._wait(self._submit(self.store.submit_store, keys, slab * self.piece))
+                self.counters["stored_blocks"] += len(keys) - len(res.failed)
+                if res.failed:
+                    self.counters["store_failed_blocks"] += len(res.failed)
+                    log.warning("tiercache: vLLM connector: %d block(s) not stored: %s", len(res.failed),
+                                next(iter(res.failed.values())))
+            except Exception:  # pragma: no cover - reported, never raised into vLLM
+                log.exception("tiercache: vLLM connector: a store of %d block(s) failed", len(keys))
+            finally:
+                with self._lock:
+                    self._free_slabs.append(slab)
+                    for k in keys:
+                        ev = self._writing.pop(k, None)
+                        if ev is not None:
+                            ev.set()
+
+    # -- what finished -----------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose blocks may be freed: finished, and every block they store gathered
+        into pinned staging (loads are synchronous: nothing is ever received late)."""
+        self._gather()
+        self._finished_reqs |= set(finished_req_ids) & self._had_stores
+        sending = set()
+        for r in self._finished_reqs:
+            if self._queued[r] > 0:
+                continue
+            evs = self._gathering.get(r)
+            if evs and not all(e.query() for e in evs):
+                continue
+            sending.add(r)
+        for r in sending:
+            self._finished_reqs.discard(r)
+            self._had_stores.discard(r)
+            self._queued.pop(r, None)
+            self._gathering.pop(r, None)
+        return sending or None, None
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._errors = self._errors, set()
+        return out
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join()
+        """Gather and write what is queued, then close the store."""
+        deadline = time.monotonic() + 60.0
+        for e in self._unstamped:
+            e[3] = True if not self.cuda else torch.cuda.current_stream(self.device).record_event()
+        self._unstamped = []
+        while self._gathers and time.monotonic() < deadline:
+            self._gather()
+            time.sleep(0.001)
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join()
         if self.store is not None:
             self.store.drain()
             self.store.close()
+
+
+def _launcher(device: torch.device):
+    """The project's copy kernels for ``device`` (needs CuPy), or None and why: then the
+    uploads and gathers go through torch (a copy per region)."""
+    try:
+        from tiercache.copypaths.copykernels import CopyLauncher
+
+        return CopyLauncher(device.index or 0), "the gather/scatter kernel"
+    except Exception as exc:  # CuPy missing, or no kernel for this GPU
+        return None, f"torch ({type(exc).__name__}: {exc})"
 
 
 class TierCacheConnector(KVConnectorBase_V1):
@@ -646,10 +788,11 @@ class TierCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierCacheConnectorMetadata)
-        self._worker.submit(meta)
+        self._worker.plan_stores(meta.stores)
+        self._worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: the request runs once every block is in
+        return  # the forward pass's stream already waits for every upload (start_load_kv)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # stores gather whole blocks after the forward pass (wait_for_save)
