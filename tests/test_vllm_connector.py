@@ -6,7 +6,7 @@ Stored blocks come back byte-exact into other blocks of a restarted engine; a co
 or deleted file is a load error from that block on (vLLM recomputes) and leaves the index; a
 finished request's blocks are held until its stores are gathered into pinned staging, and a
 load of a block whose file is still being written waits for it; lookups leave at least one token
-to compute; loads are synchronous (in ``start_load_kv``).
+to compute; a load is done within one step (in ``start_load_kv``, received in the same step).
 """
 
 from __future__ import annotations
@@ -116,13 +116,13 @@ class _Engine:
         sent, recvd, errors = set(), set(), set()
         deadline = time.monotonic() + timeout
         fin = set(finished)
-        while time.monotonic() < deadline:
+        while True:  # at least once
             s, r = self.worker.get_finished(fin)
             fin = set()
             sent |= s or set()
             recvd |= r or set()
             errors |= self.worker.get_block_ids_with_load_errors()
-            if set(want_send) <= sent and set(want_recv) <= recvd:
+            if set(want_send) <= sent and set(want_recv) <= recvd or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
         self.sched.update_connector_output(SimpleNamespace(finished_sending=sent, finished_recving=recvd,
@@ -164,19 +164,19 @@ def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng,
     a.close()
     b = _Engine(tmp_path, layout, device)  # a restarted engine: the index comes from the files
     req = _request("r2", hashes[:5] + [rng.bytes(32)], 6 * BS + 1)
-    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
     ids = [40, 7, 33, 2, 61, 5, 6]
     b.sched.update_state_after_alloc(req, _blocks(ids), 5 * BS)
     meta = b.step(new=[(req, ids, 5 * BS, BS + 1)])
     assert [(t.req_id, t.block_ids) for t in meta.loads] == [("r2", ids[:5])]
-    # synchronous: the blocks are in when start_load_kv returns, before the forward pass
+    # loaded within the step: in place when start_load_kv returns, received in the same step
     assert [b.block(x) for x in ids[:5]] == want
-    _, recvd, errors = b.poll()
-    assert not recvd and not errors
+    _, recvd, errors = b.poll(want_recv={"r2"}, timeout=0)
+    assert recvd == {"r2"} and not errors
     # a prompt of whole blocks leaves its last block to compute; a local hit is not loaded again
     req = _request("r3", hashes[:5], 5 * BS)
-    assert b.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
-    assert b.sched.get_num_new_matched_tokens(req, 2 * BS) == (2 * BS, False)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    assert b.sched.get_num_new_matched_tokens(req, 2 * BS) == (2 * BS, True)
     b.close()
 
 
@@ -192,17 +192,17 @@ def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage,
     req = _request("r2", hashes, 5 * BS + 1)
     matched = b.sched.get_num_new_matched_tokens(req, 0)
     if damage == "delete":
-        assert matched == (2 * BS, False)  # the listing at start no longer has it
+        assert matched == (2 * BS, True)  # the listing at start no longer has it
         return b.close()
-    assert matched == (5 * BS, False)
+    assert matched == (5 * BS, True)
     ids = [20, 21, 22, 23, 24, 25]
     b.sched.update_state_after_alloc(req, _blocks(ids), 5 * BS)
     b.step(new=[(req, ids, 5 * BS, 1)])
-    _, recvd, errors = b.poll()
-    assert not recvd and errors == {22, 23, 24}
+    _, recvd, errors = b.poll(want_recv={"r2"}, timeout=0)
+    assert recvd == {"r2"} and errors == {22, 23, 24}
     assert [b.block(x) for x in ids[:2]] == want[:2]  # the blocks before it loaded exact
     again = _request("r3", hashes, 5 * BS + 1)
-    assert b.sched.get_num_new_matched_tokens(again, 0) == (2 * BS, False)  # the bad key left the index
+    assert b.sched.get_num_new_matched_tokens(again, 0) == (2 * BS, True)  # the bad key left the index
     b.close()
     assert list(root.glob("quarantine/*"))
 
@@ -217,7 +217,7 @@ def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng,
     want = _store(a, "r1", hashes, n * BS, list(range(n)))
     ids = list(rng.permutation(range(n, NB))[:n + 1])
     req = _request("r2", hashes, (n + 1) * BS)
-    assert a.sched.get_num_new_matched_tokens(req, 0) == (n * BS, False)
+    assert a.sched.get_num_new_matched_tokens(req, 0) == (n * BS, True)
     a.sched.update_state_after_alloc(req, _blocks(ids), n * BS)
     a.step(new=[(req, ids, n * BS, BS)])
     assert [a.block(x) for x in ids[:n]] == want
@@ -243,7 +243,7 @@ def test_a_load_waits_for_a_store_of_the_same_blocks_still_being_written(tmp_pat
     assert time.monotonic() - t0 < 0.4  # freed before the write
     assert w._writing  # still being written
     req = _request("r2", hashes, 4 * BS + 5)
-    assert a.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
+    assert a.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
     ids = [50, 51, 52, 53, 54]
     a.sched.update_state_after_alloc(req, _blocks(ids), 4 * BS)
     a.step(new=[(req, ids, 4 * BS, 5)])

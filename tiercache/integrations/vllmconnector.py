@@ -20,10 +20,11 @@ docs/vllm.md, "The direct path: design".
 - **Scheduler side.** An in-memory index of the blocks every rank's root holds (listed at
   start; then the stores gathered, less the loads that failed). A lookup counts the leading
   blocks of a request's prompt that are there, beyond vLLM's own prefix-cache hit, and asks
-  vLLM for a synchronous load: the request runs in the same step, and its blocks are in before
-  its forward pass. (A first version loaded asynchronously; while a request waited in
-  ``WAITING_FOR_REMOTE_KVS``, vLLM 0.26's engine loop ran empty steps back to back, holding
-  the GIL, and the loader thread starved: docs/vllm.md.) Each step's metadata names, per
+  vLLM to load them asynchronously, which the worker does within one step: the request waits
+  in ``WAITING_FOR_REMOTE_KVS`` for that step only. (A first version loaded on a thread of its
+  own; while a request waited, vLLM 0.26's engine loop ran empty steps back to back, holding
+  the GIL, and the thread starved. A synchronous load would save the step, but with vLLM 0.26's
+  async scheduling a failed one gave a wrong token: docs/vllm.md.) Each step's metadata names, per
   request, the blocks to load (keys and GPU block ids) and the newly computed full blocks of
   its prompt to store.
 - **Worker side** (one per rank, :class:`ConnectorWorker`). A
@@ -239,10 +240,11 @@ class ConnectorScheduler:
                 break
             keys.append(k)
         st.load = (start, keys) if keys else None
-        # a synchronous load: the request runs in this step, its blocks read and sent up in
-        # start_load_kv before the forward pass (no step waits on the disk, and vLLM's engine
-        # loop does not spin through empty steps while a load is out)
-        return len(keys) * self.block_size, False
+        # an asynchronous load in vLLM's terms, done within one step: the worker reads and
+        # uploads in that step's start_load_kv and reports it received in the same step, so
+        # the request waits one step, not for a thread (a synchronous load would be one step
+        # shorter, but vLLM 0.26 with async scheduling gave a wrong token after a failed one)
+        return (len(keys) * self.block_size, True) if keys else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._req(request)
@@ -314,11 +316,13 @@ class ConnectorScheduler:
                 self._storing.difference_update(st.storing)
                 self._evict()
         bad = set(getattr(out, "invalid_block_ids", None) or ())
-        if bad:  # loads that failed: their keys leave the index
-            for st in self.reqs.values():
+        for rid in getattr(out, "finished_recving", None) or ():
+            st = self.reqs.get(rid)
+            if st is not None:
                 for k, b in zip(st.loading, st.load_ids):
-                    if b in bad:
+                    if b in bad:  # a load that failed: its key leaves the index
                         self.present.pop(k, None)
+                st.loading, st.load_ids = [], []
 
     def _evict(self) -> None:
         cap = self.settings["capacity_blocks"]
@@ -341,13 +345,13 @@ class ConnectorWorker:
     file), the :class:`~tiercache.rowstore.RowStore` of this rank's roots, and the thread that
     writes stores.
 
-    - **Loads** run on the engine's own thread, inside ``start_load_kv``, before the forward
-      pass that needs them: the prefix is read in pieces of ``piece`` blocks into a ring of
-      load slabs (the native I/O engine's threads read and verify; the engine thread waits
-      with the GIL released), and each piece, once read, goes up in one contiguous copy into a
-      device slab and from there into its blocks' pages by one launch of the gather/scatter
-      kernel (:meth:`CopyLauncher.copy_segments`), while the next pieces are read. The forward
-      pass's stream waits for the uploads (an event; the host does not).
+    - **Loads** run on the engine's own thread, inside ``start_load_kv`` of the step after the
+      lookup, and that step's ``get_finished`` reports them received. The prefix is read in
+      pieces of ``piece`` blocks into a ring of load slabs (the native I/O engine's threads
+      read and verify; the engine thread waits with the GIL released), and each piece, once
+      read, goes up in one contiguous copy into a device slab and from there into its blocks'
+      pages by one launch of the gather/scatter kernel (:meth:`CopyLauncher.copy_segments`),
+      while the next pieces are read.
     - **Stores** are gathered on a side stream after the step's forward pass (an event): the
       pages of up to ``piece`` blocks into a device slab by one kernel launch, then one copy
       into a free store slab of pinned rows; the writer thread then writes the slab's files. A
@@ -378,8 +382,10 @@ class ConnectorWorker:
         self._job_events: dict[int, threading.Event] = {}
         self._results: dict = {}
         self._errors: set[int] = set()
+        self._recving: set[str] = set()
         self._slab_events: list = []
         self._next_slab = 0
+        self._cupy_streams: dict = {}
         # stores: [req_id, keys, block ids, step event] waiting for a store slab
         self._gathers: collections.deque = collections.deque()
         self._unstamped: list[list] = []  # planned this step, before its forward pass ends
@@ -468,15 +474,16 @@ class ConnectorWorker:
 
     # -- loads (the engine thread) -----------------------------------------------------------
     def load(self, transfers: list[_Transfer]) -> None:
-        """Load every transfer's blocks before the step's forward pass (which waits for the
-        uploads on its stream)."""
+        """Load every transfer's blocks, in place when this returns; :meth:`get_finished`
+        reports the requests received in the same step."""
         if not transfers:
             return
         t0 = time.perf_counter()
         for t in transfers:
             self._load(t)
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.stream.synchronize()  # in place before vLLM hears of it (get_finished)
+        self._recving.update(t.req_id for t in transfers)
         self.counters["load_calls"] += 1
         self.counters["load_us"] += int((time.perf_counter() - t0) * 1e6)
 
@@ -562,9 +569,9 @@ class ConnectorWorker:
     def _device_copy(self, dev: torch.Tensor, ids: list[int], stream, to_pages: bool) -> None:
         """Device slab rows <-> the pages of blocks ``ids``, on ``stream`` (current)."""
         if self.launcher is not None:
-            import cupy
-
-            cs = cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index or 0)
+            cs = self._cupy_streams.get(stream.cuda_stream)
+            if cs is None:
+                cs = self._cupy_streams[stream.cuda_stream] = _cupy_stream(stream, self.device)
             for size, pages, staged in self._segments(dev.data_ptr(), ids):
                 if to_pages:
                     self.launcher.copy_segments(pages, staged, size, cs)
@@ -676,8 +683,8 @@ class ConnectorWorker:
 
     # -- what finished -----------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose blocks may be freed: finished, and every block they store gathered
-        into pinned staging (loads are synchronous: nothing is ever received late)."""
+        """``(sending, recving)``: requests whose blocks may be freed (finished, and every
+        block they store gathered into pinned staging), and requests whose loads are done."""
         self._gather()
         self._finished_reqs |= set(finished_req_ids) & self._had_stores
         sending = set()
@@ -693,7 +700,8 @@ class ConnectorWorker:
             self._had_stores.discard(r)
             self._queued.pop(r, None)
             self._gathering.pop(r, None)
-        return sending or None, None
+        recving, self._recving = self._recving, set()
+        return sending or None, recving or None
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -715,6 +723,17 @@ class ConnectorWorker:
         if self.store is not None:
             self.store.drain()
             self.store.close()
+
+
+def _cupy_stream(stream: torch.cuda.Stream, device: torch.device):
+    """CuPy's view of a torch stream (the kernels launch through CuPy)."""
+    import warnings
+
+    import cupy
+
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for Stream.from_external
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(stream.cuda_stream, device.index or 0)
 
 
 def _launcher(device: torch.device):
@@ -792,7 +811,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # the forward pass's stream already waits for every upload (start_load_kv)
+        return  # loads are done before vLLM schedules their requests (one step)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # stores gather whole blocks after the forward pass (wait_for_save)
