@@ -291,6 +291,9 @@ def vllm_serve_cmd(
                                                  min=1, max=8)] = 1,
     shared_gpus: Annotated[Optional[str], typer.Option(help="'A,B': the shared pair's engines on GPUs A and B "
                                                             "(default: halves of one GPU).")] = None,
+    connector_set: Annotated[Optional[list[str]], typer.Option(
+        "--connector-set", help="KEY=VALUE of the connector mode's kv_connector_extra_config (repeat; "
+                                "e.g. io_engine=threads).")] = None,
     seed: SeedOpt = None, keep: KeepOpt = False, no_baseline: NoBaselineOpt = False, quick: QuickOpt = False,
 ) -> None:
     """A real vLLM engine per mode on the GPU (random weights, a model's real geometry) on
@@ -307,6 +310,15 @@ def vllm_serve_cmd(
             pair = tuple(int(g) for g in shared_gpus.split(","))
         except ValueError:
             _fail(f"--shared-gpus {shared_gpus!r}: give two GPU indices, e.g. 0,1")
+    extra = {}
+    for kv in connector_set or ():
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            _fail(f"--connector-set {kv!r}: give KEY=VALUE, e.g. io_engine=threads")
+        try:
+            extra[key] = json.loads(value)
+        except ValueError:
+            extra[key] = value
     reports = []
     try:
         base = _base(config, root)
@@ -315,7 +327,8 @@ def vllm_serve_cmd(
                                   prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens, rounds=rounds,
                                   max_tokens=max_tokens, restart=restart, kill9=kill9, fio=not no_baseline, seed=seed,
                                   gpu_util=gpu_util, keep=keep, cpu_tier_prefixes=cpu_prefixes,
-                                  tensor_parallel=tensor_parallel, shared_gpus=pair, log=_log(output_format))
+                                  tensor_parallel=tensor_parallel, shared_gpus=pair, connector_settings=extra,
+                                  log=_log(output_format))
             reports.append(rep)
             if output_format is not OutputFormat.json:
                 typer.echo(format_serve_report(rep))

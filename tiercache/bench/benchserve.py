@@ -137,14 +137,16 @@ def workload(seed: int, vocab: int, prefixes: int, prefix_tokens: int, suffix_to
             for r in range(rounds) for p in range(prefixes)]
 
 
-def kv_transfer(mode: str, root: Path | None, cpu_bytes: int) -> dict | None:
-    """The ``kv_transfer_config`` of ``mode`` (None: no connector)."""
+def kv_transfer(mode: str, root: Path | None, cpu_bytes: int, connector_settings: dict | None = None) -> dict | None:
+    """The ``kv_transfer_config`` of ``mode`` (None: no connector); ``connector_settings``:
+    more keys of tiercache's connector's ``kv_connector_extra_config``."""
     if mode == "recompute":
         return None
     if mode.startswith("connector"):  # tiercache's own path: files <-> vLLM's GPU blocks, no CPU tier
         return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.integrations.vllmconnector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"root": str(root), "fsync": "none", "io_threads": 16}}
+                "kv_connector_extra_config": {"root": str(root), "fsync": "none", "io_threads": 16,
+                                              **(connector_settings or {})}}
     extra: dict = {"cpu_bytes_to_use": int(cpu_bytes)}
     if mode == "fs":  # vLLM's fs tier, under the spec that guards vLLM 0.26's store after a request's end
         extra.update(spec_name="TierCacheTieringSpec", spec_module_path="tiercache.integrations.vllm",
@@ -446,7 +448,8 @@ class _Run:
         self.n += 1
         return {**self.common, "mode": mode, "requests": requests, "model_dir": str(self.model_dir),
                 "workload": str(self.workload_path), "out": str(self.work / f"out-{self.n}-{mode}.json"),
-                "kv_transfer": kv_transfer(mode.split("+")[0], root, self.common["cpu_bytes"]), **kw}
+                "kv_transfer": kv_transfer(mode.split("+")[0], root, self.common["cpu_bytes"],
+                                           self.common.get("connector_settings")), **kw}
 
     def start(self, spec: dict) -> subprocess.Popen:
         path = self.work / f"spec-{self.n}.json"
@@ -547,13 +550,15 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     seed: int | None = None, gpu_util: float = 0.9, keep: bool = False,
                     cpu_tier_prefixes: float = CPU_TIER_PREFIXES, tensor_parallel: int = 1,
                     shared_gpus: tuple[int, int] | None = None, damage: int | None = None,
-                    log=lambda s: None) -> dict:
+                    connector_settings: dict | None = None, log=lambda s: None) -> dict:
     """Run the modes on ``model`` over files under ``directory`` (module docstring) and return
     the report: per mode its TTFTs, requests/s, tokens by source, token agreement and verify
     results (``cpu_tier_prefixes``: vLLM's CPU tier in prefixes' worth of KV;
     ``tensor_parallel``: GPUs per engine; ``shared_gpus``: the shared pair's two engines on
     these two GPUs instead of halves of one; ``damage``: a seed: before the first repeat, each
-    engine on files flips a byte of one block file, truncates one and deletes one); the baselines (fio's best read at the chunk's file
+    engine on files flips a byte of one block file, truncates one and deletes one;
+    ``connector_settings``: keys of the ``connector`` mode's ``kv_connector_extra_config``, over
+    the bench's); the baselines (fio's best read at the chunk's file
     size, host -> GPU rate, GPU-hit TTFT), the bound for a repeat from files, its ratio, and
     the break-even arithmetic.
 
@@ -603,7 +608,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     wl.write_text(json.dumps(reqs))
     common = {"max_model_len": max_model_len, "gpu_blocks": gpu_blocks, "cpu_bytes": cpu_bytes,
               "max_tokens": max_tokens, "suffix_tokens": suffix_tokens, "gpu_util": gpu_util,
-              "tensor_parallel": tensor_parallel}
+              "tensor_parallel": tensor_parallel, "connector_settings": dict(connector_settings or {})}
     run = _Run(work, model_dir, wl, common, log)
     every = list(range(len(reqs)))
     cold = [i for i, r in enumerate(reqs) if r["round"] == 0]

@@ -508,8 +508,12 @@ class ConnectorWorker:
                 self._next_slab = (slab + 1) % self.load_slabs
                 ev = self._slab_events[slab]
                 if ev is not None:
+                    t0 = time.perf_counter()
                     ev.synchronize()  # the slab's previous piece is up
+                    self.counters["slab_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+                t0 = time.perf_counter()
                 inflight.append((lo, keys, ids, slab, self._submit(self.store.submit_load, keys, slab * self.piece)))
+                self.counters["submit_us"] += int((time.perf_counter() - t0) * 1e6)
                 if len(inflight) >= self.load_slabs:
                     failed_from = self._land(inflight.popleft(), failed_from)
             while inflight:
@@ -528,7 +532,9 @@ class ConnectorWorker:
     def _land(self, item, failed_from: int | None) -> int | None:
         """Wait for a piece's reads, then send its good leading rows up into their blocks."""
         lo, keys, ids, slab, job = item
+        t0 = time.perf_counter()
         res = self._wait(job)
+        self.counters["read_wait_us"] += int((time.perf_counter() - t0) * 1e6)
         good = next((i for i, k in enumerate(keys) if k in res.failed), len(keys))
         if good < len(keys) and failed_from is None:
             failed_from = lo + good
@@ -537,7 +543,9 @@ class ConnectorWorker:
         if failed_from is not None and failed_from <= lo:
             good = 0
         if good:
+            t0 = time.perf_counter()
             self._upload(slab, ids[:good])
+            self.counters["upload_issue_us"] += int((time.perf_counter() - t0) * 1e6)
         return failed_from
 
     def _segments(self, base: int, ids: list[int]):
