@@ -621,7 +621,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     "rounds": rounds, "max_tokens": max_tokens, "kv_bytes_per_token": kv_tok,
                     "chunk_bytes": chunk_bytes, "gpu_kv_blocks": gpu_blocks, "cpu_tier_bytes": cpu_bytes,
                     "tensor_parallel": tensor_parallel, "shared_gpus": list(shared_gpus) if shared_gpus else None,
-                    "modes": {}, "experiments": {}}
+                    "connector_settings": dict(connector_settings or {}), "modes": {}, "experiments": {}}
     report["vllm"] = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
     results: dict[str, dict] = {}
     roots: dict[str, Path] = {}
