@@ -46,7 +46,8 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
     rep = run_serve_bench(tmp_path, model="tiny-llama", prefixes=3, prefix_tokens=512, suffix_tokens=256, rounds=2,
                           max_tokens=4, kill9=True, fio=False, seed=11)
-    assert set(rep["modes"]) == set(MODES) | {"fs+restart", "tiercache+restart", "connector+restart", "tiercache+kill9"}
+    assert set(rep["modes"]) == set(MODES) | {"fs+restart", "tiercache+restart", "connector+restart", "tiercache+kill9",
+                                              "connector+kill9"}
     for mode in MODES:
         m = rep["modes"][mode]
         assert m["requests"] == 6 and m["compared"] == 6, mode
@@ -60,7 +61,8 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
     assert rep["modes"]["tiercache+restart"]["repeat_connector_tokens"] == 3 * 512
     assert rep["modes"]["fs"]["served_repeats"] == 3 and rep["modes"]["recompute"]["served_repeats"] == 0
     assert set(rep["tiercache_over_fs_served_speed"]) == {"p50", "p99"}
-    assert rep["modes"]["tiercache+kill9"]["requests"] == 6 and "SIGKILL" in rep["modes"]["tiercache+kill9"]["kill_detail"]
+    for mode in ("tiercache+kill9", "connector+kill9"):
+        assert rep["modes"][mode]["requests"] == 6 and "SIGKILL" in rep["modes"][mode]["kill_detail"]
     assert rep["ok"] and rep["break_even_gbps"] > 0
     text = format_serve_report(rep)
     assert "tiercache-shared" in text and "break" not in text or "beats it above" in text

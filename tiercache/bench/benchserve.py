@@ -640,7 +640,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
             if mode in results:
                 results[f"{mode}+restart"] = run.run(run.spec(f"{mode}+restart", repeats, roots[mode]))
     if kill9:
-        results["tiercache+kill9"] = _kill9(run, work / "root-kill9", cold, every, seed)
+        for mode in [m for m in ("tiercache", "connector") if m in modes] or ["tiercache"]:
+            results[f"{mode}+kill9"] = _kill9(run, mode, work / f"root-{mode}-kill9", cold, every, seed)
     # the baselines and the report
     ref = {r["index"]: r["tokens"] for r in results["recompute"]["requests"]} if "recompute" in results else None
     own = {m: {r["index"]: r["tokens"] for r in results[m]["requests"]} for m in ("cpu", "fs") if m in results}
@@ -701,16 +702,17 @@ def _shared_pair(run: _Run, root: Path, cold: list[int], repeats: list[int], gpu
             "drain_s": ra.get("drain_s")}
 
 
-def _kill9(run: _Run, root: Path, cold: list[int], every: list[int], seed: int) -> dict:
-    """SIGKILL an engine in the middle of its cold round (after a random number of finished
-    requests, a random moment into the next one, while its chunks are being stored), then run
-    every request on a fresh engine over the same root."""
+def _kill9(run: _Run, mode: str, root: Path, cold: list[int], every: list[int], seed: int) -> dict:
+    """SIGKILL an engine of ``mode`` (``tiercache`` or ``connector``) in the middle of its cold
+    round (after a random number of finished requests, a random moment into the next one,
+    while its blocks are being stored), then run every request on a fresh engine over the
+    same root."""
     rng = random.Random(seed + 9)
-    progress = run.work / "kill9-progress"
+    progress = run.work / f"kill9-progress-{mode}"
     after = rng.randrange(1, max(2, len(cold)))
-    spec = run.spec("tiercache+kill9", cold, root, progress=str(progress))
+    spec = run.spec(f"{mode}+kill9", cold, root, progress=str(progress))
     p = run.start(spec)
-    run.log(f"  tiercache+kill9: killing the engine after {after} request(s)")
+    run.log(f"  {mode}+kill9: killing the engine after {after} request(s)")
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline and p.poll() is None:
         if progress.exists() and len(progress.read_text().split()) >= after:
@@ -722,7 +724,7 @@ def _kill9(run: _Run, root: Path, cold: list[int], every: list[int], seed: int) 
     if p.poll() is None:
         p.send_signal(signal.SIGKILL)
     p.wait()
-    res = run.run(run.spec("tiercache+kill9", every, root))
+    res = run.run(run.spec(f"{mode}+kill9", every, root))
     res["killed_after"] = done
     res["kill_detail"] = f"SIGKILL {delay:.2f} s after request {after} finished ({done} done when it fell)"
     return res

@@ -73,8 +73,8 @@ log = logging.getLogger("tiercache")
 #: the connector's keys, their defaults, and where each tiercache setting lives
 DEFAULTS: dict[str, Any] = {
     "root": None, "capacity_bytes": 0, "capacity_blocks": None, "sharing": "exclusive", "fsync": "data",
-    "verify": True, "io_engine": "auto", "io_threads": 8, "open_files": -1, "direct_io": True,
-    "check_root_owner": True, "staging_bytes": 1 << 30, "piece_blocks": 32,
+    "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
+    "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32,
 }
 SETTING_KEYS = {"capacity_bytes": "capacity_bytes", "sharing": "sharing", "fsync": "fsync",
                 "verify": "verify_checksums", "io_engine": "io_engine", "io_threads": "io_threads",
@@ -415,7 +415,10 @@ class ConnectorWorker:
         total = max(4, self.settings["staging_bytes"] // self.row_bytes)
         self.piece = max(1, min(self.settings["piece_blocks"], total // 4))
         slabs = total // self.piece
-        self.load_slabs = max(2, slabs // 2)
+        # a few load slabs keep the reads ahead of the uploads; the rest takes stores, so that
+        # a whole prompt's blocks are gathered at once and freed (finished_sending) without
+        # waiting for the writes of earlier slabs
+        self.load_slabs = min(max(3, slabs // 4), 8)
         store_slabs = max(2, slabs - self.load_slabs)
         rows = (self.load_slabs + store_slabs) * self.piece
         self.staging = torch.empty((rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
@@ -514,7 +517,9 @@ class ConnectorWorker:
                 t0 = time.perf_counter()
                 inflight.append((lo, keys, ids, slab, self._submit(self.store.submit_load, keys, slab * self.piece)))
                 self.counters["submit_us"] += int((time.perf_counter() - t0) * 1e6)
-                if len(inflight) >= self.load_slabs:
+                if len(inflight) >= self.load_slabs - 1:
+                    # one slab of slack: the slab read next is the one landed a piece ago, whose
+                    # upload has had the time of this piece's landing to finish
                     failed_from = self._land(inflight.popleft(), failed_from)
             while inflight:
                 failed_from = self._land(inflight.popleft(), failed_from)
