@@ -76,7 +76,8 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
         for t in caches.values():
             assert torch.equal(t[:, :blocks].view(torch.int16), t[:, blocks + 8:].view(torch.int16)), "bytes differ"
         split = {k: (w.counters[k] - before.get(k, 0)) / 1e3 for k in
-                 ("read_wait_us", "slab_wait_us", "submit_us", "upload_issue_us")}
+                 ("read_wait_us", "slab_wait_us", "submit_us", "upload_issue_us",
+                                                   "h2d_issue_us", "scatter_issue_us")}
     w.close()
     med = statistics.median(times)
     return {"settings": extra, "gbps": blocks * w.row_bytes / med / 1e9, "ms": med * 1e3,
@@ -90,8 +91,13 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
     ap.add_argument("--set", action="append", default=[], help="key=value,... of kv_connector_extra_config")
     a = ap.parse_args()
+    if a.switch_interval:
+        import sys
+
+        sys.setswitchinterval(a.switch_interval)
     for spec in a.set or [""]:
         extra = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
         out = run(a.root, a.model, a.blocks, a.runs, {k: _value(v) for k, v in extra.items()})

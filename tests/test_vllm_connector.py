@@ -95,7 +95,7 @@ class _Engine:
                         t[b, 1].contiguous().view(torch.uint8).numpy().tobytes()]
         return out
 
-    def step(self, new=(), finished=(), out=None):
+    def step(self, new=(), finished=(), out=None, preempted=()):
         """One scheduler step (``new``: (request, block ids, computed, scheduled) tuples) and
         the worker's part of it; returns the worker's (sending, recving, errors) once ``wait``
         holds, polling as vLLM's steps do."""
@@ -104,8 +104,9 @@ class _Engine:
                                 for r, ids, c, _ in new],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
                                                   resumed_req_ids=set()),
-            num_scheduled_tokens={r.request_id: n for r, _, _, n in new})
+            num_scheduled_tokens={r.request_id: n for r, _, _, n in new}, preempted_req_ids=set(preempted))
         meta = self.sched.build_connector_meta(so)
+        self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()
@@ -266,6 +267,46 @@ def test_stores_are_skipped_not_held_when_the_writes_fall_behind(tmp_path, rng, 
     assert sent == {"r1"}  # its blocks are not held for a store that will not happen
     assert w.counters["stores_skipped_blocks"] == 5 and w.store.drain(10) and len(w.store) == 0
     a.close()
+
+
+def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_change(tmp_path, rng, device):
+    """vLLM frees a preempted request's blocks at once (no request_finished): its stores still
+    waiting for a store slab are gathered before the next forward pass may overwrite them, and
+    what is stored is what the blocks held."""
+    hashes = [rng.bytes(32) for _ in range(6)]
+    a = _Engine(tmp_path, device=device, piece_blocks=2)
+    w = a.worker._worker
+    gate = __import__("threading").Event()
+    real = w.store.submit_store
+
+    def held(*args, **kwargs):  # the writer is slow: slabs stay busy
+        gate.wait(10)
+        return real(*args, **kwargs)
+
+    w.store.submit_store = held
+    with w._lock:
+        w._free_slabs = w._free_slabs[:1]  # one slab of 2 blocks for 6 blocks
+    req = _request("r1", hashes, 6 * BS)
+    ids = [7, 8, 9, 10, 11, 12]
+    a.sched.update_state_after_alloc(req, _blocks(ids), 0)
+    a.step(new=[(req, ids, 0, 6 * BS)])
+    want = [a.block(b) for b in ids]
+    assert len(w._gathers) == 1 and w._queued["r1"] == 4  # 2 gathered, 4 waiting
+    threading_timer = __import__("threading").Timer(0.3, gate.set)
+    threading_timer.start()
+    a.step(preempted={"r1"})  # the next step: r1 was preempted, its blocks are free
+    assert not w._gathers and w.counters["preemption_flush_us"] > 0
+    for t in a.caches.values():  # the blocks are reused by another request
+        t[:, 7:13].zero_() if t.shape[0] == 2 else t[7:13].zero_()
+    a.close()
+    b = _Engine(tmp_path, device=device)
+    req = _request("r2", hashes, 6 * BS + 1)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    new_ids = [30, 31, 32, 33, 34, 35, 36]
+    b.sched.update_state_after_alloc(req, _blocks(new_ids), 6 * BS)
+    b.step(new=[(req, new_ids, 6 * BS, 1)])
+    assert [b.block(x) for x in new_ids[:6]] == want
+    b.close()
 
 
 def test_block_views_split_each_layout_into_contiguous_block_pages():

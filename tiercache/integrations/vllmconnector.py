@@ -184,6 +184,9 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
 
     loads: list[_Transfer] = field(default_factory=list)
     stores: list[_Transfer] = field(default_factory=list)
+    #: requests preempted since the last step: their blocks are free and may be overwritten by
+    #: the next forward pass, so their stores still waiting for staging are gathered first
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -265,6 +268,7 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, so) -> TierCacheConnectorMetadata:
         meta = TierCacheConnectorMetadata()
+        meta.preempted = [r for r in (getattr(so, "preempted_req_ids", None) or ()) if r in self.reqs]
         for rid in self._to_load:
             st = self.reqs.get(rid)
             if st is not None and st.load is not None:
@@ -394,6 +398,8 @@ class ConnectorWorker:
         self._had_stores: set[str] = set()
         self._finished_reqs: set[str] = set()
         self._free_slabs: list[int] = []
+        self._slab_freed = threading.Condition(self._lock)
+        self._gathered_ev = None  # the last gather's device-side copy (before its copy to the host)
         self._writing: dict[bytes, threading.Event] = {}  # gathered, file not yet written
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -573,11 +579,15 @@ class ConnectorWorker:
                 v.index_copy_(0, idx, src[:, off:off + v.shape[1]])
             return
         with torch.cuda.stream(self.stream):
+            t0 = time.perf_counter()
             self.dev_load[:n].copy_(src, non_blocking=True)  # one contiguous copy over PCIe
             ev = torch.cuda.Event()
             ev.record(self.stream)
             self._slab_events[slab] = ev  # the pinned slab may take the next piece once this is up
+            t1 = time.perf_counter()
             self._device_copy(self.dev_load, ids, self.stream, to_pages=True)
+            self.counters["h2d_issue_us"] += int((t1 - t0) * 1e6)
+            self.counters["scatter_issue_us"] += int((time.perf_counter() - t1) * 1e6)
 
     def _device_copy(self, dev: torch.Tensor, ids: list[int], stream, to_pages: bool) -> None:
         """Device slab rows <-> the pages of blocks ``ids``, on ``stream`` (current)."""
@@ -664,6 +674,8 @@ class ConnectorWorker:
         with torch.cuda.stream(self.store_stream):
             self.store_stream.wait_event(step_ev)
             self._device_copy(self.dev_store, ids, self.store_stream, to_pages=False)
+            self._gathered_ev = torch.cuda.Event()
+            self._gathered_ev.record(self.store_stream)  # the pages are read: they may change now
             dst.copy_(self.dev_store[:n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.store_stream)
@@ -689,10 +701,32 @@ class ConnectorWorker:
             finally:
                 with self._lock:
                     self._free_slabs.append(slab)
+                    self._slab_freed.notify_all()
                     for k in keys:
                         ev = self._writing.pop(k, None)
                         if ev is not None:
                             ev.set()
+
+    def before_forward(self, preempted: list[str]) -> None:
+        """Before a step's forward pass (which may write any block vLLM freed): the stores of
+        preempted requests still waiting for a store slab are gathered now, waiting for the
+        writer to free slabs where none is free (vLLM's own offloading connector flushes a
+        preempted request's stores the same way); and the forward pass's stream waits for every
+        gather already issued to have read its pages (an event on the GPU; the host does not
+        wait)."""
+        if self._unstamped:  # planned in a step without a forward pass: what is enqueued is enough
+            self.after_forward()
+        if preempted and any(e[0] in preempted for e in self._gathers):
+            t0 = time.perf_counter()
+            while any(e[0] in preempted for e in self._gathers):
+                with self._lock:
+                    if not self._free_slabs:
+                        self._slab_freed.wait(1.0)
+                self._gather()
+            self.counters["preemption_flush_us"] += int((time.perf_counter() - t0) * 1e6)
+        if self.cuda and self._gathered_ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._gathered_ev)
+            self._gathered_ev = None
 
     # -- what finished -----------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -817,9 +851,14 @@ class TierCacheConnector(KVConnectorBase_V1):
             num_blocks = next(iter(kv_caches.values())).shape[0]
         self._worker.register(kv_caches, int(num_blocks))
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, TierCacheConnectorMetadata):
+            self._worker.before_forward(kv_connector_metadata.preempted)
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierCacheConnectorMetadata)
+        self._worker.before_forward(meta.preempted)  # again: a release without handle_preemptions
         self._worker.plan_stores(meta.stores)
         self._worker.load(meta.loads)
 
