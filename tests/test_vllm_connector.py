@@ -62,10 +62,11 @@ def _caches(layout: str = "flash", device: str = "cpu") -> dict:
                                                     ).view(torch.float16).to(device) for i in range(LAYERS)}
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
+                        pytest.param("cuda-side", marks=pytest.mark.gpu)])
 def device(request):
     """Where the KV caches live: the CPU (torch's copies), or a GPU (the pinned staging, the
-    gather/scatter kernel, side streams and events)."""
+    copy kernels and events; on the current stream, or ``-side``: on side streams)."""
     return request.param
 
 
@@ -73,6 +74,8 @@ class _Engine:
     """One engine: the scheduler-side and worker-side connectors over one set of KV caches."""
 
     def __init__(self, root, layout="flash", device="cpu", **extra) -> None:
+        if device == "cuda-side":
+            device, extra = "cuda", {"copy_streams": "side", **extra}
         cfg = _config(root, **extra)
         kvc = SimpleNamespace(num_blocks=NB)
         self.sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
@@ -331,6 +334,10 @@ def test_the_config_is_checked():
         parse_config({})
     with pytest.raises(ConfigError, match="piece_blocks"):
         parse_config({"root": "/x", "piece_blocks": 0})
+    with pytest.raises(ConfigError, match="copy_streams.*valid: compute, side"):
+        parse_config({"root": "/x", "copy_streams": "both"})
+    with pytest.raises(ConfigError, match="copy_kernel.*valid: auto, kernel, torch"):
+        parse_config({"root": "/x", "copy_kernel": "fast"})
     with pytest.raises(ConfigError, match="fsync"):
         parse_config({"root": "/x", "fsync": "sometimes"})
     assert parse_config({"root": ["/a", "/b"]})["root"] == ["/a", "/b"]

@@ -306,7 +306,7 @@ class CopyLauncher:
         used.add(self.launch_table(sp, dp, p, p + 8 * n, n, p + 16 * n, seg, vec, stream, force))
         self.ring.release(stream)
 
-    def copy_segments(self, dst_addrs, src_addrs, nbytes: int, stream) -> str:
+    def copy_segments(self, dst_addrs, src_addrs, nbytes: int, stream, force: str | None = None) -> str:
         """Copy ``n`` segments of ``nbytes`` bytes each within this launcher's GPU: segment ``i``
         from device address ``src_addrs[i]`` to ``dst_addrs[i]`` (integer arrays ``[n]``;
         segments must not overlap), on ``stream`` (a CuPy stream), in one launch: one table
@@ -316,7 +316,9 @@ class CopyLauncher:
         contiguous staging buffer into paged blocks needs, and the gather back: no call per
         segment (the driver's batched copy costs ~1-2 us of host time per segment).
 
-        Returns the path (``bulk``, ``kernel``, ``batch``; ``none`` for no segment).
+        ``force``: ``"kernel"`` (the gather/scatter kernel), ``"bulk"`` or ``"batch"`` instead
+        of the choice. Returns the path (``bulk``, ``kernel``, ``batch``; ``none`` for no
+        segment).
 
         Raises:
             ValueError: arrays of different lengths, or ``nbytes`` < 1.
@@ -330,7 +332,7 @@ class CopyLauncher:
             return "none"
         used: set = set()
         vec = vector_bytes(int(nbytes), int(np.bitwise_or.reduce(src)), int(np.bitwise_or.reduce(dst)))
-        self._launch_offsets(0, src, 0, dst, int(nbytes), Segments(1, int(nbytes), int(nbytes)), stream, None, used,
+        self._launch_offsets(0, src, 0, dst, int(nbytes), Segments(1, int(nbytes), int(nbytes)), stream, force, used,
                              vec)
         return "+".join(sorted(used))
 

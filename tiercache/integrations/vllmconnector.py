@@ -74,8 +74,20 @@ log = logging.getLogger("tiercache")
 DEFAULTS: dict[str, Any] = {
     "root": None, "capacity_bytes": 0, "capacity_blocks": None, "sharing": "exclusive", "fsync": "data",
     "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
-    "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32,
+    "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
+    "copy_streams": "compute",
 }
+#: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
+#: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
+#: its own, overlapping vLLM's work. With side streams, vLLM 0.26 on an H200 hit an illegal
+#: memory access in FlashAttention four runs in four with Qwen2.5-32B's geometry (never with
+#: Llama-3.1-8B's, never with CUDA_LAUNCH_BLOCKING=1, never with torch's copies); on the
+#: engine's stream it ran clean (docs/vllm.md, "The direct path: status")
+COPY_STREAMS = ("compute", "side")
+#: how pages move between the device slabs and the blocks: the project's kernels (``auto``: the
+#: bulk-copy kernel where it applies, else the gather/scatter kernel; ``kernel``: always the
+#: gather/scatter kernel), or ``torch``: a copy per layer region (no CuPy needed)
+COPY_KERNELS = ("auto", "kernel", "torch")
 SETTING_KEYS = {"capacity_bytes": "capacity_bytes", "sharing": "sharing", "fsync": "fsync",
                 "verify": "verify_checksums", "io_engine": "io_engine", "io_threads": "io_threads",
                 "open_files": "open_files", "direct_io": "direct_io", "check_root_owner": "check_root_owner"}
@@ -99,6 +111,11 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
         v = out[k]
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"TierCacheConnector: {k!r} = {v!r} must be an integer >= {lo}")
+    if out["copy_streams"] not in COPY_STREAMS:
+        raise ConfigError(f"TierCacheConnector: 'copy_streams' = {out['copy_streams']!r}; valid: "
+                          f"{', '.join(COPY_STREAMS)}")
+    if out["copy_kernel"] not in COPY_KERNELS:
+        raise ConfigError(f"TierCacheConnector: 'copy_kernel' = {out['copy_kernel']!r}; valid: {', '.join(COPY_KERNELS)}")
     cap = out["capacity_blocks"]
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ConfigError(f"TierCacheConnector: 'capacity_blocks' = {cap!r} must be a positive integer")
@@ -390,6 +407,7 @@ class ConnectorWorker:
         self._slab_events: list = []
         self._next_slab = 0
         self._cupy_streams: dict = {}
+        self._streams: tuple = ()
         # stores: [req_id, keys, block ids, step event] waiting for a store slab
         self._gathers: collections.deque = collections.deque()
         self._unstamped: list[list] = []  # planned this step, before its forward pass ends
@@ -438,11 +456,13 @@ class ConnectorWorker:
         self.row_offsets = np.array(self.offsets[:-1], dtype=np.int64)
         self.size_groups = [(int(s), np.flatnonzero(self.view_sizes == s)) for s in np.unique(self.view_sizes)]
         if self.cuda:
-            self.stream = torch.cuda.Stream(device=self.device)  # loads
-            self.store_stream = torch.cuda.Stream(device=self.device)  # gathers of stores
+            if self.settings["copy_streams"] == "side":
+                self._streams = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
             self.dev_load = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
             self.dev_store = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
-            self.launcher, self.copy_path = _launcher(self.device)
+            self.launcher, self.copy_path = _launcher(self.device) if self.settings["copy_kernel"] != "torch" else (
+                None, "torch (copy_kernel = torch)")
+            self._force = "kernel" if self.settings["copy_kernel"] == "kernel" else None
         else:
             self.copy_path = "torch (CPU)"
         s = self.settings
@@ -455,6 +475,16 @@ class ConnectorWorker:
                  "blocks, %d load and %d store slab(s) of pinned staging, copies by %s, I/O engine %s, root %s "
                  "(%d blocks held)", len(views), self.row_bytes, self.piece, self.load_slabs, store_slabs,
                  self.copy_path, self.store.ft.engine, self.roots[0], len(self.store))
+
+    @property
+    def stream(self):
+        """The loads' stream: a side stream, or (``copy_streams = "compute"``) the engine's."""
+        return self._streams[0] if self._streams else torch.cuda.current_stream(self.device)
+
+    @property
+    def store_stream(self):
+        """The gathers' stream: a side stream, or (``copy_streams = "compute"``) the engine's."""
+        return self._streams[1] if self._streams else torch.cuda.current_stream(self.device)
 
     # -- RowStore jobs -----------------------------------------------------------------------
     def _job_finished(self, job_id) -> None:
@@ -597,9 +627,9 @@ class ConnectorWorker:
                 cs = self._cupy_streams[stream.cuda_stream] = _cupy_stream(stream, self.device)
             for size, pages, staged in self._segments(dev.data_ptr(), ids):
                 if to_pages:
-                    self.launcher.copy_segments(pages, staged, size, cs)
+                    self.launcher.copy_segments(pages, staged, size, cs, self._force)
                 else:
-                    self.launcher.copy_segments(staged, pages, size, cs)
+                    self.launcher.copy_segments(staged, pages, size, cs, self._force)
             return
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         n = len(ids)
