@@ -342,3 +342,24 @@ def test_the_config_is_checked():
         parse_config({"root": "/x", "fsync": "sometimes"})
     assert parse_config({"root": ["/a", "/b"]})["root"] == ["/a", "/b"]
     assert [p.name for p in rank_roots(["/a"], "d1g", "org/Llama-3.1 8B/", 1)] == ["Llama-3.1-8B_d1g_c_r1"]
+
+
+def test_the_documented_config_lines_parse():
+    """Every ``--kv-transfer-config`` line for the connector in the README and docs/vllm.md is
+    JSON that names this module and class, and its extra config passes parse_config."""
+    import json
+    import re
+    from pathlib import Path
+
+    top = Path(__file__).resolve().parents[1]
+    found = 0
+    for doc in ("README.md", "docs/vllm.md"):
+        for line in re.findall(r"--kv-transfer-config '(\{.*\})'", (top / doc).read_text()):
+            cfg = json.loads(line)
+            if cfg["kv_connector"] != "TierCacheConnector":
+                continue
+            found += 1
+            assert cfg["kv_connector_module_path"] == TierCacheConnector.__module__
+            assert cfg["kv_load_failure_policy"] == "recompute"
+            parse_config(cfg["kv_connector_extra_config"])
+    assert found >= 2
