@@ -191,7 +191,7 @@ def layerwise_cmd(output_format: FormatOpt = OutputFormat.normal, root: RootOpt 
                   quick: QuickOpt = False) -> None:
     """Layer-wise onboarding into engine tensors against onboarding everything first, beside
     per-layer compute (GPU)."""
-    from tiercache.bench.benchlayer import format_layerwise_report, run_layerwise_bench
+    from tiercache.bench.benchlayerwise import format_layerwise_report, run_layerwise_bench
     from tiercache.cuda import cuda_status
 
     if not cuda_status().available:
@@ -253,7 +253,7 @@ def vllm_tier_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFor
                   no_baseline: NoBaselineOpt = False, quick: QuickOpt = False) -> None:
     """TierCacheTier against vLLM's own fs tier through vLLM's interface, on the same directory
     and CPU buffer, and fio's best on the root's disk."""
-    from tiercache.bench.benchvllm import format_vllm_tier_report, run_vllm_tier_bench
+    from tiercache.bench.benchvllmtier import format_vllm_tier_report, run_vllm_tier_bench
     from tiercache.bench.fiospec import parse_size
 
     try:
@@ -300,7 +300,7 @@ def vllm_serve_cmd(
     shared-prefix requests: recompute, vLLM's CPU tier, its fs tier, TierCacheTier (exclusive,
     shared by two engines), restarts, a SIGKILL while storing; TTFT, tokens by source, tokens
     compared, roots verified, fio's best read as the bound."""
-    from tiercache.bench.benchserve import MODES, format_serve_report, run_serve_bench
+    from tiercache.bench.benchvllmserve import MODES, format_serve_report, run_serve_bench
 
     if quick:
         prefix_tokens, prefixes, rounds = min(prefix_tokens, 2048), min(prefixes, 3), min(rounds, 2)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tiercache import ConfigError
-from tiercache.bench.benchserve import MODES, format_serve_report, model_config, run_serve_bench, workload
+from tiercache.bench.benchvllmserve import MODES, format_serve_report, model_config, run_serve_bench, workload
 
 FAKE = Path(__file__).with_name("fake_vllm")
 

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
-from tiercache.bench.benchserve import damage_file  # noqa: E402
+from tiercache.bench.benchvllmserve import damage_file  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.integrations.vllmconnector import (TierCacheConnector, block_views, parse_config,  # noqa: E402
                                                    rank_roots)

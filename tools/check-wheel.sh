@@ -13,7 +13,7 @@ cd "$W"
 "$W/venv/bin/python" - <<'PY'
 import subprocess, sys, typer
 from tiercache.cli.app import app
-from tiercache.bench.benchserve import model_config
+from tiercache.bench.benchvllmserve import model_config
 from tiercache.resources import default_config, models_dir
 
 exe = [sys.executable, "-m", "tiercache.cli"]

@@ -26,7 +26,7 @@ bench)
   rc=$?
   python3 - "$OUT/$name.json" <<'PY' || tail -30 "$OUT/$name.err"
 import json, sys
-from tiercache.bench.benchserve import format_serve_report
+from tiercache.bench.benchvllmserve import format_serve_report
 for rep in json.load(open(sys.argv[1]))["runs"]:
     print(format_serve_report(rep))
 PY

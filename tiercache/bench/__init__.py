@@ -7,11 +7,11 @@ baseline in the same run:
 - :mod:`.benchcopy`, :mod:`.benchoverlap`: host <-> device copies against a contiguous
   ``cudaMemcpyAsync``, alone and beside a bf16 GEMM (:mod:`.gpumon` samples clocks);
 - :mod:`.benchfile`: block files against raw I/O on the same directory;
-- :mod:`.benchlayer`: layer-wise onboarding into engine tensors;
+- :mod:`.benchlayerwise`: layer-wise onboarding into engine tensors;
 - :mod:`.benchshared`: N processes on one shared root against one;
 - :mod:`.benchscale`: a root of millions of block files: open, memory, lookups, verify, purge;
-- :mod:`.benchvllm`: vLLM's storage tier against vLLM's fs tier through vLLM's interface;
-- :mod:`.benchserve`: a real vLLM engine on the GPU, TierCacheTier against vLLM's own tiers and recompute;
+- :mod:`.benchvllmtier`: vLLM's storage tier against vLLM's fs tier through vLLM's interface;
+- :mod:`.benchvllmserve`: a real vLLM engine on the GPU, TierCacheTier against vLLM's own tiers and recompute;
 - :mod:`.benchhf`: transformers generate with its caches and TieredCache;
 - :mod:`.fiospec`, :mod:`.fiorun`: fio-style jobs through the transfer engine;
 - :mod:`.calibrate`: where the copy engines overtake the SM kernels on this GPU;

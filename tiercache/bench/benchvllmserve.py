@@ -458,7 +458,7 @@ class _Run:
         if spec.get("gpu") is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(spec["gpu"])
         errlog = open(self.work / f"engine-{self.n}-{spec['mode']}.log", "w")
-        return subprocess.Popen([sys.executable, "-m", "tiercache.bench.benchserve", str(path)], env=env,
+        return subprocess.Popen([sys.executable, "-m", "tiercache.bench.benchvllmserve", str(path)], env=env,
                                 stdout=errlog, stderr=subprocess.STDOUT)
 
     def finish(self, proc: subprocess.Popen, spec: dict, timeout: float = 1800) -> dict:
