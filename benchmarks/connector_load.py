@@ -28,7 +28,7 @@ import torch
 import json
 
 from tiercache.resources import models_dir
-from tiercache.integrations.vllmconnector import ConnectorWorker, _Transfer, parse_config
+from tiercache.integrations.vllmconnector import ConnectorWorker, BlockTransfer, parse_config
 
 
 def _value(v: str):
@@ -55,12 +55,11 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
     w.register(caches, nb)
     keys = [os.urandom(16) for _ in range(blocks)]
     src = list(range(blocks))
-    w.plan_stores([_Transfer("s", keys, src)])
+    w.plan_stores([BlockTransfer("s", keys, src)])
     w.after_forward()
     while w.get_finished({"s"})[0] is None:
         time.sleep(0.001)
-    while w._writing:
-        time.sleep(0.005)
+    assert w.drain(120), "the stores did not finish"
     times = []
     for r in range(runs):
         dst = list(range(blocks + 8, 2 * blocks + 8))
@@ -69,7 +68,7 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
         torch.cuda.synchronize()
         before = dict(w.counters)
         t0 = time.perf_counter()
-        w.load([_Transfer(f"l{r}", keys, dst)])
+        w.load([BlockTransfer(f"l{r}", keys, dst)])
         times.append(time.perf_counter() - t0)
         got = w.get_finished(set())[1]
         assert got == {f"l{r}"} and not w.load_errors(), (got, w.load_errors())

@@ -253,6 +253,7 @@ def test_a_load_waits_for_a_store_of_the_same_blocks_still_being_written(tmp_pat
     a.step(new=[(req, ids, 4 * BS, 5)])
     assert [a.block(x) for x in ids[:4]] == want
     assert not a.worker.get_block_ids_with_load_errors() and not w._writing
+    assert w.drain(5) and w.counters["stored_blocks"] == 4
     a.close()
 
 

@@ -189,7 +189,10 @@ def block_views(t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
 
 
 @dataclass
-class _Transfer:
+class BlockTransfer:
+    """One request's blocks to load or store in a step: ``keys[i]`` (tiercache keys, bytes)
+    is the file of vLLM block ``block_ids[i]`` (ids in vLLM's paged KV cache)."""
+
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
@@ -199,8 +202,8 @@ class _Transfer:
 class TierCacheConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers: blocks to load and to store, per request."""
 
-    loads: list[_Transfer] = field(default_factory=list)
-    stores: list[_Transfer] = field(default_factory=list)
+    loads: list[BlockTransfer] = field(default_factory=list)
+    stores: list[BlockTransfer] = field(default_factory=list)
     #: requests preempted since the last step: their blocks are free and may be overwritten by
     #: the next forward pass, so their stores still waiting for staging are gathered first
     preempted: list[str] = field(default_factory=list)
@@ -289,7 +292,7 @@ class ConnectorScheduler:
         for rid in self._to_load:
             st = self.reqs.get(rid)
             if st is not None and st.load is not None:
-                meta.loads.append(_Transfer(rid, st.loading, st.load_ids))
+                meta.loads.append(BlockTransfer(rid, st.loading, st.load_ids))
                 st.load = None
         self._to_load.clear()
         for new in so.scheduled_new_reqs:
@@ -326,7 +329,7 @@ class ConnectorScheduler:
         if keys:
             st.storing.extend(keys)
             self._storing.update(keys)
-            meta.stores.append(_Transfer(rid, keys, ids))
+            meta.stores.append(BlockTransfer(rid, keys, ids))
 
     def update_connector_output(self, out) -> None:
         for rid in getattr(out, "finished_sending", None) or ():
@@ -512,7 +515,7 @@ class ConnectorWorker:
             return self._results.pop(jid)
 
     # -- loads (the engine thread) -----------------------------------------------------------
-    def load(self, transfers: list[_Transfer]) -> None:
+    def load(self, transfers: list[BlockTransfer]) -> None:
         """Load every transfer's blocks, in place when this returns; :meth:`get_finished`
         reports the requests received in the same step."""
         if not transfers:
@@ -534,7 +537,7 @@ class ConnectorWorker:
             if ev is not None and not ev.wait(max(0.0, deadline - time.monotonic())):
                 return
 
-    def _load(self, t: _Transfer) -> None:
+    def _load(self, t: BlockTransfer) -> None:
         self._await_writes(t.keys)
         inflight: collections.deque = collections.deque()
         failed_from = None
@@ -640,7 +643,7 @@ class ConnectorWorker:
                 dev[:n, off:off + v.shape[1]].copy_(v.index_select(0, idx))
 
     # -- stores (the engine thread gathers, the writer thread writes) --------------------------
-    def plan_stores(self, stores: list[_Transfer]) -> None:
+    def plan_stores(self, stores: list[BlockTransfer]) -> None:
         """Queue the step's stores; they are gathered once its forward pass is done."""
         for t in stores:
             self._had_stores.add(t.req_id)
@@ -785,6 +788,18 @@ class ConnectorWorker:
             out, self._errors = self._errors, set()
         return out
 
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Gather what is queued and wait until every gathered block's file is written; False
+        if ``timeout`` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._gather()
+            with self._lock:
+                if not self._gathers and not self._writing:
+                    return True
+                self._slab_freed.wait(0.01)
+        return False
+
     def close(self) -> None:
         """Gather and write what is queued, then close the store."""
         deadline = time.monotonic() + 60.0
@@ -817,7 +832,7 @@ def _launcher(device: torch.device):
     """The project's copy kernels for ``device`` (needs CuPy), or None and why: then the
     uploads and gathers go through torch (a copy per region)."""
     try:
-        from tiercache.copypaths.copykernels import CopyLauncher
+        from tiercache.copypaths import CopyLauncher
 
         return CopyLauncher(device.index or 0), "the gather/scatter kernel"
     except Exception as exc:  # CuPy missing, or no kernel for this GPU
@@ -912,5 +927,5 @@ class TierCacheConnector(KVConnectorBase_V1):
             self._worker.close()
 
 
-__all__ = ["ConnectorScheduler", "ConnectorWorker", "DEFAULTS", "TierCacheConnector", "TierCacheConnectorMetadata", "block_key", "block_views",
+__all__ = ["BlockTransfer", "ConnectorScheduler", "ConnectorWorker", "DEFAULTS", "TierCacheConnector", "TierCacheConnectorMetadata", "block_key", "block_views",
            "parse_config", "rank_roots"]
