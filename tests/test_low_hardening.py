@@ -13,11 +13,13 @@ from tiercache.cli import app
 from tiercache import RowStore
 
 
-def test_file_slots_beyond_this_machines_memory_are_one_clear_error(make_config):
+def test_file_slots_beyond_this_machines_memory_are_one_clear_error(make_config, tmp_path):
     with pytest.raises(ConfigError, match=r"file tier: 2147483647 slots would need .* GiB of index memory"):
         TierCache(make_config(host_slots=8, file_slots=2**31 - 1))
+    never = tmp_path / "never-made"
     with pytest.raises(ConfigError, match="slots would need"):
-        RowStore(np.zeros((2, 4096), np.uint8), "/tmp/never-made", capacity_blocks=1 << 40)
+        RowStore(np.zeros((2, 4096), np.uint8), never, capacity_blocks=1 << 40)
+    assert not never.exists()  # refused before anything was created
 
 
 @pytest.mark.parametrize("bad, match", [

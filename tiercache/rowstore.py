@@ -209,6 +209,7 @@ class RowStore:
         self.pool = PoolSpec(POOL, (self.row_bytes,), "uint8")
         # recycled files (exclusive roots) take disk space too: they come out of the capacity
         free_files = 0 if self.shared else min(FREE_FILES, self.capacity_blocks // 16)
+        CompactSlots.check_fits("file", self.capacity_blocks)  # before anything is created on disk
         self.ft = FileTier((self.pool,), self.capacity_blocks, IOPath("posix", "host rows"), fs, ss,
                            free_files=free_files)
         self.capacity_blocks -= free_files

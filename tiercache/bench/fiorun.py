@@ -244,7 +244,7 @@ def _record(job: FioJob, pool: PoolSpec, stats: dict, wall: float, io_path, engi
         lat = np.concatenate(d.lat) if d.lat else np.empty(0, dtype=np.int64)
         io_bytes = d.ios * pool.block_nbytes
         rec[op] = {"io_bytes": io_bytes, "io_kbytes": io_bytes // 1024, "total_ios": d.ios,
-                   "runtime": int(wall * 1000) if d.ios else 0,
+                   "runtime": max(1, int(wall * 1000)) if d.ios else 0,  # ms, as fio; a job with I/O took some
                    "bw_bytes": int(io_bytes / wall) if d.ios else 0, "bw": int(io_bytes / wall / 1024) if d.ios else 0,
                    "iops": d.ios / wall if d.ios else 0.0, "clat_ns": _clat(lat)}
     path = "cudaMemcpyAsync/kernel" if job.tiers == "device:host" else (

@@ -125,13 +125,20 @@ class CompactSlots:
     #: hash and slot), not counting bytes keys' bytes
     BYTES_PER_SLOT = 42
 
-    def __init__(self, name: str, num_slots: int, group: Callable[[Key], int] | None = None) -> None:
-        need = num_slots * self.BYTES_PER_SLOT
+    @classmethod
+    def check_fits(cls, name: str, num_slots: int) -> None:
+        """Raise :class:`ConfigError` (naming ``num_slots`` and this machine's memory) where the
+        index of ``num_slots`` slots, full, would need more memory than the machine has: what
+        a caller checks before it creates anything on disk."""
+        need = num_slots * cls.BYTES_PER_SLOT
         ram = _physical_memory()
         if ram and need > ram:
             raise ConfigError(f"{name} tier: {num_slots} slots would need {need / 2**30:.1f} GiB of index memory when "
-                              f"full ({self.BYTES_PER_SLOT} B per block), more than this machine's "
+                              f"full ({cls.BYTES_PER_SLOT} B per block), more than this machine's "
                               f"{ram / 2**30:.1f} GiB: give fewer slots (file_slots, capacity_bytes)")
+
+    def __init__(self, name: str, num_slots: int, group: Callable[[Key], int] | None = None) -> None:
+        self.check_fits(name, num_slots)
         self.name = name
         self.num_slots = num_slots
         self.group = group
