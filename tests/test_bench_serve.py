@@ -39,6 +39,7 @@ def test_workload_repeats_each_prefix_with_new_suffixes():
     assert len({tuple(r["ids"][64:]) for r in reqs}) == len(reqs)
 
 
+@pytest.mark.slow
 def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
     """Every mode's engine process runs; the shared pair's second process runs the repeats; the
     restarted processes run the repeats; the killed engine's successor runs every request; the

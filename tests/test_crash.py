@@ -20,6 +20,7 @@ from conftest import files
 KILLS = int(os.environ.get("TIERCACHE_CRASH_KILLS", "50"))
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments(tmp_path, rng):
     root, ack = tmp_path / "root", tmp_path / "acked.log"
     env = dict(os.environ, TIERCACHE_DISABLE_CUDA="1",
@@ -66,6 +67,7 @@ def test_sigkill_at_random_moments(tmp_path, rng):
 CHURN_KILLS = int(os.environ.get("TIERCACHE_CRASH_CHURN_KILLS", "12"))
 
 
+@pytest.mark.slow
 def test_sigkill_in_checkpoints_and_evictions(tmp_path, rng):
     """Kills land inside an index checkpoint (its temporary file half written) and inside an
     eviction (one of a block's files removed, the other not yet), alternately, in a file tier

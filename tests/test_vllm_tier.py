@@ -94,6 +94,7 @@ def test_vllm_loads_the_tier_from_its_config_line(tmp_path, route):
         m.shutdown()
 
 
+@pytest.mark.slow
 def test_a_fresh_process_loads_the_spec_by_name_alone(tmp_path):
     """What vLLM's connector does in a process that never imported tiercache: the spec is found
     by ``spec_name`` + ``spec_module_path``, its metric definitions (read before the spec is
@@ -506,6 +507,7 @@ def test_the_cli_inspects_verifies_and_purges_a_root_vllm_wrote(tmp_path, rng):
     assert files(root, "block_*") == [] and (root.parent / root.name.rsplit("_r", 1)[0] / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_two_instances_share_one_root(tmp_path, rng):
     """While this instance holds a shared root, another vLLM process stores chunks in it; this
     one finds them (RETRY while a background probe looks, then HIT) and promotes every byte."""
