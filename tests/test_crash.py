@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from crash_child import block, pools
 
 from tiercache import CacheConfig, TierCache
