@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import put_random
-from tiercache import ConfigError, InvalidKeyError, RootError, TierCache
+from tiercache import ConfigError, InvalidKeyError, TierCache
 
 LOCK = ".tiercache-root.lock"
 

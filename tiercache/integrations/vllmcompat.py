@@ -54,7 +54,7 @@ PARTIAL_RESULTS: bool = "successful_keys" in _RESULT_FIELDS
 if hasattr(_base, "Medium"):
     STORAGE_MEDIUM: Any = _base.Medium.STORAGE
 else:
-    from vllm.distributed.kv_events import MEDIUM_FS as STORAGE_MEDIUM  # noqa: N811
+    from vllm.distributed.kv_events import MEDIUM_FS as STORAGE_MEDIUM  # noqa: F401, N811 (the module's own name)
 
 #: whether ``SecondaryTierManager.__init__`` takes a ``backpressure_detector``
 TAKES_BACKPRESSURE: bool = "backpressure_detector" in inspect.signature(SecondaryTierManager.__init__).parameters

@@ -14,7 +14,6 @@ import gc
 import json
 import os
 import stat
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
