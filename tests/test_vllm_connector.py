@@ -12,6 +12,7 @@ to compute; a load is done within one step (in ``start_load_kv``, received in th
 from __future__ import annotations
 
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -236,20 +237,20 @@ def test_a_load_waits_for_a_store_of_the_same_blocks_still_being_written(tmp_pat
     a = _Engine(tmp_path, device=device)
     w = a.worker._worker
     real = w.store.submit_store
+    gate = threading.Event()
 
-    def slow(*args, **kwargs):
-        time.sleep(0.5)
+    def held(*args, **kwargs):  # the writer waits until the test opens the gate
+        gate.wait(30)
         return real(*args, **kwargs)
 
-    w.store.submit_store = slow
-    t0 = time.monotonic()
-    want = _store(a, "r1", hashes, 4 * BS, [3, 9, 27, 81 % NB])
-    assert time.monotonic() - t0 < 0.4  # freed before the write
-    assert w._writing  # still being written
+    w.store.submit_store = held
+    want = _store(a, "r1", hashes, 4 * BS, [3, 9, 27, 81 % NB])  # returns once finished_sending came
+    assert w._writing and not gate.is_set()  # freed while no file was written yet
     req = _request("r2", hashes, 4 * BS + 5)
     assert a.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
     ids = [50, 51, 52, 53, 54]
     a.sched.update_state_after_alloc(req, _blocks(ids), 4 * BS)
+    threading.Timer(0.2, gate.set).start()  # the writes go on while the load waits for them
     a.step(new=[(req, ids, 4 * BS, 5)])
     assert [a.block(x) for x in ids[:4]] == want
     assert not a.worker.get_block_ids_with_load_errors() and not w._writing
@@ -280,7 +281,7 @@ def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_chang
     hashes = [rng.bytes(32) for _ in range(6)]
     a = _Engine(tmp_path, device=device, piece_blocks=2)
     w = a.worker._worker
-    gate = __import__("threading").Event()
+    gate = threading.Event()
     real = w.store.submit_store
 
     def held(*args, **kwargs):  # the writer is slow: slabs stay busy
@@ -296,8 +297,7 @@ def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_chang
     a.step(new=[(req, ids, 0, 6 * BS)])
     want = [a.block(b) for b in ids]
     assert len(w._gathers) == 1 and w._queued["r1"] == 4  # 2 gathered, 4 waiting
-    threading_timer = __import__("threading").Timer(0.3, gate.set)
-    threading_timer.start()
+    threading.Timer(0.3, gate.set).start()
     a.step(preempted={"r1"})  # the next step: r1 was preempted, its blocks are free
     assert not w._gathers and w.counters["preemption_flush_us"] > 0
     for t in a.caches.values():  # the blocks are reused by another request
