@@ -280,7 +280,7 @@ def vllm_serve_cmd(
                                         min=1, max=16)] = 3,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per request (greedy).", min=1, max=1024)] = 8,
     serve_mode: Annotated[Optional[list[str]], typer.Option("--serve-mode", help="Modes to run (repeat; default all: "
-                                                            "recompute, cpu, fs, tiercache, tiercache-shared).")] = None,
+                                                            "recompute, cpu, fs, tiercache, connector, tiercache-shared, connector-shared).")] = None,
     restart: Annotated[bool, typer.Option(help="Fresh engines on the fs and tiercache roots, repeats only.")] = True,
     kill9: Annotated[bool, typer.Option(help="SIGKILL an engine while it stores, rerun on its root.")] = False,
     gpu_util: Annotated[float, typer.Option(help="gpu_memory_utilization of one engine (the shared pair on one GPU: "

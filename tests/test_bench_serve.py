@@ -59,6 +59,7 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
     # the shared pair's second engine finds every prefix in the first one's files: the first one
     # drained its last request's stores before it went idle
     assert rep["modes"]["tiercache-shared"]["repeat_connector_tokens"] == 3 * 512
+    assert rep["modes"]["connector-shared"]["repeat_connector_tokens"] == 3 * 512
     assert rep["modes"]["tiercache+restart"]["repeat_connector_tokens"] == 3 * 512
     assert rep["modes"]["fs"]["served_repeats"] == 3 and rep["modes"]["recompute"]["served_repeats"] == 0
     assert set(rep["tiercache_over_fs_served_speed"]) == {"p50", "p99"}

@@ -185,6 +185,36 @@ def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng,
     b.close()
 
 
+def test_two_live_engines_on_a_shared_root_hit_each_others_blocks(tmp_path, rng, monkeypatch):
+    """Both engines up before either stores: B's index is listed at its start, empty; after A
+    stores, B's lookup misses, lists the root again (at most every RESCAN_S) and loads A's
+    blocks byte-exact. On an exclusive root a second engine is refused."""
+    from tiercache.errors import TierCacheError
+    from tiercache.integrations.vllmconnector import ConnectorScheduler
+
+    monkeypatch.setattr(ConnectorScheduler, "RESCAN_S", 0.0)
+    hashes = [rng.bytes(32) for _ in range(4)]
+    a = _Engine(tmp_path, sharing="shared")
+    b = _Engine(tmp_path, sharing="shared")
+    req = _request("rb", hashes, 4 * BS + 1)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    want = _store(a, "ra", hashes, 4 * BS, [3, 9, 12, 20])
+    assert a.worker._worker.drain(30.0)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    ids = [50, 1, 44, 8, 30]
+    b.sched.update_state_after_alloc(req, _blocks(ids), 4 * BS)
+    b.step(new=[(req, ids, 4 * BS, 1)])
+    _, recvd, errors = b.poll(want_recv={"rb"})
+    assert recvd == {"rb"} and not errors
+    assert [b.block(x) for x in ids[:4]] == want
+    a.close()
+    b.close()
+    c = _Engine(tmp_path / "excl")
+    with pytest.raises(TierCacheError):
+        _Engine(tmp_path / "excl")
+    c.close()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage, device):
     hashes = [rng.bytes(32) for _ in range(5)]

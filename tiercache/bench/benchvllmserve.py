@@ -22,7 +22,9 @@ Each mode runs in its own engine process (:func:`worker_main`), one after the ot
 - ``tiercache-shared``: two engine processes at once on one shared root, each with half of the
   GPU's memory (or, with ``shared_gpus``, one GPU each): the first runs the cold round, drains
   its stores and stays up; the second runs the repeats, which must be hits on the first one's
-  files.
+  files;
+- ``connector``: tiercache's own KV connector (files <-> vLLM's GPU blocks, no CPU tier), and
+  ``connector-shared``: its pair of engines on one shared root, as ``tiercache-shared``.
 
 ``tensor_parallel``: every engine on that many GPUs (vLLM's ``tensor_parallel_size``). Each engine
 steps until its connector has no store in flight before it reports (:func:`_drain_stores`).
@@ -71,7 +73,7 @@ from tiercache.resources import models_dir
 from tiercache.bench.stagetrace import StageTrace, breakdown
 
 #: the modes of one run, in order
-MODES = ("recompute", "cpu", "fs", "tiercache", "connector", "tiercache-shared")
+MODES = ("recompute", "cpu", "fs", "tiercache", "connector", "tiercache-shared", "connector-shared")
 #: where the model geometries live (``configs/models/<name>.json``)
 MODELS_DIR = models_dir()
 #: tokens per GPU block and per offloaded chunk (vLLM's default block size)
@@ -146,6 +148,7 @@ def kv_transfer(mode: str, root: Path | None, cpu_bytes: int, connector_settings
         return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.integrations.vllmconnector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"root": str(root), "fsync": "none", "io_threads": 16,
+                                              **({"sharing": "shared"} if mode.startswith("connector-shared") else {}),
                                               **(connector_settings or {})}}
     extra: dict = {"cpu_bytes_to_use": int(cpu_bytes)}
     if mode == "fs":  # vLLM's fs tier, under the spec that guards vLLM 0.26's store after a request's end
@@ -628,8 +631,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     for mode in modes:
         root = work / f"root-{mode}"
         roots[mode] = root
-        if mode == "tiercache-shared":
-            results[mode] = _shared_pair(run, root, cold, repeats, gpu_util, shared_gpus)
+        if mode.endswith("-shared"):
+            results[mode] = _shared_pair(run, mode, root, cold, repeats, gpu_util, shared_gpus)
             continue
         extra = {"gpu_hit_probe": True, "h2d_probe": True} if mode == "recompute" else {}
         if damage is not None and mode != "recompute":
@@ -659,9 +662,13 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     if fio:
         from tiercache.bench.fiobase import best_fio
 
-        log("  fio: best random read at the chunk's file size on the same directory")
-        report["fio"] = best_fio(work, chunk_bytes + 4096, min(8 << 30, prefixes * prefix_tokens * kv_tok), 5.0,
+        # a connector over a root array is bounded by the array: fio over its members
+        array = (connector_settings or {}).get("root")
+        where = [Path(r) for r in array] if isinstance(array, list) and len(array) > 1 else work
+        log(f"  fio: best random read at the chunk's file size on {'the array' if where is not work else 'the same directory'}")
+        report["fio"] = best_fio(where, chunk_bytes + 4096, min(8 << 30, prefixes * prefix_tokens * kv_tok), 5.0,
                                  ops=("read",))
+        report["fio"]["directories"] = [str(d) for d in (where if isinstance(where, list) else [where])]
     report.update(_bounds(report, cfg, results))
     report["ok"] = _ok(report)
     if not keep:
@@ -671,28 +678,29 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     return report
 
 
-def _shared_pair(run: _Run, root: Path, cold: list[int], repeats: list[int], gpu_util: float,
+def _shared_pair(run: _Run, mode: str, root: Path, cold: list[int], repeats: list[int], gpu_util: float,
                  gpus: tuple[int, int] | None = None) -> dict:
-    """Two engine processes at once on one shared root: A runs the cold round and stays up; B
+    """Two engine processes of ``mode`` (``tiercache-shared``: the tier; ``connector-shared``:
+    the connector) at once on one shared root: A runs the cold round and stays up; B
     runs the repeats. Both on one GPU, each with half ``gpu_util``; or, with ``gpus``, A on the
     first GPU and B on the second, each with ``gpu_util``. Returns B's measurements with A's cold
     requests in front (one mode row)."""
     hold = run.work / "shared-release"
     each = {"gpu_util": gpu_util / 2} if gpus is None else {"gpu_util": gpu_util, "gpu": gpus[0]}
-    a = run.spec("tiercache-shared", cold, root, hold=str(hold), **each)
+    a = run.spec(mode, cold, root, hold=str(hold), **each)
     pa = run.start(a)
-    run.log(f"  tiercache-shared: engine A, {len(cold)} cold request(s), stays up")
+    run.log(f"  {mode}: engine A, {len(cold)} cold request(s), stays up")
     deadline = time.monotonic() + 1800
     while not Path(a["out"]).exists():
         if pa.poll() is not None or time.monotonic() > deadline:
             hold.touch()
             return run.finish(pa, a)
         time.sleep(0.5)
-    run.log(f"  tiercache-shared: engine B beside it, {len(repeats)} repeat(s)")
+    run.log(f"  {mode}: engine B beside it, {len(repeats)} repeat(s)")
     try:
         if gpus is not None:
             each["gpu"] = gpus[1]
-        sb = run.spec("tiercache-shared", repeats, root, **each)
+        sb = run.spec(mode, repeats, root, **each)
         b = run.finish(run.start(sb), sb)
     finally:
         hold.touch()
@@ -740,7 +748,7 @@ def _bounds(report: dict, cfg: dict, results: dict) -> dict:
         bound = kv_prefix / (read * 1e9) + kv_prefix / (h2d * 1e9) + gpu_hit
         out["file_hit_bound_s"] = bound
         for mode in ("fs", "tiercache", "connector", "fs+restart", "tiercache+restart", "connector+restart",
-                     "tiercache-shared"):
+                     "tiercache-shared", "connector-shared"):
             m = report["modes"].get(mode)
             if m and m.get("ttft_repeat_p50_s"):
                 m["bound_over_ttft"] = bound / m["ttft_repeat_p50_s"]

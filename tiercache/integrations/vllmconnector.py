@@ -231,19 +231,36 @@ class ConnectorScheduler:
         roots_by_rank: per tensor-parallel rank, its roots (listed once, names only).
     """
 
+    #: on a shared root, a lookup that misses lists the roots again at most this often (seconds):
+    #: blocks other engines stored since become hits
+    RESCAN_S = 1.0
+
     def __init__(self, vllm_config, settings: dict, roots_by_rank: list[list[Path]]) -> None:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.settings = settings
-        keys = None
-        for roots in roots_by_rank:
-            found = list_keys(roots)
-            keys = found if keys is None else keys & found
-        self.present: collections.OrderedDict[bytes, None] = collections.OrderedDict((k, None) for k in keys or ())
+        self.roots_by_rank = roots_by_rank
+        self.present: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._scanned = 0.0
+        self._rescan()
         self.reqs: dict[str, _Req] = {}
         self._to_load: list[str] = []
         self._storing: set[bytes] = set()  # keys some request is storing
         log.info("tiercache: vLLM connector: %d block(s) on disk under %s", len(self.present),
                  ", ".join(str(r[0]) for r in roots_by_rank))
+
+    def _rescan(self) -> int:
+        """Add the keys present in every rank's roots to the index (names only); returns how
+        many were new."""
+        keys = None
+        for roots in self.roots_by_rank:
+            found = list_keys(roots)
+            keys = found if keys is None else keys & found
+        new = [k for k in keys or () if k not in self.present]
+        for k in new:
+            self.present[k] = None
+            self.present.move_to_end(k, last=False)  # older than what this engine used
+        self._scanned = time.monotonic()
+        return len(new)
 
     def _req(self, request) -> _Req:
         st = self.reqs.get(request.request_id)
@@ -256,18 +273,26 @@ class ConnectorScheduler:
         hashes = request.block_hashes
         start = num_computed_tokens // self.block_size
         limit = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size)  # >= 1 token to compute
-        keys = []
-        for i in range(start, limit):
-            k = block_key(hashes[i])
-            if k not in self.present:
-                break
-            keys.append(k)
+        keys = self._match(hashes, start, limit)
+        if (len(keys) < limit - start and self.settings["sharing"] == "shared"
+                and time.monotonic() - self._scanned >= self.RESCAN_S and self._rescan()):
+            keys = self._match(hashes, start, limit)  # other engines' stores since the last listing
         st.load = (start, keys) if keys else None
         # an asynchronous load in vLLM's terms, done within one step: the worker reads and
         # uploads in that step's start_load_kv and reports it received in the same step, so
         # the request waits one step, not for a thread (a synchronous load would be one step
         # shorter, but vLLM 0.26 with async scheduling gave a wrong token after a failed one)
         return (len(keys) * self.block_size, True) if keys else (0, False)
+
+    def _match(self, hashes, start: int, limit: int) -> list[bytes]:
+        """The keys of blocks ``start..limit-1`` up to the first one not on disk."""
+        keys = []
+        for i in range(start, limit):
+            k = block_key(hashes[i])
+            if k not in self.present:
+                break
+            keys.append(k)
+        return keys
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._req(request)
@@ -393,6 +418,8 @@ class ConnectorWorker:
 
     #: seconds a load waits for a store of the same block still being written
     WRITE_WAIT_S = 30.0
+    #: seconds a load on a shared root waits for the store to find other engines' files
+    PROBE_WAIT_S = 2.0
 
     def __init__(self, settings: dict, roots: list[Path]) -> None:
         self.settings = settings
@@ -537,8 +564,25 @@ class ConnectorWorker:
             if ev is not None and not ev.wait(max(0.0, deadline - time.monotonic())):
                 return
 
+    def _discover(self, keys: list[bytes]) -> None:
+        """On a shared root, blocks another engine stored since this one started are not in the
+        store's index yet: wait for its probes of them (a stat each, on its background thread;
+        at most ``PROBE_WAIT_S``). What is still not found fails its load (vLLM recomputes)."""
+        from tiercache.rowstore import KeyState
+
+        deadline = time.monotonic() + self.PROBE_WAIT_S
+        todo = [k for k in keys if self.store.state(k) is not KeyState.PRESENT]
+        while todo and time.monotonic() < deadline:
+            todo = [k for k in todo if self.store.state(k) is KeyState.PENDING]
+            if todo:
+                time.sleep(0.0005)
+        if todo:
+            self.counters["probe_timeouts"] += 1
+
     def _load(self, t: BlockTransfer) -> None:
         self._await_writes(t.keys)
+        if self.store.shared:
+            self._discover(t.keys)
         inflight: collections.deque = collections.deque()
         failed_from = None
         try:

@@ -27,8 +27,8 @@ class SamplingParams:
 class LLM:
     def __init__(self, model, kv_transfer_config=None, **kw):
         self.connector = kv_transfer_config is not None
-        tiers = ((getattr(kv_transfer_config, "kw", None) or {}).get("kv_connector_extra_config") or {}).get(
-            "secondary_tiers") or [{}]
+        extra = (getattr(kv_transfer_config, "kw", None) or {}).get("kv_connector_extra_config") or {}
+        tiers = extra.get("secondary_tiers") or [extra]  # an offloading spec's tiers, or a connector's own keys
         root = tiers[0].get("root") or tiers[0].get("root_dir")
         self.files = Path(root) / "fake-stored.txt" if root else None
         if self.files:
