@@ -482,7 +482,10 @@ class _Run:
 
 
 def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str, dict[int, list[int]]],
-             chunk_bytes: int, prefix_tokens: int) -> dict:
+             chunk_bytes: int, prefix_tokens: int, files_only: bool = False) -> dict:
+    """One mode's row. ``files_only``: the mode's connector has no CPU tier (tiercache's own
+    connector), so every connector token came from files, counted or not (a worker in another
+    process, tensor parallel, is not counted)."""
     rows = res["requests"]
     cold = [r["ttft_s"] for r in rows if r["round"] == 0]
     rep = [r["ttft_s"] for r in rows if r["round"] > 0]
@@ -502,6 +505,8 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
                 "ttft_served_repeat_p99_s": _percentile(served, 99)})
     file_tokens = sum(r["file_chunks"] for r in reps) * TOKENS_PER_CHUNK
     conn = tot("connector_tokens", reps)
+    if files_only and conn is not None:
+        file_tokens = conn
     out.update({"repeat_prompt_tokens": sum(r["prompt_tokens"] for r in reps),
                 "repeat_gpu_tokens": tot("gpu_tokens", reps), "repeat_connector_tokens": conn,
                 "repeat_file_tokens": file_tokens,
@@ -649,9 +654,16 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     ref = {r["index"]: r["tokens"] for r in results["recompute"]["requests"]} if "recompute" in results else None
     own = {m: {r["index"]: r["tokens"] for r in results[m]["requests"]} for m in ("cpu", "fs") if m in results}
     for mode, res in results.items():
-        s = _summary(res, ref, {k: v for k, v in own.items() if k != mode}, chunk_bytes, prefix_tokens)
-        if res.get("tier_roots"):
-            s["verify"] = [_verify(r) for r in sorted(set(res["tier_roots"]))]
+        s = _summary(res, ref, {k: v for k, v in own.items() if k != mode}, chunk_bytes, prefix_tokens,
+                     files_only=mode.startswith("connector"))
+        tier_roots = res.get("tier_roots")
+        if not tier_roots and mode.startswith("connector"):  # workers in processes of their own: by name
+            base = (connector_settings or {}).get("root") or str(roots.get(mode.split("+")[0], work / f"root-{mode}"))
+            if mode.endswith("+kill9"):
+                base = str(work / f"root-{mode.split('+')[0]}-kill9")
+            tier_roots = [str(p) for b in (base if isinstance(base, list) else [base]) for p in Path(b).glob("*_c_r*")]
+        if tier_roots:
+            s["verify"] = [_verify(r) for r in sorted(set(tier_roots))]
         for k in ("killed_after", "kill_detail", "stores_skipped_after_finish", "drain_s", "damaged"):
             if k in res:
                 s[k] = res[k]
