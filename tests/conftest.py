@@ -46,7 +46,7 @@ def require_integration(module: str):
     """``module`` (an integration's library: vllm, torch, transformers), imported. Where it is
     missing the calling test module is skipped, except under ``TIERCACHE_REQUIRE_INTEGRATIONS=1``
     (CI), where its absence is an error: integration tests must run there, not skip. With
-    ``TIERCACHE_EXPECT_VLLM=X``, a vllm whose version is not X is an error (the run against
+    ``TIERCACHE_EXPECT_VLLM=X`` (or ``_SGLANG``), a vllm (sglang) whose version is not X is an error (the run against
     another release's sources must not test the installed one)."""
     if os.environ.get("TIERCACHE_REQUIRE_INTEGRATIONS") == "1":
         import importlib
@@ -54,9 +54,11 @@ def require_integration(module: str):
         mod = importlib.import_module(module)
     else:
         mod = pytest.importorskip(module)
-    want = os.environ.get("TIERCACHE_EXPECT_VLLM")  # the run against another release's sources
-    if module == "vllm" and want and mod.__version__ != want:
-        raise RuntimeError(f"TIERCACHE_EXPECT_VLLM={want} but vllm {mod.__version__} was imported from {mod.__file__}")
+    for name in ("vllm", "sglang"):  # the runs against another release's sources
+        want = os.environ.get(f"TIERCACHE_EXPECT_{name.upper()}")
+        if module == name and want and mod.__version__ != want:
+            raise RuntimeError(f"TIERCACHE_EXPECT_{name.upper()}={want} but {name} {mod.__version__} was imported "
+                               f"from {mod.__file__}")
     return mod
 
 

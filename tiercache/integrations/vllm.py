@@ -112,7 +112,8 @@ from tiercache.integrations.vllmcompat import SecondaryTierManager, TransferJob
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache import KeyState, RowStore
 from tiercache.settings import default as settings_default
-from tiercache.settings import MAX_ROOTS, sections
+from tiercache.settings import sections
+from tiercache.integrations.engineconfig import with_defaults
 
 log = logging.getLogger("tiercache")
 _PRESENT, _PENDING = KeyState.PRESENT, KeyState.PENDING
@@ -146,27 +147,6 @@ DISK_BYTES = "vllm:kv_offload_tiercache_disk_bytes"
 CAPACITY_BYTES = "vllm:kv_offload_tiercache_capacity_bytes"
 _COUNTERS = {STORED: "stored_blocks", LOADED: "loaded_blocks", EVICTED: "evicted_blocks", DROPPED: "dropped_stores",
              CORRUPT: "corrupt_blocks", VANISHED: "vanished_blocks"}
-
-
-def with_defaults(config: dict[str, Any], defaults: dict[str, Any], who: str) -> dict[str, Any]:
-    """``config`` completed with ``defaults``, its keys and its ``root`` (a directory, or a list
-    of 1 .. 64 different ones: a root array) checked; ``who`` names the integration in errors.
-
-    Raises:
-        ConfigError: an unknown key (named, with the valid ones), or ``root`` missing or bad.
-    """
-    unknown = sorted(set(config) - set(defaults))
-    if unknown:
-        raise ConfigError(f"{who}: unknown config key(s) {', '.join(map(repr, unknown))}; "
-                          f"valid keys: {', '.join(defaults)}")
-    out = {**defaults, **config}
-    roots = out["root"] if isinstance(out["root"], (list, tuple)) else [out["root"]]
-    if not roots or any(not isinstance(r, (str, os.PathLike)) or not str(r) for r in roots):
-        raise ConfigError(f"{who}: 'root' = {out['root']!r}: give the directory for the files, or a "
-                          "list of directories (one per device)")
-    if len(set(map(str, roots))) != len(roots) or len(roots) > MAX_ROOTS:
-        raise ConfigError(f"{who}: 'root' = {out['root']!r}: give 1 .. {MAX_ROOTS} different directories")
-    return out
 
 
 def parse_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -65,7 +64,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from tiercache.errors import ConfigError
 from tiercache.files import SUBDIRS, parse_filename
 from tiercache.rowstore import RowStore
-from tiercache.integrations.vllm import with_defaults
+from tiercache.integrations.rowjobs import RowJobs
+from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
 from tiercache.settings import sections
 
 log = logging.getLogger("tiercache")
@@ -88,9 +88,7 @@ COPY_STREAMS = ("compute", "side")
 #: bulk-copy kernel where it applies, else the gather/scatter kernel; ``kernel``: always the
 #: gather/scatter kernel), or ``torch``: a copy per layer region (no CuPy needed)
 COPY_KERNELS = ("auto", "kernel", "torch")
-SETTING_KEYS = {"capacity_bytes": "capacity_bytes", "sharing": "sharing", "fsync": "fsync",
-                "verify": "verify_checksums", "io_engine": "io_engine", "io_threads": "io_threads",
-                "open_files": "open_files", "direct_io": "direct_io", "check_root_owner": "check_root_owner"}
+SETTING_KEYS = ROWSTORE_KEYS
 
 
 def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -108,17 +106,13 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
     except ConfigError as exc:
         raise ConfigError(f"TierCacheConnector: {exc}") from None
     for k, lo in (("staging_bytes", 1 << 20), ("piece_blocks", 1)):
-        v = out[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"TierCacheConnector: {k!r} = {v!r} must be an integer >= {lo}")
+        check_positive("TierCacheConnector", out, k, lo)
     if out["copy_streams"] not in COPY_STREAMS:
         raise ConfigError(f"TierCacheConnector: 'copy_streams' = {out['copy_streams']!r}; valid: "
                           f"{', '.join(COPY_STREAMS)}")
     if out["copy_kernel"] not in COPY_KERNELS:
         raise ConfigError(f"TierCacheConnector: 'copy_kernel' = {out['copy_kernel']!r}; valid: {', '.join(COPY_KERNELS)}")
-    cap = out["capacity_blocks"]
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ConfigError(f"TierCacheConnector: 'capacity_blocks' = {cap!r} must be a positive integer")
+    check_positive("TierCacheConnector", out, "capacity_blocks", optional=True)
     return out
 
 
@@ -429,9 +423,7 @@ class ConnectorWorker:
         self.launcher = None
         self.counters: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
-        self._job_ids = itertools.count(1)
-        self._job_events: dict[int, threading.Event] = {}
-        self._results: dict = {}
+        self.jobs = RowJobs()
         self._errors: set[int] = set()
         self._recving: set[str] = set()
         self._slab_events: list = []
@@ -497,8 +489,9 @@ class ConnectorWorker:
             self.copy_path = "torch (CPU)"
         s = self.settings
         self.store = RowStore(self.staging.numpy(), [str(r) for r in self.roots] if len(self.roots) > 1 else
-                              str(self.roots[0]), capacity_blocks=s["capacity_blocks"], on_finish=self._job_finished,
+                              str(self.roots[0]), capacity_blocks=s["capacity_blocks"], on_finish=self.jobs.finished_hook,
                               **{name: s[k] for k, name in SETTING_KEYS.items()})
+        self.jobs.attach(self.store)
         self._writer = threading.Thread(target=self._write_loop, name="tiercache-vllm-connector-writer", daemon=True)
         self._writer.start()
         log.info("tiercache: vLLM connector worker: %d region(s) per block, %d bytes per block file, pieces of %d "
@@ -517,29 +510,12 @@ class ConnectorWorker:
         return self._streams[1] if self._streams else torch.cuda.current_stream(self.device)
 
     # -- RowStore jobs -----------------------------------------------------------------------
-    def _job_finished(self, job_id) -> None:
-        ev = self._job_events.get(job_id)
-        if ev is not None:
-            ev.set()
-
     def _submit(self, fn, keys: list[bytes], row0: int) -> int:
-        jid = next(self._job_ids)
-        self._job_events[jid] = threading.Event()
-        try:
-            fn(keys, list(range(row0, row0 + len(keys))), job_id=jid)
-        except BaseException:
-            self._job_events.pop(jid, None)
-            raise
-        return jid
+        return self.jobs.submit(fn, keys, list(range(row0, row0 + len(keys))))
 
     def _wait(self, jid: int):
         """Wait (GIL released) for RowStore job ``jid``; its :class:`RowJobResult`."""
-        self._job_events[jid].wait()
-        with self._lock:
-            for r in self.store.finished():
-                self._results[r.job_id] = r
-            del self._job_events[jid]
-            return self._results.pop(jid)
+        return self.jobs.wait(jid)
 
     # -- loads (the engine thread) -----------------------------------------------------------
     def load(self, transfers: list[BlockTransfer]) -> None:

@@ -1,0 +1,329 @@
+"""tiercache as SGLang's HiCache storage backend (tiercache/integrations/sglang.py), on the CPU,
+through SGLang's own code: the backend is built by SGLang's ``StorageBackendFactory``
+(``dynamic``) over real host pools (``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost`` on CPU
+tensors, in every layout they have), and driven by SGLang's ``HiCacheController`` page set and
+get paths (the zero-copy ones that ``interface_v1`` selects).
+
+Pages come back byte-exact into other slots; ``batch_exists`` counts leading hits; a restarted
+backend keeps its hits; two processes share one root; a flipped byte, a truncated or a deleted
+file stops a prefix there (never a wrong page in the host pool); the disk stays within capacity
+under churn; concurrent calls from several threads keep every byte.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import require_integration
+
+sglang = require_integration("sglang")
+torch = pytest.importorskip("torch")
+
+warnings.filterwarnings("ignore")
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+
+from tiercache.errors import ConfigError  # noqa: E402
+from tiercache.integrations.sglang import TierCacheHiCacheStorage, page_key, parse_config  # noqa: E402
+
+PS, LAYERS, HEADS, HD, TOKENS = 4, 3, 2, 8, 256
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+CONNECT = {"backend_name": "tiercache", "module_path": "tiercache.integrations.sglang",
+           "class_name": "TierCacheHiCacheStorage", "interface_v1": 1}
+
+
+def host_pool(kind: str, layout: str, seed: int):
+    """A real SGLang host pool on the CPU (``kind``: ``mha`` or ``mla``), filled with random bytes."""
+    if kind == "mha":
+        dev = MHATokenToKVPool(TOKENS, PS, torch.float16, HEADS, HD, LAYERS, "cpu", False, start_layer=0,
+                               end_layer=LAYERS)
+        pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PS, layout, pin_memory=False,
+                                    device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer,
+                                    end_layer=dev.end_layer, write_back_staging=dev.hicache_write_back_staging)
+    else:
+        dev = MLATokenToKVPool(TOKENS, PS, torch.bfloat16, 16, 8, LAYERS, "cpu", False, 0, LAYERS)
+        pool = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PS, layout, pin_memory=False,
+                                    device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer,
+                                    end_layer=dev.end_layer, target_layer_num=LAYERS)
+    g = torch.Generator().manual_seed(seed)
+    buf = pool.kv_buffer.view(torch.uint8).view(-1)
+    buf.copy_(torch.randint(0, 256, buf.shape, generator=g, dtype=torch.uint8))
+    return pool
+
+
+def storage_config(kind: str, layout: str, extra: dict, tp_rank: int = 0, tp_size: int = 1):
+    """SGLang's ``HiCacheStorageConfig`` (the fields this release has)."""
+    want = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0, "attn_cp_size": 1,
+            "is_mla_model": kind == "mla", "enable_storage_metrics": False,
+            "is_page_first_layout": layout != "layer_first", "model_name": "org/tiny-model",
+            "extra_config": {**CONNECT, **extra}}
+    names = {f.name for f in dataclasses.fields(HiCacheStorageConfig)}
+    return HiCacheStorageConfig(**{k: v for k, v in want.items() if k in names})
+
+
+def backend(root, pool, kind, layout, **extra):
+    """Built as SGLang builds it: the factory, then the host pool registered."""
+    be = StorageBackendFactory.create_backend("dynamic", storage_config(kind, layout, {"root": str(root), "fsync": "none",
+                                                                                      **extra}), pool)
+    be.register_mem_pool_host(pool)
+    return be
+
+
+def page_bytes(pool, slot: int) -> bytes:
+    """The bytes of the page at token slot ``slot``, in the pool's piece order."""
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(slot, slot + PS))
+    return b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
+
+
+def slots(pages: list[int]) -> torch.Tensor:
+    """Token slots of whole pages ``pages`` (page p: slots p*PS .. p*PS+PS-1)."""
+    return torch.cat([torch.arange(p * PS, (p + 1) * PS) for p in pages]).to(torch.int64)
+
+
+def put(be, keys, pages) -> bool:
+    return HiCacheController._page_set_zero_copy(SimpleNamespace(storage_backend=be), keys, slots(pages))
+
+
+def get(be, keys, pages) -> int:
+    op = SimpleNamespace(request_id="r", is_terminated=lambda: False)
+    return HiCacheController._page_get_zero_copy(SimpleNamespace(storage_backend=be), op, keys, slots(pages))
+
+
+def hexkeys(rng, n):
+    return [rng.bytes(32).hex() for _ in range(n)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_pages_set_and_get_through_sglangs_controller_byte_exact(tmp_path, rng, kind, layout):
+    pool = host_pool(kind, layout, int(rng.integers(1 << 30)))
+    be = backend(tmp_path, pool, kind, layout, staging_bytes=1 << 20)
+    assert isinstance(be, TierCacheHiCacheStorage)
+    keys = hexkeys(rng, 24)
+    src = [int(p) for p in rng.choice(np.arange(0, 30), 24, replace=False)]
+    want = [page_bytes(pool, p * PS) for p in src]
+    assert be.batch_exists(keys) == 0
+    assert put(be, keys, src)
+    assert be.batch_exists(keys) == 24 and be.batch_exists(keys[:5] + hexkeys(rng, 1) + keys[5:]) == 5
+    dst = [int(p) for p in rng.choice(np.arange(32, 64), 24, replace=False)]
+    assert get(be, keys, dst) == 24
+    assert [page_bytes(pool, p * PS) for p in dst] == want
+    # storing again is a no-op that reports success
+    assert put(be, keys[:3], src[:3]) and be.counters["set_skipped_pages"] == 3
+    be.close()
+    # a restarted backend finds every page (the root's saved index)
+    pool2 = host_pool(kind, layout, 7)
+    be2 = backend(tmp_path, pool2, kind, layout)
+    assert be2.batch_exists(keys) == 24
+    assert get(be2, keys, list(range(40, 64))) == 24
+    assert [page_bytes(pool2, p * PS) for p in range(40, 64)] == want
+    be2.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_page_stops_the_prefix_and_never_reaches_the_pool(tmp_path, rng, damage):
+    pool = host_pool("mha", "page_first", int(rng.integers(1 << 30)))
+    be = backend(tmp_path, pool, "mha", "page_first")
+    keys = hexkeys(rng, 8)
+    assert put(be, keys, list(range(8)))
+    be.close()
+    bad = 5
+    files = {p.name: p for p in Path(tmp_path).rglob("block_*.bin")}
+    name = next(n for n in files if page_key(keys[bad]).hex() in n)
+    path = files[name]
+    inside = 4096 + be.layout.page_bytes // 2  # a byte of the page (after the 4 KiB header)
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[inside] ^= 0x40
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        os.truncate(path, inside)
+    else:
+        path.unlink()
+    be = backend(tmp_path, pool, "mha", "page_first")
+    before = [page_bytes(pool, p * PS) for p in range(32, 40)]
+    got = get(be, keys, list(range(32, 40)))
+    assert got == bad
+    after = [page_bytes(pool, p * PS) for p in range(32, 40)]
+    assert after[:bad] == [page_bytes(pool, p * PS) for p in range(bad)]
+    assert after[bad] == before[bad]  # the bad page's slots are untouched
+    assert be.batch_exists(keys) == bad  # it left the store
+    be.close()
+
+
+def test_capacity_holds_under_churn_and_recent_pages_stay(tmp_path, rng):
+    pool = host_pool("mha", "layer_first", int(rng.integers(1 << 30)))
+    be = backend(tmp_path, pool, "mha", "layer_first", capacity_blocks=20)
+    rounds = [hexkeys(rng, 8) for _ in range(10)]
+    for keys in rounds:
+        assert put(be, keys, list(range(8)))
+        assert len(be.store) <= 20
+    assert be.batch_exists(rounds[-1]) == 8  # the newest pages are kept
+    assert be.batch_exists(rounds[0]) == 0
+    assert len(list(Path(tmp_path).rglob("block_*.bin"))) <= 20  # the files too (recycled ones included)
+    assert get(be, rounds[-1], list(range(16, 24))) == 8
+    assert [page_bytes(pool, p * PS) for p in range(16, 24)] == [page_bytes(pool, p * PS) for p in range(8)]
+    be.close()
+
+
+def test_threads_set_and_get_at_once_and_keep_every_byte(tmp_path, rng):
+    pool = host_pool("mha", "page_first", int(rng.integers(1 << 30)))
+    be = backend(tmp_path, pool, "mha", "page_first", staging_bytes=1 << 20)  # few slabs: they are shared
+    groups = [(hexkeys(rng, 6), list(range(6 * i, 6 * i + 6))) for i in range(4)]
+    want = {k: page_bytes(pool, p * PS) for keys, pages in groups for k, p in zip(keys, pages)}
+    errors = []
+
+    def worker(i):
+        try:
+            keys, pages = groups[i]
+            assert put(be, keys, pages)
+            dst = [32 + 6 * i + j for j in range(6)]
+            assert get(be, keys, dst) == 6
+            assert [page_bytes(pool, p * PS) for p in dst] == [want[k] for k in keys]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    be.close()
+
+
+CHILD = r'''
+import sys, json
+sys.path.insert(0, sys.argv[4])
+import test_sglang_storage as t
+pool = t.host_pool("mha", "page_first", int(sys.argv[3]))
+be = t.backend(sys.argv[1], pool, "mha", "page_first", sharing="shared")
+keys = json.loads(sys.argv[2])
+if sys.argv[5] == "put":
+    assert t.put(be, keys, list(range(len(keys))))
+    print(json.dumps([t.page_bytes(pool, p * t.PS).hex() for p in range(len(keys))]))
+else:
+    n = t.get(be, keys, list(range(40, 40 + len(keys))))
+    print(json.dumps({"n": n, "exists": be.batch_exists(keys),
+                      "pages": [t.page_bytes(pool, p * t.PS).hex() for p in range(40, 40 + len(keys))]}))
+be.close()
+'''
+
+
+def test_two_processes_share_one_root(tmp_path, rng):
+    """Process A stores while B is up on the same root (shared): B finds A's pages and reads
+    them byte-exact; an exclusive root refuses a second process."""
+    import json
+
+    keys = hexkeys(rng, 6)
+    here = str(Path(__file__).parent)
+    pool_b = host_pool("mha", "page_first", 3)
+    be_b = backend(tmp_path, pool_b, "mha", "page_first", sharing="shared")  # B, up first (its index: empty)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(keys), "11", here, "put"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = json.loads(out.stdout.strip().splitlines()[-1])
+    assert be_b.batch_exists(keys) == 6
+    assert get(be_b, keys, list(range(40, 46))) == 6
+    assert [page_bytes(pool_b, p * PS).hex() for p in range(40, 46)] == want
+    be_b.close()
+    # a fresh process reads them too
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(keys), "5", here, "get"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["n"] == 6 and res["exists"] == 6 and res["pages"] == want
+    excl = tmp_path / "exclusive"
+    a = backend(excl, host_pool("mha", "page_first", 1), "mha", "page_first")
+    with pytest.raises(Exception, match="(?i)in use|held|lock|another"):
+        backend(excl, host_pool("mha", "page_first", 2), "mha", "page_first")
+    a.close()
+
+
+def test_roots_hold_each_layout_and_rank_apart(tmp_path, rng):
+    """The same keys under another layout, rank or dtype are other pages (other directories)."""
+    keys = hexkeys(rng, 2)
+    a = backend(tmp_path, host_pool("mha", "page_first", 1), "mha", "page_first")
+    assert put(a, keys, [0, 1])
+    a.close()
+    b = backend(tmp_path, host_pool("mha", "page_first_direct", 2), "mha", "page_first_direct")
+    assert b.batch_exists(keys) == 0
+    b.close()
+    dirs = sorted(p.name for p in Path(tmp_path).iterdir() if p.is_dir())
+    assert len(dirs) == 2 and all("_hc_r0of1" in d for d in dirs)
+
+
+def test_metrics_and_the_cli_work_on_its_roots(tmp_path, rng):
+    """SGLang's storage metrics (pages and GB/s per call), tiercache's Prometheus series, and
+    ``tiercache inspect | verify | purge`` on the backend's root."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.app import app
+
+    prom = pytest.importorskip("prometheus_client")
+    pool = host_pool("mha", "page_first", int(rng.integers(1 << 30)))
+    cfg = storage_config("mha", "page_first", {"root": str(tmp_path), "fsync": "none"})
+    cfg.enable_storage_metrics = True
+    be = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    be.register_mem_pool_host(pool)
+    keys = hexkeys(rng, 10)
+    assert put(be, keys, list(range(10))) and get(be, keys, list(range(20, 30))) == 10
+    m = be.get_stats()
+    assert m.backup_pgs == [10] and m.prefetch_pgs == [10] and m.prefetch_bandwidth[0] > 0
+    assert be.get_stats().prefetch_pgs == []  # reset by each call
+    name = be.store.metrics_name
+    assert prom.REGISTRY.get_sample_value("tiercache_tier_blocks", {"cache": name, "tier": "file"}) == 10
+    root = next(p for p in Path(tmp_path).iterdir() if p.is_dir())
+    be.close()
+    assert prom.REGISTRY.get_sample_value("tiercache_tier_blocks", {"cache": name, "tier": "file"}) is None
+    runner = CliRunner()
+    res = runner.invoke(app, ["verify", "--root", str(root), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["checked"] == 10 and not rep["bad"]
+    res = runner.invoke(app, ["inspect", "--root", str(root), "--json"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["purge", "--root", str(root), "--yes"])
+    assert res.exit_code == 0, res.output
+    assert not list(root.rglob("block_*.bin"))
+    be = backend(tmp_path, pool, "mha", "page_first")
+    assert be.batch_exists(keys) == 0
+    be.close()
+
+
+def test_the_config_is_checked():
+    with pytest.raises(ConfigError, match="unknown config key.*'rot'"):
+        parse_config({**CONNECT, "rot": "/x"})
+    with pytest.raises(ConfigError, match="'root'"):
+        parse_config(dict(CONNECT))
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        parse_config({"root": "/x", "staging_bytes": 10})
+    with pytest.raises(ConfigError, match="sharing"):
+        parse_config({"root": "/x", "sharing": "everyone"})
+    s = parse_config({**CONNECT, "root": ["/a", "/b"], "capacity_bytes": 1 << 30})
+    assert s["root"] == ["/a", "/b"] and s["capacity_bytes"] == 1 << 30 and s["io_threads"] == 16
+
+
+def test_page_keys():
+    h = "ab" * 32
+    assert page_key(h) == bytes.fromhex(h)
+    assert len(page_key("not-hex-key")) == 32 and page_key("x") != page_key("y")
+
+
