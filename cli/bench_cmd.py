@@ -429,3 +429,37 @@ def hf_cmd(
     except TierCacheError as exc:
         _fail(str(exc))
     _report(rep, output_format, format_hf_report)
+
+
+@bench_app.command("sglang-storage")
+def sglang_storage_cmd(
+    output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,
+    model: Annotated[Optional[list[str]], typer.Option("--model", help="Model geometries (configs/models names or "
+                                                       "config.json paths; repeat; default llama-3.1-8b and "
+                                                       "tiny-llama).")] = None,
+    page_tokens: Annotated[int, typer.Option(help="Tokens per HiCache page (SGLang's --page-size).", min=1,
+                                             max=4096)] = 64,
+    size: Annotated[Optional[str], typer.Option("--size", help="Bytes of pages per model (default 1g; --quick "
+                                                               "64m).")] = None,
+    batch: Annotated[int, typer.Option(help="Pages per controller call.", min=1, max=1024)] = 32,
+    io_threads: Annotated[int, typer.Option(help="tiercache's I/O threads.", min=1, max=256)] = 16,
+    seed: SeedOpt = None, no_baseline: NoBaselineOpt = False, quick: QuickOpt = False,
+    keep: Annotated[bool, typer.Option(help="Keep the job's files.")] = False,
+) -> None:
+    """SGLang's own file HiCache backend and tiercache's, side by side on one directory, through
+    SGLang's cache controller's page set and get calls: pages/s, GB/s, batch p50/p99, wrong
+    pages, and fio's best at the page size."""
+    from tiercache.bench.benchsglang import format_sglang_report, run_sglang_bench
+    from tiercache.bench.fiospec import parse_size
+
+    try:
+        total = parse_size(size, "--size") if size else (64 << 20 if quick else 1 << 30)
+        rep = run_sglang_bench(_base(None, root), models=tuple(model or ("llama-3.1-8b", "tiny-llama")),
+                               page_tokens=page_tokens, total_bytes=total, batch=batch, fio=not no_baseline,
+                               fio_runtime=2.0 if quick else 5.0, io_threads=io_threads, seed=seed, keep=keep,
+                               log=_log(output_format))
+    except TierCacheError as exc:
+        _fail(str(exc))
+    _report(rep, output_format, format_sglang_report)
+    if not rep["ok"]:
+        raise typer.Exit(1)

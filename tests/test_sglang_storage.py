@@ -12,7 +12,6 @@ under churn; concurrent calls from several threads keep every byte.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import subprocess
@@ -33,11 +32,9 @@ torch = pytest.importorskip("torch")
 warnings.filterwarnings("ignore")
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
+from tiercache.bench.benchsglang import page_bytes_at, run_sglang_bench, sglang_host_pool  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.integrations.sglang import TierCacheHiCacheStorage, page_key, parse_config  # noqa: E402
 
@@ -48,22 +45,10 @@ CONNECT = {"backend_name": "tiercache", "module_path": "tiercache.integrations.s
 
 
 def host_pool(kind: str, layout: str, seed: int):
-    """A real SGLang host pool on the CPU (``kind``: ``mha`` or ``mla``), filled with random bytes."""
-    if kind == "mha":
-        dev = MHATokenToKVPool(TOKENS, PS, torch.float16, HEADS, HD, LAYERS, "cpu", False, start_layer=0,
-                               end_layer=LAYERS)
-        pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PS, layout, pin_memory=False,
-                                    device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer,
-                                    end_layer=dev.end_layer, write_back_staging=dev.hicache_write_back_staging)
-    else:
-        dev = MLATokenToKVPool(TOKENS, PS, torch.bfloat16, 16, 8, LAYERS, "cpu", False, 0, LAYERS)
-        pool = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PS, layout, pin_memory=False,
-                                    device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer,
-                                    end_layer=dev.end_layer, target_layer_num=LAYERS)
-    g = torch.Generator().manual_seed(seed)
-    buf = pool.kv_buffer.view(torch.uint8).view(-1)
-    buf.copy_(torch.randint(0, 256, buf.shape, generator=g, dtype=torch.uint8))
-    return pool
+    """A real SGLang host pool on the CPU (``kind``: ``mha`` or ``mla``, SGLang's MLA width), of
+    ``TOKENS`` device tokens (the host pool twice that), random bytes."""
+    geometry = {"num_hidden_layers": LAYERS, "num_key_value_heads": HEADS, "head_dim": HD}
+    return sglang_host_pool(geometry, TOKENS // PS, PS, layout=layout, mla=kind == "mla", seed=seed)
 
 
 def storage_config(kind: str, layout: str, extra: dict, tp_rank: int = 0, tp_size: int = 1):
@@ -84,10 +69,7 @@ def backend(root, pool, kind, layout, **extra):
     return be
 
 
-def page_bytes(pool, slot: int) -> bytes:
-    """The bytes of the page at token slot ``slot``, in the pool's piece order."""
-    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(slot, slot + PS))
-    return b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
+page_bytes = page_bytes_at
 
 
 def slots(pages: list[int]) -> torch.Tensor:
@@ -100,8 +82,13 @@ def put(be, keys, pages) -> bool:
 
 
 def get(be, keys, pages) -> int:
-    op = SimpleNamespace(request_id="r", is_terminated=lambda: False)
-    return HiCacheController._page_get_zero_copy(SimpleNamespace(storage_backend=be), op, keys, slots(pages))
+    """Pages read, as the controller counts them (0.5.11 and later return it; earlier releases
+    add the tokens to the prefetch operation)."""
+    tokens = []
+    op = SimpleNamespace(request_id="r", is_terminated=lambda: False, increment=lambda n: tokens.append(n) or True)
+    n = HiCacheController._page_get_zero_copy(SimpleNamespace(storage_backend=be, page_size=PS), op, keys,
+                                              slots(pages))
+    return n if n is not None else sum(tokens) // PS
 
 
 def hexkeys(rng, n):
@@ -327,3 +314,15 @@ def test_page_keys():
     assert len(page_key("not-hex-key")) == 32 and page_key("x") != page_key("y")
 
 
+
+
+def test_the_bench_runs_both_backends_through_the_controller(tmp_path):
+    rep = run_sglang_bench(tmp_path, models=("tiny-llama",), page_tokens=16, total_bytes=4 << 20, batch=8, fio=False,
+                           seed=3)
+    assert rep["ok"]
+    run = rep["runs"][0]
+    for b in ("file", "tiercache"):
+        res = run["backends"][b]
+        assert res["wrong_pages"] == 0 and res["get"]["pages_read"] == run["pages"] and res["set"]["gbps"] > 0
+    assert set(run["tiercache_over_file"]) == {"set", "get"}
+    assert not list(tmp_path.glob("sglang-storage-*"))  # removed without keep

@@ -235,6 +235,7 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         self.staging = torch.empty((slabs * self.slab_rows, self.layout.page_bytes), dtype=torch.uint8,
                                    pin_memory=torch.cuda.is_available())
         self._free_slabs = list(range(slabs))
+        self._slabs = slabs
         settings = {name: s[k] for k, name in ROWSTORE_KEYS.items()}
         settings["sharing"] = sharing
         for r in roots:
@@ -280,6 +281,11 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
                 self._slab_free.wait()
             out = [self._free_slabs.pop() for _ in range(min(want, len(self._free_slabs)))]
         return out
+
+    def _depth(self, pages: int) -> int:
+        """Slabs one call of ``pages`` pages keeps in flight: enough for all of them, at most
+        half of all slabs (another thread's call gets the rest), at least one."""
+        return max(1, min(-(-pages // self.slab_rows), self._slabs // 2))
 
     def _give_slabs(self, slabs: list[int]) -> None:
         with self._lock:
@@ -335,7 +341,7 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         t0 = time.perf_counter()
         bkeys = [page_key(k) for k in keys]
         self._discover(bkeys)
-        slabs = self._take_slabs(2)
+        slabs = self._take_slabs(self._depth(n))
         pending: list = []
         try:
             for lo in range(0, n, self.slab_rows):
@@ -393,7 +399,7 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         self.counters["set_skipped_pages"] += n - len(todo)
         if not todo:
             return out
-        slabs = self._take_slabs(2)
+        slabs = self._take_slabs(self._depth(len(todo)))
         pending: list = []
         try:
             for lo in range(0, len(todo), self.slab_rows):
