@@ -445,6 +445,9 @@ def sglang_storage_cmd(
     io_threads: Annotated[int, typer.Option(help="tiercache's I/O threads.", min=1, max=256)] = 16,
     seed: SeedOpt = None, no_baseline: NoBaselineOpt = False, quick: QuickOpt = False,
     keep: Annotated[bool, typer.Option(help="Keep the job's files.")] = False,
+    array: Annotated[Optional[list[Path]], typer.Option("--array", help="A directory per device (repeat): tiercache "
+                                                        "over all (a root array), SGLang's file backend on the first, "
+                                                        "fio over all.")] = None,
 ) -> None:
     """SGLang's own file HiCache backend and tiercache's, side by side on one directory, through
     SGLang's cache controller's page set and get calls: pages/s, GB/s, batch p50/p99, wrong
@@ -457,7 +460,7 @@ def sglang_storage_cmd(
         rep = run_sglang_bench(_base(None, root), models=tuple(model or ("llama-3.1-8b", "tiny-llama")),
                                page_tokens=page_tokens, total_bytes=total, batch=batch, fio=not no_baseline,
                                fio_runtime=2.0 if quick else 5.0, io_threads=io_threads, seed=seed, keep=keep,
-                               log=_log(output_format))
+                               log=_log(output_format), array=list(array) if array else None)
     except TierCacheError as exc:
         _fail(str(exc))
     _report(rep, output_format, format_sglang_report)

@@ -42,7 +42,7 @@ BACKENDS = ("file", "tiercache")
 
 
 def sglang_host_pool(cfg: dict, pages: int, page_tokens: int, layout: str = "page_first", mla: bool = False,
-                     seed: int = 0):
+                     seed: int = 0, pin: bool = False):
     """A real SGLang host pool on the CPU for model config ``cfg`` (``num_hidden_layers``,
     ``num_key_value_heads``, head_dim), holding ``pages`` pages of ``page_tokens`` tokens (its
     device pool as large, so twice that in all), float16 (bfloat16 for ``mla``: SGLang's MLA
@@ -76,11 +76,11 @@ def sglang_host_pool(cfg: dict, pages: int, page_tokens: int, layout: str = "pag
                                layers, "cpu", False, start_layer=0, end_layer=layers)
         cls, extra = MHATokenToKVPoolHost, {"write_back_staging": getattr(dev, "hicache_write_back_staging", None)}
     if new:
-        pool = cls(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_tokens, layout, pin_memory=False,
+        pool = cls(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_tokens, layout, pin_memory=pin,
                    device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer,
                    **extra)
     else:
-        pool = cls(dev, 2.0, 0, page_tokens, layout, pin_memory=False, device="cpu")
+        pool = cls(dev, 2.0, 0, page_tokens, layout, pin_memory=pin, device="cpu")
     buf = pool.kv_buffer.view(torch.uint8).view(-1)
     g = torch.Generator().manual_seed(seed)
     step = 1 << 26
@@ -150,15 +150,17 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
 
 
-def _backend(name: str, root: Path, pool, io_threads: int):
+def _backend(name: str, roots: list[Path], pool, io_threads: int):
+    """Backend ``name`` over ``roots`` (SGLang's ``file`` backend takes the first)."""
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
     if name == "file":
-        cfg = storage_config({"file_storage_path": str(root)})
+        cfg = storage_config({"file_storage_path": str(roots[0])})
         be = StorageBackendFactory.create_backend("file", cfg, pool)
     else:
         cfg = storage_config({"backend_name": "tiercache", "module_path": "tiercache.integrations.sglang",
-                              "class_name": "TierCacheHiCacheStorage", "interface_v1": 1, "root": str(root),
+                              "class_name": "TierCacheHiCacheStorage", "interface_v1": 1,
+                              "root": [str(r) for r in roots] if len(roots) > 1 else str(roots[0]),
                               "fsync": "none", "io_threads": io_threads})
         be = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     be.register_mem_pool_host(pool)
@@ -166,11 +168,12 @@ def _backend(name: str, root: Path, pool, io_threads: int):
 
 
 def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batch: int, seed: int,
-            io_threads: int, log=lambda s: None) -> dict:
-    """One model geometry: both backends on ``work`` (see the module's doc)."""
+            io_threads: int, log=lambda s: None, array: list[Path] | None = None) -> dict:
+    """One model geometry: both backends on ``work`` (with ``array``: tiercache over those
+    directories, SGLang's ``file`` backend on the first; see the module's doc)."""
     import torch
 
-    pool = sglang_host_pool(cfg, pages, page_tokens, seed=seed)  # the host pool holds twice: sources, destinations
+    pool = sglang_host_pool(cfg, pages, page_tokens, seed=seed, pin=torch.cuda.is_available())  # the host pool holds twice: sources, destinations
     pb = len(page_bytes_at(pool, 0))
     rng = np.random.default_rng(seed)
     keys = [rng.bytes(32).hex() for _ in range(pages)]
@@ -183,10 +186,11 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
         return torch.cat([torch.arange(p * page_tokens, (p + 1) * page_tokens) for p in ps]).to(torch.int64)
 
     for bname in BACKENDS:
-        root = work / f"root-{bname}"
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True)
-        be = _backend(bname, root, pool, io_threads)
+        roots = [d / f"{work.name}-{bname}" for d in array] if array else [work / f"root-{bname}"]
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+        be = _backend(bname, roots, pool, io_threads)
         calls = ControllerCalls(be, pool, zero_copy=bname == "tiercache")
         res: dict = {}
         times = []
@@ -217,6 +221,9 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
         if hasattr(be, "close"):
             be.close()
         out["backends"][bname] = res
+        if array:
+            for root in roots:
+                shutil.rmtree(root, ignore_errors=True)
         log(f"  {name}: {bname}: set {res['set']['gbps']:.2f} GB/s, get {res['get']['gbps']:.2f} GB/s, "
             f"{res['wrong_pages']} wrong page(s)")
         for p in range(pages, 2 * pages):  # the next backend's gets land on other bytes
@@ -230,9 +237,12 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
 
 def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b", "tiny-llama"), page_tokens: int = 64,
                      total_bytes: int = 1 << 30, batch: int = 32, fio: bool = True, fio_runtime: float = 5.0,
-                     io_threads: int = 16, seed: int | None = None, keep: bool = False, log=lambda s: None) -> dict:
+                     io_threads: int = 16, seed: int | None = None, keep: bool = False, log=lambda s: None,
+                     array: list[Path] | None = None) -> dict:
     """The bench (see the module's doc): per model, ``total_bytes`` of pages (at least 2 * ``batch``
-    pages) under a fresh work directory in ``directory``. Returns the report (JSON-ready).
+    pages) under a fresh work directory in ``directory``; with ``array`` (directories, one per
+    device), tiercache's backend over all of them (a root array), SGLang's ``file`` backend on
+    the first, and fio over all of them. Returns the report (JSON-ready).
 
     Raises:
         ConfigError: SGLang missing, a bad model, a bad size, or a backend that failed.
@@ -245,7 +255,8 @@ def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b",
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     directory.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sglang-storage-", dir=directory))
-    report: dict = {"sglang": sglang.__version__, "seed": seed, "directory": str(directory), "runs": []}
+    report: dict = {"sglang": sglang.__version__, "seed": seed, "directory": str(directory), "runs": [],
+                    "array": [str(d) for d in array] if array else None}
     try:
         for i, model in enumerate(models):
             name, cfg = model_config(model)
@@ -253,12 +264,12 @@ def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b",
             pb = kv_tok * page_tokens
             pages = max(2 * batch, total_bytes // pb)
             log(f"sglang-storage: {name}, {pages} pages of {page_tokens} tokens ({pb} bytes)")
-            rep = run_one(work, name, cfg, pages, page_tokens, batch, seed + i, io_threads, log)
+            rep = run_one(work, name, cfg, pages, page_tokens, batch, seed + i, io_threads, log, array)
             if fio:
                 from tiercache.bench.fiobase import best_fio
 
-                log(f"  fio: best at {pb} bytes on the same directory")
-                rep["fio"] = best_fio(work, pb, min(pages * pb, 4 << 30), fio_runtime)
+                log(f"  fio: best at {pb} bytes on the same {'devices' if array else 'directory'}")
+                rep["fio"] = best_fio(list(array) if array else work, pb, min(pages * pb, 4 << 30), fio_runtime)
                 for op, fop in (("get", "read"), ("set", "write")):
                     g = rep["fio"].get(f"{fop}_gbps")
                     if g:
