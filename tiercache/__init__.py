@@ -34,6 +34,7 @@ from tiercache.errors import (
     TierFullError,
     TierUnavailableError,
     SpillError,
+    TornReadError,
     TransferError,
     UnknownPoolError,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "RootError",
     "SlotRangeError",
     "TierFullError",
+    "TornReadError",
     "TierUnavailableError",
     "SpillError",
     "TransferError",

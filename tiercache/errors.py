@@ -86,6 +86,12 @@ class SpillError(TransferError):
         self.reason = message if reason is None else reason
 
 
+class TornReadError(TransferError):
+    """A read of a block failed its checksum, but its file verifies when read again: the
+    destination changed while the block was read into it (a caller writing into a buffer of
+    a load in flight). The block stays stored and its file is kept."""
+
+
 class CorruptBlockError(TierCacheError, ValueError):
     """A block file whose header, geometry, size or checksum does not verify."""
 

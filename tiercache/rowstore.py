@@ -54,6 +54,7 @@ from tiercache.errors import (
     KeyNotFoundError,
     SlotRangeError,
     TierFullError,
+    TornReadError,
 )
 from tiercache.files import (FREE_FILES, SUBDIRS, FileTier, IOPath, block_subdir_index, file_size,
                              when_all_settled, write_stats)
@@ -419,7 +420,10 @@ class RowStore:
         A key that is not stored (or still being stored) fails at once
         (:class:`KeyNotFoundError`). A key whose file is gone fails; one whose file does not
         verify fails and its file is quarantined (:class:`CorruptBlockError`); either way the
-        key is forgotten and its row is zeroed before the job is reported. The keys read are
+        key is forgotten and its row is zeroed before the job is reported. A read that fails
+        its checksum while the file verifies on a read of its own (the row was written while
+        it was read) fails with :class:`TornReadError`, its row zeroed, and the key and its
+        file are kept. The keys read are
         protected from eviction until the job finishes, and marked most recently used.
 
         Raises:
@@ -489,6 +493,12 @@ class RowStore:
             if exc is None:
                 res.nbytes += self.row_bytes
                 continue
+            if res.kind == "load" and isinstance(exc, CorruptBlockError) and "checksum mismatch" in str(exc) \
+                    and self.ft.confirm_bad(k) is None:
+                # the file verifies on a read of its own: the row changed while it was read
+                # (a caller writing into a row of a load in flight), not the file: keep it
+                exc = TornReadError(f"block {k.hex()}: row {r} changed while it was read ({exc}); its file verifies "
+                                    "and is kept: do not write into the rows of a load in flight", [k])
             res.failed[k] = exc
             if res.kind == "load":
                 self.rows[r].fill(0)  # no unverified byte stays in the row
@@ -575,8 +585,9 @@ class RowStore:
             for k, _ in job.items:
                 if self._pins.get(k, 1) <= 0:
                     del self._pins[k]
-            bad = [k for k, _ in job.items if k in res.failed]
+            bad = [k for k, _ in job.items if k in res.failed and not isinstance(res.failed[k], TornReadError)]
             self.index.remove(bad)  # gone, corrupt or unreadable: a lookup must not promise it again
+            self.counters["torn_reads"] += sum(isinstance(e, TornReadError) for e in res.failed.values())
             self._removed.extend(bad)
             self.counters["loaded_blocks"] += n_ok
             self.counters["corrupt_blocks"] += sum(isinstance(res.failed[k], CorruptBlockError) for k in bad)

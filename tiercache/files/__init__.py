@@ -1,6 +1,7 @@
 """The file tier: one file per block and pool under a root directory.
 
 - :mod:`.blockfile`: the block-file format (4 KiB header, checksummed data) and file names;
+- :mod:`.blockcheck`: one block file checked against itself as it is on disk;
 - :mod:`.posix_io`: atomic writes (temporary file, ``fdatasync``, rename) and verified reads;
 - :mod:`.batchio`: the native I/O engine (``kernels/blockio.c``: io_uring or C threads) and
   the choice of engine;
@@ -28,6 +29,7 @@ from .blockfile import (ALIGN, DATA_OFFSET, FANOUT, SUBDIRS, block_filename, blo
                         parse_filename,
                         usual_header_tail)
 from .blockbatch import when_all_settled
+from .blockcheck import verify_file
 from .file_tier import FileTier, ScanResult
 from .openfiles import FREE_FILES
 from .iopath import IOPath, select_io_path
@@ -40,6 +42,7 @@ from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
 
 __all__ = [
+    "verify_file",
     "ARRAY", "ArrayRecord", "MemberState", "ReshapeResult", "RootArray", "balanced_table", "member_states", "members_of",
     "open_roots", "read_record", "record_of", "reshape", "subdir_owner",
     "ALIGN", "BOOT_TAG", "CHECK", "DATA_OFFSET", "DIRECT", "DIR_MODE", "FANOUT", "FREE_FILES", "FileTier", "HASH",

@@ -457,6 +457,19 @@ class FileTier:
         log.warning("tiercache: quarantined %s: %s", path.name, reason)
         return True
 
+    def confirm_bad(self, key: Key) -> str | None:
+        """``key``'s files checked again as they are on disk, each read into a buffer of its
+        own (:func:`~tiercache.files.blockcheck.verify_file`): the first problem, or None when
+        every file verifies (then a read that failed its checksum saw its destination change
+        under it, and the block is good)."""
+        from .blockcheck import verify_file
+
+        for pool in self.pools:
+            problem = verify_file(self.path(key, pool))
+            if problem is not None:
+                return problem
+        return None
+
     def quarantine_block(self, key: Key, reason: str) -> int:
         """Move every file of ``key`` to ``quarantine/`` (a block that failed to verify);
         returns how many files were moved (files already gone are skipped)."""

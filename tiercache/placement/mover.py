@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tiercache.errors import CorruptBlockError, SpillError, TransferError
+from tiercache.errors import CorruptBlockError, SpillError, TornReadError, TransferError
 from tiercache.files import FileTier
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, format_keys
@@ -81,6 +81,12 @@ class BlockMover:
             if isinstance(exc, FileNotFoundError) and ft.shared:  # evicted by another process: gone, not corrupt
                 self.placement.tiers["file"].remove([k])
                 self.counters["vanished_blocks"] += 1
+            elif isinstance(exc, CorruptBlockError) and "checksum mismatch" in str(exc) and ft.confirm_bad(k) is None:
+                # the file verifies on a read of its own: the destination changed while it was
+                # read (a caller's buffer written during the call), not the file: keep the block
+                failed[k] = TornReadError(f"block {k!r}: its destination changed while it was read ({exc}); its "
+                                          "file verifies and is kept", [k])
+                self.counters["torn_reads"] += 1
             elif isinstance(exc, (CorruptBlockError, FileNotFoundError)):
                 self.counters["quarantined_files"] += ft.quarantine_block(k, str(exc))
                 self.placement.tiers["file"].remove([k])
