@@ -185,6 +185,28 @@ def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng,
     b.close()
 
 
+def test_where_reading_is_slower_than_recomputing_prefixes_are_recomputed(tmp_path, rng):
+    """load_policy 'faster' (the default): once the engine's own steps and loads say reading a
+    block takes longer than computing it, lookups answer no hit (one in PROBE_EVERY still
+    loads); 'always' keeps loading."""
+    from tiercache.integrations.loadcost import PROBE_EVERY
+
+    hashes = [rng.bytes(32) for _ in range(4)]
+    a = _Engine(tmp_path)
+    _store(a, "r1", hashes, 4 * BS, [1, 2, 3, 4])
+    a.close()
+    for policy, hits in (("faster", 1), ("always", PROBE_EVERY)):
+        e = _Engine(tmp_path, load_policy=policy)
+        cost = e.sched._sched.cost
+        cost.load_s_per_block, cost.prefill_s_per_token = 1e-3, 25e-6  # 1 ms a block against 0.4 ms
+        got = [e.sched.get_num_new_matched_tokens(_request(f"q{i}", hashes, 4 * BS + 1), 0)
+               for i in range(PROBE_EVERY)]
+        assert got.count((4 * BS, True)) == hits and got.count((0, False)) == PROBE_EVERY - hits, policy
+        e.close()
+    with pytest.raises(ConfigError, match="load_policy"):
+        parse_config({"root": "/x", "load_policy": "sometimes"})
+
+
 def test_two_live_engines_on_a_shared_root_hit_each_others_blocks(tmp_path, rng, monkeypatch):
     """Both engines up before either stores: B's index is listed at its start, empty; after A
     stores, B's lookup misses, lists the root again (at most every RESCAN_S) and loads A's

@@ -65,6 +65,7 @@ from tiercache.errors import ConfigError
 from tiercache.files import SUBDIRS, parse_filename
 from tiercache.rowstore import RowStore
 from tiercache.integrations.rowjobs import RowJobs
+from tiercache.integrations.loadcost import POLICIES as LOAD_POLICIES, PROBE_EVERY, LoadCost
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
 from tiercache.settings import sections
 
@@ -75,7 +76,7 @@ DEFAULTS: dict[str, Any] = {
     "root": None, "capacity_bytes": 0, "capacity_blocks": None, "sharing": "exclusive", "fsync": "data",
     "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
-    "copy_streams": "compute",
+    "copy_streams": "compute", "load_policy": "faster",
 }
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
@@ -110,6 +111,9 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
     if out["copy_streams"] not in COPY_STREAMS:
         raise ConfigError(f"TierCacheConnector: 'copy_streams' = {out['copy_streams']!r}; valid: "
                           f"{', '.join(COPY_STREAMS)}")
+    if out["load_policy"] not in LOAD_POLICIES:
+        raise ConfigError(f"TierCacheConnector: 'load_policy' = {out['load_policy']!r}; valid: "
+                          f"{', '.join(LOAD_POLICIES)}")
     if out["copy_kernel"] not in COPY_KERNELS:
         raise ConfigError(f"TierCacheConnector: 'copy_kernel' = {out['copy_kernel']!r}; valid: {', '.join(COPY_KERNELS)}")
     check_positive("TierCacheConnector", out, "capacity_blocks", optional=True)
@@ -239,6 +243,7 @@ class ConnectorScheduler:
         self.reqs: dict[str, _Req] = {}
         self._to_load: list[str] = []
         self._storing: set[bytes] = set()  # keys some request is storing
+        self.cost = LoadCost(self.block_size, settings["load_policy"])
         log.info("tiercache: vLLM connector: %d block(s) on disk under %s", len(self.present),
                  ", ".join(str(r[0]) for r in roots_by_rank))
 
@@ -271,6 +276,12 @@ class ConnectorScheduler:
         if (len(keys) < limit - start and self.settings["sharing"] == "shared"
                 and time.monotonic() - self._scanned >= self.RESCAN_S and self._rescan()):
             keys = self._match(hashes, start, limit)  # other engines' stores since the last listing
+        if keys and not self.cost.should_load(len(keys)):
+            if self.cost.skipped == 1:
+                log.info("tiercache: vLLM connector: reading a prefix is slower than recomputing it here (%s); "
+                         "prefixes are recomputed (load_policy = 'faster'; one in %d still loads)",
+                         self.cost.stats(), PROBE_EVERY)
+            keys = []
         st.load = (start, keys) if keys else None
         # an asynchronous load in vLLM's terms, done within one step: the worker reads and
         # uploads in that step's start_load_kv and reports it received in the same step, so
@@ -314,6 +325,8 @@ class ConnectorScheduler:
                 meta.loads.append(BlockTransfer(rid, st.loading, st.load_ids))
                 st.load = None
         self._to_load.clear()
+        self.cost.step(int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
+                       {t.req_id: len(t.keys) for t in meta.loads})
         for new in so.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is None:
@@ -360,6 +373,7 @@ class ConnectorScheduler:
                 self._evict()
         bad = set(getattr(out, "invalid_block_ids", None) or ())
         for rid in getattr(out, "finished_recving", None) or ():
+            self.cost.loaded(rid)
             st = self.reqs.get(rid)
             if st is not None:
                 for k, b in zip(st.loading, st.load_ids):
@@ -373,6 +387,7 @@ class ConnectorScheduler:
             self.present.popitem(last=False)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        self.cost.forget(request.request_id)
         st = self.reqs.get(request.request_id)
         if st is None:
             return False, None

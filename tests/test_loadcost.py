@@ -1,0 +1,69 @@
+"""Load or recompute (tiercache/integrations/loadcost.py): the rates come from the engine's own
+steps and loads, a slow storage makes prefixes recompute, one in PROBE_EVERY still loads, fast
+storage always loads, and nothing is skipped before both rates are measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiercache.integrations.loadcost import MIN_STEP_TOKENS, PROBE_EVERY, LoadCost
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _measure(cost: LoadCost, clock: Clock, step_s: float, tokens: int, load_s: float, blocks: int) -> None:
+    """A prefill step of ``tokens`` taking ``step_s``, then a step issuing a load of ``blocks``
+    blocks that is reported done ``load_s`` later."""
+    cost.step(tokens, {})
+    clock.t += step_s
+    cost.step(tokens, {"r": blocks})
+    clock.t += load_s
+    cost.loaded("r")
+    cost.step(0, {})
+
+
+def test_slow_storage_recomputes_and_still_probes():
+    clock = Clock()
+    cost = LoadCost(16, "faster", clock)
+    assert cost.should_load(512)  # nothing measured yet
+    # prefill 25 us/token (400 us per 16-token block); loads 1 ms per block: recompute wins
+    _measure(cost, clock, 0.025 * 2048 / 1000, 2048, 0.512, 512)
+    assert cost.prefill_s_per_token == pytest.approx(25e-6) and cost.load_s_per_block == pytest.approx(1e-3)
+    decisions = [cost.should_load(512) for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]
+    assert cost.stats()["recomputed_prefixes"] == 2 * PROBE_EVERY - 2
+
+
+def test_fast_storage_and_the_always_policy_load():
+    clock = Clock()
+    cost = LoadCost(16, "faster", clock)
+    _measure(cost, clock, 0.05, 2048, 0.05, 512)  # 24 us/token against 98 us/block: loading wins
+    assert all(cost.should_load(512) for _ in range(50))
+    slow = LoadCost(16, "always", clock)
+    _measure(slow, clock, 0.05, 2048, 5.0, 512)
+    assert all(slow.should_load(512) for _ in range(50)) and slow.skipped == 0
+
+
+def test_small_idle_or_loading_steps_do_not_measure_the_prefill():
+    clock = Clock()
+    cost = LoadCost(16, "faster", clock)
+    cost.step(MIN_STEP_TOKENS - 1, {})  # a decode step
+    clock.t += 1.0
+    cost.step(4096, {"a": 4})  # a step with a load: its time is the load's, not the prefill's
+    clock.t += 1.0
+    cost.step(4096, {})
+    clock.t += 60.0  # idle
+    cost.step(4096, {})
+    assert cost.prefill_s_per_token is None
+    clock.t += 0.1
+    cost.step(0, {})
+    assert cost.prefill_s_per_token == pytest.approx(0.1 / 4096)
+    cost.forget("a")
+    cost.loaded("a")  # a request that finished before its load was reported measures nothing
+    assert cost.load_s_per_block is None

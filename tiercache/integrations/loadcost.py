@@ -1,0 +1,97 @@
+"""Load or recompute: whether reading a prefix's blocks from files beats computing them again,
+from rates measured while the engine runs.
+
+A prefix of ``n`` blocks costs ``n * load_s_per_block`` to load (the storage, measured from the
+engine's own loads: from the step that issued a load to the output that reported it) and about
+``n * tokens_per_block * prefill_s_per_token`` to recompute (measured from the engine's steps
+that computed at least :data:`MIN_STEP_TOKENS` tokens and loaded nothing). On fast storage a
+load wins by a wide margin; on a disk slower than the model's break-even speed (for
+Llama-3.1-8B on an H200, about 5 GB/s: docs/vllm.md) recomputing is faster, and a load there
+also holds up every request in the engine's step. The linear prefill estimate undercounts long
+prefixes (attention grows with the prefix), which leans toward loading.
+
+Until both rates are measured, every prefix loads; while recomputing wins, every
+:data:`PROBE_EVERY`-th prefix loads anyway, so that a storage that got faster (or an engine
+that got busier) is seen.
+"""
+
+from __future__ import annotations
+
+import time
+
+#: steps that computed fewer tokens than this do not measure the prefill rate (decode steps)
+MIN_STEP_TOKENS = 512
+#: a step interval longer than this (seconds) is an idle engine, not a step
+MAX_STEP_S = 10.0
+#: while recomputing wins, one prefix in this many is loaded anyway (to measure again)
+PROBE_EVERY = 16
+#: weight of a new measurement in the moving averages
+ALPHA = 0.3
+#: policies: ``always`` load what is on disk; ``faster``: load only where it beats recomputing
+POLICIES = ("always", "faster")
+
+
+class LoadCost:
+    """The rates and the decision (see the module's doc).
+
+    Args:
+        tokens_per_block: tokens in one block.
+        policy: one of :data:`POLICIES`.
+        clock: seconds, monotonic (tests give their own).
+    """
+
+    def __init__(self, tokens_per_block: int, policy: str = "faster", clock=time.monotonic) -> None:
+        self.tokens_per_block = int(tokens_per_block)
+        self.policy = policy
+        self.clock = clock
+        self.load_s_per_block: float | None = None
+        self.prefill_s_per_token: float | None = None
+        self.skipped = 0  # prefixes recomputed because loading was slower
+        self.probes = 0
+        self._step_t: float | None = None
+        self._step_tokens = 0
+        self._step_loaded = False
+        self._loads: dict[str, tuple[float, int]] = {}
+
+    @staticmethod
+    def _avg(old: float | None, new: float) -> float:
+        return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+    def step(self, tokens: int, loads: dict[str, int]) -> None:
+        """A step was scheduled: ``tokens`` tokens to compute, ``loads`` (request -> blocks)
+        issued in it. The interval since the previous step measures that step's prefill."""
+        now = self.clock()
+        if self._step_t is not None and not self._step_loaded and self._step_tokens >= MIN_STEP_TOKENS:
+            dt = now - self._step_t
+            if 0 < dt < MAX_STEP_S:
+                self.prefill_s_per_token = self._avg(self.prefill_s_per_token, dt / self._step_tokens)
+        self._step_t, self._step_tokens, self._step_loaded = now, int(tokens), bool(loads)
+        for rid, blocks in loads.items():
+            self._loads[rid] = (now, int(blocks))
+
+    def loaded(self, req_id: str) -> None:
+        """Request ``req_id``'s load was reported done: measures the storage."""
+        t = self._loads.pop(req_id, None)
+        if t is not None and t[1] > 0:
+            self.load_s_per_block = self._avg(self.load_s_per_block, (self.clock() - t[0]) / t[1])
+
+    def forget(self, req_id: str) -> None:
+        self._loads.pop(req_id, None)
+
+    def should_load(self, blocks: int) -> bool:
+        """Whether to load a prefix of ``blocks`` blocks found on disk (False: recompute it)."""
+        if self.policy == "always" or blocks <= 0 or self.load_s_per_block is None \
+                or self.prefill_s_per_token is None:
+            return True
+        if self.load_s_per_block <= self.tokens_per_block * self.prefill_s_per_token:
+            return True
+        self.skipped += 1
+        if self.skipped % PROBE_EVERY == 0:
+            self.probes += 1
+            return True
+        return False
+
+    def stats(self) -> dict:
+        """The rates (seconds) and the counts."""
+        return {"load_s_per_block": self.load_s_per_block, "prefill_s_per_token": self.prefill_s_per_token,
+                "recomputed_prefixes": self.skipped - self.probes, "probes": self.probes, "policy": self.policy}
