@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.integrations.loadcost import MIN_STEP_TOKENS, PROBE_EVERY, LoadCost
+from tiercache.integrations.loadcost import MIN_LOAD_BLOCKS, MIN_STEP_TOKENS, PROBE_EVERY, LoadCost
 
 
 class Clock:
@@ -53,6 +53,7 @@ def test_fast_storage_and_the_always_policy_load():
 def test_small_idle_or_loading_steps_do_not_measure_the_prefill():
     clock = Clock()
     cost = LoadCost(16, "faster", clock)
+    assert LoadCost(16).policy == "always"
     cost.step(MIN_STEP_TOKENS - 1, {})  # a decode step
     clock.t += 1.0
     cost.step(4096, {"a": 4})  # a step with a load: its time is the load's, not the prefill's
@@ -66,4 +67,8 @@ def test_small_idle_or_loading_steps_do_not_measure_the_prefill():
     assert cost.prefill_s_per_token == pytest.approx(0.1 / 4096)
     cost.forget("a")
     cost.loaded("a")  # a request that finished before its load was reported measures nothing
+    assert cost.load_s_per_block is None
+    cost.step(0, {"small": MIN_LOAD_BLOCKS - 1})
+    clock.t += 1.0
+    cost.loaded("small")  # the step around a small load is most of its time: not a rate
     assert cost.load_s_per_block is None

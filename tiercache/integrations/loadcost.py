@@ -25,6 +25,9 @@ MIN_STEP_TOKENS = 512
 MAX_STEP_S = 10.0
 #: while recomputing wins, one prefix in this many is loaded anyway (to measure again)
 PROBE_EVERY = 16
+#: loads of fewer blocks do not measure the storage (the step around a load adds a fixed time
+#: that small loads would spread over too few blocks)
+MIN_LOAD_BLOCKS = 64
 #: weight of a new measurement in the moving averages
 ALPHA = 0.3
 #: policies: ``always`` load what is on disk; ``faster``: load only where it beats recomputing
@@ -40,7 +43,7 @@ class LoadCost:
         clock: seconds, monotonic (tests give their own).
     """
 
-    def __init__(self, tokens_per_block: int, policy: str = "faster", clock=time.monotonic) -> None:
+    def __init__(self, tokens_per_block: int, policy: str = "always", clock=time.monotonic) -> None:
         self.tokens_per_block = int(tokens_per_block)
         self.policy = policy
         self.clock = clock
@@ -72,7 +75,7 @@ class LoadCost:
     def loaded(self, req_id: str) -> None:
         """Request ``req_id``'s load was reported done: measures the storage."""
         t = self._loads.pop(req_id, None)
-        if t is not None and t[1] > 0:
+        if t is not None and t[1] >= MIN_LOAD_BLOCKS:
             self.load_s_per_block = self._avg(self.load_s_per_block, (self.clock() - t[0]) / t[1])
 
     def forget(self, req_id: str) -> None:
