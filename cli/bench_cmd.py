@@ -139,8 +139,6 @@ def fio_cmd(
     """fio-style jobs on a tier pair (options or job files), printed like fio (IOPS, bandwidth,
     completion-latency percentiles) or as fio-style JSON, each with its baseline on the same
     bytes and the ratio."""
-    from .fio_cmd import run_fio
-
     opts = {"rw": rw, "bs": bs, "size": size, "nblocks": nblocks, "iodepth": iodepth, "iodepth_batch": iodepth_batch,
             "numjobs": numjobs, "runtime": runtime, "direct": direct, "tiers": tiers, "verify": verify,
             "baseline": "none" if no_baseline else (baseline.value if baseline else None),
@@ -148,7 +146,42 @@ def fio_cmd(
     opts = {k: v for k, v in opts.items() if v is not None}
     if not jobfiles and not (set(opts) - {"io"}):
         _fail("tiercache bench fio: give job files or at least one job option (--rw, --bs, ...)")
-    run_fio(jobfiles or [], opts, config, root, output_format is OutputFormat.json, plot_path, repeat)
+    _run_fio(jobfiles or [], opts, config, root, output_format is OutputFormat.json, plot_path, repeat)
+
+
+def _run_fio(jobfiles: list[Path], overrides: dict, config: Path | None, root: Path | None, as_json: bool,
+             plot_path: Path | None, repeat: int = 1) -> None:
+    """Run the jobs of ``jobfiles`` (or one job from the command-line options) and print them;
+    ``repeat`` alternated passes of each (tiercache, then its baseline), merged at the median
+    ratio."""
+    from tiercache import __version__
+    from tiercache.bench.fiorun import format_fio, merge_passes, plot, run_job
+    from tiercache.bench.fiospec import job_from_options, load_job_file
+
+    from .common import DEFAULT_CONFIG, EXIT_FINDING
+
+    try:
+        cfg = load_config(config or DEFAULT_CONFIG, root=root)
+        if jobfiles:
+            jobs = [j for f in jobfiles for j in load_job_file(f, overrides)]
+        else:
+            jobs = [job_from_options("cli", overrides)]
+        log = (lambda s: None) if as_json else (lambda s: typer.echo(s, err=True))
+        records = []
+        for job in jobs:
+            log(f"  ... {job.name}")
+            records.append(merge_passes([run_job(job, cfg.root, config_pool=cfg.pools[0], io_threads=cfg.io_threads,
+                                                 log=log) for _ in range(repeat)]))
+        if plot_path is not None:
+            plot(records, plot_path)
+    except TierCacheError as exc:
+        _fail(str(exc))
+    except RuntimeError as exc:  # a transfer or verification failure: a finding
+        _fail(str(exc), EXIT_FINDING)
+    if as_json:
+        typer.echo(json.dumps({"fio version": f"tiercache-{__version__}", "jobs": records}, indent=2))
+    else:
+        typer.echo(format_fio(records))
 
 
 # -- the other jobs ----------------------------------------------------------------------------
