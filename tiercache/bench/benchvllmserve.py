@@ -631,6 +631,43 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     "tensor_parallel": tensor_parallel, "shared_gpus": list(shared_gpus) if shared_gpus else None,
                     "connector_settings": dict(connector_settings or {}), "modes": {}, "experiments": {}}
     report["vllm"] = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
+    results, roots = _run_modes(run, modes, cold, repeats, every, restart, kill9, gpu_util, shared_gpus, damage, seed)
+    # the baselines and the report
+    report["modes"] = _mode_rows(results, roots, run.work, chunk_bytes, prefix_tokens, connector_settings)
+    rec = results.get("recompute", {})
+    report["gpu_hit_ttft_s"] = rec.get("gpu_hit_ttft_s")
+    report["h2d_gbps"] = rec.get("h2d_gbps")
+    if fio:
+        report["fio"] = _fio_read(work, connector_settings, chunk_bytes + 4096,
+                                  min(8 << 30, prefixes * prefix_tokens * kv_tok), log)
+    report.update(_bounds(report, cfg, results))
+    report["ok"] = _ok(report)
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        report["work"] = str(work)
+    return report
+
+
+def _fio_read(work: Path, connector_settings: dict | None, file_bytes: int, total_bytes: int, log) -> dict:
+    """fio's best random read of ``file_bytes`` per I/O on the work directory, or over the
+    members of the connector's root array (a connector over an array is bounded by it)."""
+    from tiercache.bench.fiobase import best_fio
+
+    array = (connector_settings or {}).get("root")
+    where = [Path(r) for r in array] if isinstance(array, list) and len(array) > 1 else work
+    log(f"  fio: best random read at the chunk's file size on {'the array' if where is not work else 'the same directory'}")
+    out = best_fio(where, file_bytes, total_bytes, 5.0, ops=("read",))
+    out["directories"] = [str(d) for d in (where if isinstance(where, list) else [where])]
+    return out
+
+
+def _run_modes(run: _Run, modes: tuple[str, ...], cold: list[int], repeats: list[int], every: list[int],
+               restart: bool, kill9: bool, gpu_util: float, shared_gpus, damage: int | None,
+               seed: int) -> tuple[dict[str, dict], dict[str, Path]]:
+    """Every mode's engine process(es), then the restarted and killed ones: ``(results by mode,
+    root by mode)``."""
+    work = run.work
     results: dict[str, dict] = {}
     roots: dict[str, Path] = {}
     for mode in modes:
@@ -650,7 +687,13 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     if kill9:
         for mode in [m for m in ("tiercache", "connector") if m in modes] or ["tiercache"]:
             results[f"{mode}+kill9"] = _kill9(run, mode, work / f"root-{mode}-kill9", cold, every, seed)
-    # the baselines and the report
+    return results, roots
+
+
+def _mode_rows(results: dict[str, dict], roots: dict[str, Path], work: Path, chunk_bytes: int, prefix_tokens: int,
+               connector_settings: dict | None) -> dict[str, dict]:
+    """Each mode's row of the report (:func:`_summary`), its roots verified."""
+    rows: dict[str, dict] = {}
     ref = {r["index"]: r["tokens"] for r in results["recompute"]["requests"]} if "recompute" in results else None
     own = {m: {r["index"]: r["tokens"] for r in results[m]["requests"]} for m in ("cpu", "fs") if m in results}
     for mode, res in results.items():
@@ -667,27 +710,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
         for k in ("killed_after", "kill_detail", "stores_skipped_after_finish", "drain_s", "damaged"):
             if k in res:
                 s[k] = res[k]
-        report["modes"][mode] = s
-    rec = results.get("recompute", {})
-    report["gpu_hit_ttft_s"] = rec.get("gpu_hit_ttft_s")
-    report["h2d_gbps"] = rec.get("h2d_gbps")
-    if fio:
-        from tiercache.bench.fiobase import best_fio
-
-        # a connector over a root array is bounded by the array: fio over its members
-        array = (connector_settings or {}).get("root")
-        where = [Path(r) for r in array] if isinstance(array, list) and len(array) > 1 else work
-        log(f"  fio: best random read at the chunk's file size on {'the array' if where is not work else 'the same directory'}")
-        report["fio"] = best_fio(where, chunk_bytes + 4096, min(8 << 30, prefixes * prefix_tokens * kv_tok), 5.0,
-                                 ops=("read",))
-        report["fio"]["directories"] = [str(d) for d in (where if isinstance(where, list) else [where])]
-    report.update(_bounds(report, cfg, results))
-    report["ok"] = _ok(report)
-    if not keep:
-        shutil.rmtree(work, ignore_errors=True)
-    else:
-        report["work"] = str(work)
-    return report
+        rows[mode] = s
+    return rows
 
 
 def _shared_pair(run: _Run, mode: str, root: Path, cold: list[int], repeats: list[int], gpu_util: float,
