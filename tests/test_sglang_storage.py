@@ -12,7 +12,6 @@ under churn; concurrent calls from several threads keep every byte.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -31,10 +30,10 @@ torch = pytest.importorskip("torch")
 
 warnings.filterwarnings("ignore")
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from tiercache.bench.benchsglang import page_bytes_at, run_sglang_bench, sglang_host_pool  # noqa: E402
+from tiercache.bench.benchsglang import storage_config as bench_storage_config  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.integrations.sglang import TierCacheHiCacheStorage, page_key, parse_config  # noqa: E402
 
@@ -52,13 +51,9 @@ def host_pool(kind: str, layout: str, seed: int):
 
 
 def storage_config(kind: str, layout: str, extra: dict, tp_rank: int = 0, tp_size: int = 1):
-    """SGLang's ``HiCacheStorageConfig`` (the fields this release has)."""
-    want = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0, "attn_cp_size": 1,
-            "is_mla_model": kind == "mla", "enable_storage_metrics": False,
-            "is_page_first_layout": layout != "layer_first", "model_name": "org/tiny-model",
-            "extra_config": {**CONNECT, **extra}}
-    names = {f.name for f in dataclasses.fields(HiCacheStorageConfig)}
-    return HiCacheStorageConfig(**{k: v for k, v in want.items() if k in names})
+    """SGLang's ``HiCacheStorageConfig`` for this test's model, connecting tiercache's backend."""
+    return bench_storage_config({**CONNECT, **extra}, mla=kind == "mla", model="org/tiny-model",
+                                page_first=layout != "layer_first", tp_rank=tp_rank, tp_size=tp_size)
 
 
 def backend(root, pool, kind, layout, **extra):

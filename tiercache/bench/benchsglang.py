@@ -98,13 +98,15 @@ def page_bytes_at(pool, slot: int) -> bytes:
     return b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
 
 
-def storage_config(extra: dict, mla: bool = False, model: str = "bench/model", page_first: bool = True):
-    """SGLang's ``HiCacheStorageConfig`` for one rank (the fields the installed release has)."""
+def storage_config(extra: dict, mla: bool = False, model: str = "bench/model", page_first: bool = True,
+                   tp_rank: int = 0, tp_size: int = 1):
+    """SGLang's ``HiCacheStorageConfig`` for rank ``tp_rank`` of ``tp_size`` (the fields the
+    installed release has)."""
     import dataclasses
 
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    want = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0, "attn_cp_size": 1,
+    want = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0, "attn_cp_size": 1,
             "is_mla_model": mla, "enable_storage_metrics": False, "is_page_first_layout": page_first,
             "model_name": model, "extra_config": extra}
     names = {f.name for f in dataclasses.fields(HiCacheStorageConfig)}
