@@ -406,12 +406,15 @@ def array_cmd(
     io_threads: Annotated[Optional[int], typer.Option(help="The file tier's I/O threads (default: one per request in flight, numjobs x iodepth / batch).", min=1, max=256)] = None,
     fsync: Annotated[str, typer.Option(help="The file tier's fsync policy during the writes (none: as fio's end_fsync=1).")] = "none",
     rowstore: Annotated[bool, typer.Option(help="Also the row store (the vLLM tier's path).")] = True,
+    format_limit: Annotated[bool, typer.Option(help="Also the format's own limit (C threads: open, O_DIRECT write or read, close, rename; no engine; a baseline, skipped with --no-baseline).")] = True,
+    plain_caller: Annotated[bool, typer.Option(help="Also a plain caller: TierCache with default settings, offload and get in fresh processes.")] = True,
     repeat: _repeat_opt(1, "fio and tiercache, alternated") = 1,
     seed: SeedOpt = None, no_baseline: NoBaselineOpt = False,
 ) -> None:
     """The file tier over several devices (a root array, one --root per device) against fio's
     best over numjobs x iodepth on all of them at once, in the same run: the cache's offload
-    and onboard (fio-style jobs) and the row store's stores and loads, per block size."""
+    and onboard (fio-style jobs), the row store's stores and loads, the format's own limit and
+    a plain caller of the API, per block size."""
     from tiercache.bench.bencharray import DEFAULT_SIZES, format_array, run_array_bench
     from tiercache.bench.fiospec import parse_size
     from tiercache.cuda import cuda_status
@@ -424,7 +427,8 @@ def array_cmd(
         sizes = tuple(parse_size(b, "--bs") for b in bs) if bs else DEFAULT_SIZES
         rep = run_array_bench([Path(r) for r in root], block_sizes=sizes, tiers=pairs,
                               total_bytes=parse_size(size, "--size"), iodepth=iodepth, batch=batch, per_job=rows_per_job, numjobs=numjobs,
-                              io_threads=io_threads, fsync=fsync, rowstore=rowstore, fio=not no_baseline,
+                              io_threads=io_threads, fsync=fsync, rowstore=rowstore, limit=format_limit,
+                              plain=plain_caller, fio=not no_baseline,
                               repeat=repeat, seed=seed, log=_log(output_format))
     except TierCacheError as exc:
         _fail(str(exc))

@@ -270,8 +270,9 @@ def test_bench_is_a_command_group_each_job_with_its_own_options():
 
 
 def test_array_bench_over_two_roots_verifies_every_path(tmp_path):
-    """`tiercache bench array` over two directories: the cache's offload/onboard and the row
-    store's stores/loads run over a root array of both, every byte verified, nothing left."""
+    """`tiercache bench array` over two directories: the cache's offload/onboard, the row
+    store's stores/loads and a plain caller (fresh processes) run over a root array of both,
+    every byte verified, nothing left."""
     roots = [tmp_path / "d0", tmp_path / "d1"]
     for r in roots:
         r.mkdir()
@@ -281,9 +282,11 @@ def test_array_bench_over_two_roots_verifies_every_path(tmp_path):
     rep = json.loads(res.output[res.output.index("{"):])
     assert rep["ok"] and rep["roots"] == [str(r) for r in roots] and rep["batch"] == 32
     (row,) = rep["sizes"]
-    assert set(row["paths"]) == {"host:file write", "host:file read", "rowstore store", "rowstore load"}
+    assert set(row["paths"]) == {"host:file write", "host:file read", "rowstore store", "rowstore load",
+                                 "plain offload", "plain get"}
     assert row["paths"]["host:file read"]["runs"][0]["verified"] == 2 * 64
     assert row["paths"]["rowstore load"]["runs"][0]["verified"] == 64
+    assert row["paths"]["plain get"]["runs"][0]["verified"] == 64
     assert all(p["gbps_median"] > 0 for p in row["paths"].values())
     assert not [p for r in roots for p in r.iterdir()]  # the job's directories are removed
 
@@ -300,3 +303,29 @@ def test_fio_runs_one_job_on_several_directories_at_once(tmp_path):
     # each directory got numjobs files of 16 blocks written, and they are removed after
     assert "--name=twod0" in r["command"] and "--name=twod1" in r["command"]
     assert not [p for d in dirs for p in d.iterdir()]
+
+
+def test_format_limit_writes_publishes_and_reads_every_file_then_removes_them(tmp_path):
+    """The format's limit (kernels/formatlimit.c) over two directories: every file is written
+    under its temporary name and renamed (the read pass would fail on a missing final name),
+    read back, and nothing is left; a pass over files that are not there reports their error."""
+    import numpy as np
+
+    from tiercache.bench.formatlimit import _lib, _run, format_limit
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    r = format_limit(dirs, 16384, 64 * 16384, inflight=(1, 4))
+    assert r["files"] == 64 and r["write_gbps"] > 0 and r["read_gbps"] > 0
+    assert r["read_inflight"] in (1, 4) and set(r["cpu_us_per_block"]) == {"write", "read"}
+    assert len(r["fs"]) == 2 and all(isinstance(f, str) and f for f in r["fs"])
+    assert not [p for d in dirs for p in d.iterdir()]
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        names = b"t0\0f0\0"
+        with pytest.raises(FileNotFoundError):
+            _run(_lib(), 1, np.array([fd], np.int32), names, np.array([0], np.int64), np.array([3], np.int64),
+                 8192, 1, False)
+    finally:
+        os.close(fd)

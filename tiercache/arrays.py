@@ -90,12 +90,23 @@ def _check(shape: tuple, dtype, contiguous: bool, pool: PoolSpec, n: int, where:
         raise ArrayMismatchError(f"{where} is not C-contiguous; pass a contiguous array (e.g. .copy())")
 
 
+def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
+    """A new, uninitialised ``uint8`` array of ``nbytes`` whose first byte is ``align``-aligned
+    (a view into a slightly larger allocation)."""
+    buf = np.empty(nbytes + align, dtype=np.uint8)
+    skip = -buf.ctypes.data % align
+    return buf[skip:skip + nbytes]
+
+
 def host_output(pool: PoolSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
     """A new host array for ``n`` blocks of ``pool``: ``(typed_or_raw, raw_view)``; typed where
-    NumPy has the dtype (bfloat16/fp8 need ``ml_dtypes``), else raw ``uint8``."""
+    NumPy has the dtype (bfloat16/fp8 need ``ml_dtypes``), else raw ``uint8``. The array starts
+    on a page boundary (4096 bytes), so that the file tier reads whole-page blocks into it with
+    O_DIRECT, straight from the device (NumPy's own allocation starts 16 bytes into a page,
+    which sent those reads through the page cache: an extra copy per block)."""
     from tiercache.dtypes import numpy_dtype
 
-    raw = np.empty((n, pool.block_nbytes), dtype=np.uint8)
+    raw = aligned_empty(n * pool.block_nbytes).reshape(n, pool.block_nbytes)
     dt = numpy_dtype(pool.dtype)
     if dt is None:
         return raw, raw

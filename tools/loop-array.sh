@@ -7,6 +7,7 @@
 #   bash tools/loop-array.sh down [BASE]          unmount them, detach the loop devices, delete the files
 #   bash tools/loop-array.sh status [BASE]        what is mounted under BASE
 # The backing files take SIZE of memory each once written: N x SIZE must fit /dev/shm.
+# LOOP_FS=xfs makes XFS instead of ext4 (mkfs.xfs from xfsprogs; MKFS_XFS names another binary).
 set -euo pipefail
 cmd=${1:-}
 case "$cmd" in
@@ -23,7 +24,11 @@ up)
     truncate -s "$size" "$img"
     dev=$(losetup -f --show "$img")
     # no lazy init: the first runs would otherwise share the device with ext4's own zeroing
-    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$dev"
+    if [ "${LOOP_FS:-ext4}" = xfs ]; then
+      "${MKFS_XFS:-mkfs.xfs}" -q -f "$dev"
+    else
+      mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$dev"
+    fi
     mkdir -p "$mnt"
     mount -o noatime "$dev" "$mnt"
     chmod 700 "$mnt"

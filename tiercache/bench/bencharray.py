@@ -15,9 +15,16 @@ Per block size (16 KiB to 2 MiB by default), in directories ``<Di>/array-bench-<
 3. **the row store** (the vLLM tier's path, :class:`~tiercache.RowStore` over the same
    directories): stores and loads of ``total_bytes`` in jobs of ``per_job`` rows, all jobs
    submitted at once, loads checked byte for byte.
+4. **the format's own limit** (:func:`~tiercache.bench.formatlimit.format_limit`): C threads
+   that do only a block file's open, O_DIRECT write or read, close and (writes) rename, at
+   the best of several in-flight counts; the limit of one file per block on these file
+   systems, beside fio's large files.
+5. **a plain caller** (:func:`~tiercache.bench.plaincaller.plain_caller`): ``TierCache`` with
+   default settings, ``put`` + ``offload`` of ``batch`` blocks at a time, and a fresh process
+   that ``get``s them in random order: what an engine calling the API gets without tuning.
 
 Each tiercache figure is reported as GB/s and as its ratio to fio's best of the same direction
-in the same run; the cache's paths also give the process's CPU time per block (user and system,
+in the same run (and to the format's limit); the cache's paths also give the process's CPU time per block (user and system,
 all threads) over the timed phase, and the cores its Python threads (one GIL) and its native
 threads kept busy. Writes use ``fsync`` (default ``none``, as fio's ``end_fsync=1``: one flush
 at the end). ``repeat`` alternated passes give the median and range of each ratio.
@@ -35,6 +42,8 @@ import numpy as np
 from tiercache.bench.fiobase import best_fio
 from tiercache.bench.fiorun import run_job
 from tiercache.bench.fiospec import FioJob
+from tiercache.bench.formatlimit import format_limit
+from tiercache.bench.plaincaller import plain_caller
 from tiercache.errors import ConfigError
 
 DEFAULT_SIZES = (16 << 10, 64 << 10, 256 << 10, 2 << 20)
@@ -88,13 +97,15 @@ def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_thre
 def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:file",), total_bytes: int = 1 << 30,
                     iodepth: int = 128, batch: int = 32, numjobs: int = 1, io_threads: int | None = None, per_job: int = 32,
                     fsync: str = "none",
-                    rowstore: bool = True, fio: bool = True, fio_runtime: float = 2.0, repeat: int = 1,
+                    rowstore: bool = True, limit: bool = True, plain: bool = True, fio: bool = True, fio_runtime: float = 2.0, repeat: int = 1,
                     seed: int | None = None, log=print) -> dict:
     """Run the job (module docstring) over ``roots`` (one directory per device); returns a
     JSON-ready report: per block size, fio's best (read and write, GB/s and its grid point),
     and per tiercache path its GB/s and ratio to fio's best (median and range over passes).
     ``io_threads``: the file tier's I/O threads (default: one per request in flight,
-    ``numjobs * ceil(iodepth / batch)``, which the row store gets too).
+    ``numjobs * ceil(iodepth / batch)``, which the row store gets too). ``limit`` and
+    ``plain``: also the format's limit (a baseline: not with ``fio=False``) and the plain
+    caller (module docstring).
 
     Raises:
         ConfigError: no roots, a block size that is not a positive multiple of 4096, or a
@@ -118,10 +129,18 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
         for bs in block_sizes:
-            row: dict = {"block_bytes": bs, "fio": [], "paths": {}}
+            row: dict = {"block_bytes": bs, "fio": [], "limit": [], "paths": {}}
             for p in range(repeat):
                 best = best_fio(dirs, bs, total_bytes, fio_runtime) if fio else {}
                 row["fio"].append(best)
+                lim = format_limit(dirs, bs, total_bytes, seed=seed + p) if limit and fio else {}
+                row["limit"].append(lim)
+                if lim:
+                    row["fs"] = lim["fs"]
+                    for op in ("write", "read"):
+                        row["paths"].setdefault(f"format limit {op}", []).append(
+                            {"gbps": lim[f"{op}_gbps"], "fio_gbps": best.get(f"{op}_gbps"),
+                             "inflight": lim[f"{op}_inflight"], "cpu_us_per_block": lim["cpu_us_per_block"][op]})
                 for pair in tiers:
                     for rw, op in (("write", "write"), ("randread", "read")):
                         job = FioJob(name=f"arr{bs >> 10}k{rw}", rw=rw, bs=bs, size=max(bs, total_bytes // numjobs),
@@ -130,7 +149,7 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
                         rec = run_job(job, dirs, io_threads=io_threads, log=log, fsync=fsync)
                         gbps = rec[op]["bw_bytes"] / 1e9
                         row["paths"].setdefault(f"{pair} {op}", []).append(
-                            {"gbps": gbps, "fio_gbps": best.get(f"{op}_gbps"),
+                            {"gbps": gbps, "fio_gbps": best.get(f"{op}_gbps"), "limit_gbps": lim.get(f"{op}_gbps"),
                              "path": rec["tiercache"]["path"], "verified": rec["tiercache"].get("verified_blocks"),
                              "cpu_us_per_block": rec["tiercache"].get("cpu_us_per_block"),
                              "cores_by_thread": rec["tiercache"].get("cores_by_thread")})
@@ -139,13 +158,23 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
                     for op, fio_op in (("store", "write"), ("load", "read")):
                         row["paths"].setdefault(f"rowstore {op}", []).append(
                             {"gbps": rs[f"{op}_gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"),
-                             "verified": rs["verified_rows"]})
+                             "limit_gbps": lim.get(f"{fio_op}_gbps"), "verified": rs["verified_rows"]})
+                if plain:
+                    pc = plain_caller(dirs, bs, total_bytes, batch=batch, seed=seed + p)
+                    for op, fio_op in (("offload", "write"), ("get", "read")):
+                        r = pc[fio_op]
+                        row["paths"].setdefault(f"plain {op}", []).append(
+                            {"gbps": r["gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"),
+                             "limit_gbps": lim.get(f"{fio_op}_gbps"), "verified": r["blocks"],
+                             "cpu_us_per_block": r["cpu_us_per_block"]})
                 log(format_size(row, partial=True))
             for name, runs in row["paths"].items():
                 ratios = [r["gbps"] / r["fio_gbps"] for r in runs if r.get("fio_gbps")]
+                of_limit = [r["gbps"] / r["limit_gbps"] for r in runs if r.get("limit_gbps")]
                 row["paths"][name] = {"runs": runs, "gbps_median": _median([r["gbps"] for r in runs]),
                                       **({"ratio_median": _median(ratios), "ratio_range": [min(ratios), max(ratios)]}
-                                         if ratios else {})}
+                                         if ratios else {}),
+                                      **({"limit_ratio_median": _median(of_limit)} if of_limit else {})}
             report["sizes"].append(row)
         report["ok"] = True  # every phase verified its bytes (a mismatch raises)
     finally:
@@ -158,28 +187,34 @@ def format_size(row: dict, partial: bool = False) -> str:
     """One block size's lines: fio's best, then each path's GB/s and ratio."""
     bs = row["block_bytes"]
     lines = []
+    fs = f" on {', '.join(sorted(set(row['fs'])))}" if row.get("fs") else ""
     for i, best in enumerate(row["fio"][-1:] if partial else row["fio"]):
         if best.get("error"):
             lines.append(f"{bs >> 10:>6} KiB  fio: {best['error']}")
         elif best:
-            lines.append(f"{bs >> 10:>6} KiB  fio's best: read {best.get('read_gbps', 0):.2f} GB/s "
+            lines.append(f"{bs >> 10:>6} KiB{fs}  fio's best: read {best.get('read_gbps', 0):.2f} GB/s "
                          f"({best.get('read_config')}), write {best.get('write_gbps', 0):.2f} GB/s ({best.get('write_config')})")
     for name, v in row["paths"].items():
         runs = v["runs"] if isinstance(v, dict) else v
         last = runs[-1] if partial else None
         if partial:
             ratio = f"{last['gbps'] / last['fio_gbps']:.2f} of fio" if last.get("fio_gbps") else ""
+            if last.get("limit_gbps"):
+                ratio += f", {last['gbps'] / last['limit_gbps']:.2f} of the limit"
             lines.append(f"          {name:<22} {last['gbps']:6.2f} GB/s  {ratio}{_cpu_text(last)}")
         else:
             rng = v.get("ratio_range")
             ratio = (f"{v['ratio_median']:.2f} of fio ({rng[0]:.2f}-{rng[1]:.2f})" if rng else "")
+            if "limit_ratio_median" in v:
+                ratio += f", {v['limit_ratio_median']:.2f} of the limit"
             lines.append(f"          {name:<22} {v['gbps_median']:6.2f} GB/s  {ratio}{_cpu_text(runs[len(runs) // 2])}")
     return "\n".join(lines)
 
 
 def _cpu_text(run: dict) -> str:
     cpu, cores = run.get("cpu_us_per_block"), run.get("cores_by_thread")
-    text = f"  CPU {cpu['user']:.0f} us user + {cpu['sys']:.0f} us sys per block" if cpu else ""
+    text = f"  {run['inflight']} files in flight;" if run.get("inflight") else ""
+    text += f"  CPU {cpu['user']:.0f} us user + {cpu['sys']:.0f} us sys per block" if cpu else ""
     if cores:
         text += (f"; cores: Python threads {cores['python_user']:.2f} user + {cores['python_sys']:.2f} sys, "
                  f"native {cores['native_user']:.2f} + {cores['native_sys']:.2f}")
