@@ -405,6 +405,7 @@ def array_cmd(
     numjobs: Annotated[int, typer.Option(help="Jobs (threads) per fio-style run.", min=1, max=64)] = 1,
     io_threads: Annotated[Optional[int], typer.Option(help="The file tier's I/O threads (default: one per request in flight, numjobs x iodepth / batch).", min=1, max=256)] = None,
     fsync: Annotated[str, typer.Option(help="The file tier's fsync policy during the writes (none: as fio's end_fsync=1).")] = "none",
+    io_engine: Annotated[str, typer.Option(help="The file tier's io_engine on the tuned paths and the row store (auto, io_uring, threads, python).")] = "auto",
     rowstore: Annotated[bool, typer.Option(help="Also the row store (the vLLM tier's path).")] = True,
     format_limit: Annotated[bool, typer.Option(help="Also the format's own limit (C threads: open, O_DIRECT write or read, close, rename; no engine; a baseline, skipped with --no-baseline).")] = True,
     plain_caller: Annotated[bool, typer.Option(help="Also a plain caller: TierCache with default settings, offload and get in fresh processes.")] = True,
@@ -418,16 +419,19 @@ def array_cmd(
     from tiercache.bench.bencharray import DEFAULT_SIZES, format_array, run_array_bench
     from tiercache.bench.fiospec import parse_size
     from tiercache.cuda import cuda_status
-    from tiercache.settings import FSYNC_POLICIES
+    from tiercache.settings import FSYNC_POLICIES, IO_ENGINES
 
     if fsync not in FSYNC_POLICIES:
         _fail(f"--fsync {fsync!r}: choose one of {', '.join(FSYNC_POLICIES)}")
+    if io_engine not in IO_ENGINES:
+        _fail(f"--io-engine {io_engine!r}: choose one of {', '.join(IO_ENGINES)}")
     pairs = tuple(tiers) if tiers else ("host:file",) + (("device:file",) if cuda_status().available else ())
     try:
         sizes = tuple(parse_size(b, "--bs") for b in bs) if bs else DEFAULT_SIZES
         rep = run_array_bench([Path(r) for r in root], block_sizes=sizes, tiers=pairs,
                               total_bytes=parse_size(size, "--size"), iodepth=iodepth, batch=batch, per_job=rows_per_job, numjobs=numjobs,
-                              io_threads=io_threads, fsync=fsync, rowstore=rowstore, limit=format_limit,
+                              io_threads=io_threads, fsync=fsync, io_engine=io_engine, rowstore=rowstore,
+                              limit=format_limit,
                               plain=plain_caller, fio=not no_baseline,
                               repeat=repeat, seed=seed, log=_log(output_format))
     except TierCacheError as exc:

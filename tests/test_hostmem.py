@@ -118,3 +118,51 @@ def test_toml_key(tmp_path):
     p.write_text("[tiers]\nhost_slots = 2\nhost_huge_pages = 'off'\n[pools.a]\nblock_shape = [16]\ndtype = 'uint8'\n")
     assert load_config(p).host_huge_pages == "off"
     assert isinstance(load_config(p), CacheConfig)
+
+
+def test_recycled_arrays_come_back_only_when_every_view_is_gone(rng):
+    """get()'s new arrays reuse the memory of arrays let go: page-aligned, reused only once the
+    array and every view over it are gone (a view alive keeps its bytes: nothing else is handed
+    the same memory), and the pool stays within its bound."""
+    import gc
+
+    from tiercache.memory import recycled
+
+    size = int(rng.integers(1, 5)) * (1 << 20) + int(rng.integers(0, 4096))
+    a = recycled.recycled_empty(size)
+    assert a.nbytes == size and a.ctypes.data % 4096 == 0
+    a[:] = rng.integers(0, 256, size, dtype=np.uint8)
+    keep = a[size // 2:].reshape(-1)  # a view outlives its array
+    want = keep.copy()
+    addr = a.ctypes.data
+    del a
+    gc.collect()
+    others = [recycled.recycled_empty(size) for _ in range(3)]
+    for o in others:
+        assert o.ctypes.data != addr  # not handed out while the view lives
+        o[:] = 0xAB
+    assert np.array_equal(keep, want)
+    del keep
+    gc.collect()
+    del others
+    gc.collect()
+    assert recycled.pool_stats()["kept_bytes"] <= recycled.POOL_BYTES
+
+
+def test_recycled_memory_is_reused_without_new_pages():
+    """A second array of the same size after the first is let go takes its pages: no new
+    page faults (what a loop of get() calls without ``out`` does)."""
+    import resource
+
+    from tiercache.memory import recycled
+
+    size = 8 << 20
+    x = recycled.recycled_empty(size)
+    x[::4096] = 1
+    addr = x.ctypes.data
+    del x
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y = recycled.recycled_empty(size)
+    y[::4096] = 2
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert y.ctypes.data == addr and faults < 64, faults

@@ -186,11 +186,12 @@ def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng,
 
 
 def test_where_reading_is_slower_than_recomputing_prefixes_are_recomputed(tmp_path, rng):
-    """load_policy 'faster': once the engine's own steps and loads say reading a
+    """load_policy 'faster' (the default): once the engine's own steps and loads say reading a
     block takes longer than computing it, lookups answer no hit (one in PROBE_EVERY still
     loads); 'always' keeps loading."""
     from tiercache.integrations.loadcost import PROBE_EVERY
 
+    assert parse_config({"root": "/x"})["load_policy"] == "faster"
     hashes = [rng.bytes(32) for _ in range(4)]
     a = _Engine(tmp_path)
     _store(a, "r1", hashes, 4 * BS, [1, 2, 3, 4])

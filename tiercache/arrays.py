@@ -98,15 +98,17 @@ def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
     return buf[skip:skip + nbytes]
 
 
-def host_output(pool: PoolSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
+def host_output(pool: PoolSpec, n: int, alloc=aligned_empty) -> tuple[np.ndarray, np.ndarray]:
     """A new host array for ``n`` blocks of ``pool``: ``(typed_or_raw, raw_view)``; typed where
     NumPy has the dtype (bfloat16/fp8 need ``ml_dtypes``), else raw ``uint8``. The array starts
     on a page boundary (4096 bytes), so that the file tier reads whole-page blocks into it with
     O_DIRECT, straight from the device (NumPy's own allocation starts 16 bytes into a page,
-    which sent those reads through the page cache: an extra copy per block)."""
+    which sent those reads through the page cache: an extra copy per block). ``alloc(nbytes)``
+    gives the page-aligned ``uint8`` memory (the cache passes
+    :func:`tiercache.memory.recycled_empty`, which reuses the memory of arrays let go)."""
     from tiercache.dtypes import numpy_dtype
 
-    raw = aligned_empty(n * pool.block_nbytes).reshape(n, pool.block_nbytes)
+    raw = alloc(n * pool.block_nbytes).reshape(n, pool.block_nbytes)
     dt = numpy_dtype(pool.dtype)
     if dt is None:
         return raw, raw

@@ -33,7 +33,7 @@ from tiercache.errors import (
 )
 from tiercache.files import FileTier, IOPath, block_subdir_index, select_io_path, write_stats
 from tiercache.keys import Key, format_keys, normalize_keys
-from tiercache.memory import MemoryTier, make_device_tier, make_host_tier
+from tiercache.memory import MemoryTier, make_device_tier, make_host_tier, recycled_empty
 from tiercache.placement import TIER_ORDER, BlockMover, FileIndex, Placement
 from tiercache.serving import EngineSlots, OnboardHandle, PreparedOnboard
 from tiercache.transfer import LATENCY_BUCKETS_S, Job, TransferEngine
@@ -482,7 +482,7 @@ class TierCache:
             else:
                 name = self._pool_name(pool)
                 if out is None:
-                    result, raw = host_output(self.config.pool(name), len(ks))
+                    result, raw = host_output(self.config.pool(name), len(ks), recycled_empty)
                     outs = {name: raw}
                 else:
                     result = out

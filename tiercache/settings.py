@@ -161,8 +161,8 @@ class FileSettings(_Section):
     verify_checksums: bool = _s(True, "check each block file's XXH3-64 when it is read")
     io_threads: int = _s(8, "file I/O threads (tiercache's and kvikio's); reads that wait for nothing go ahead "
                          "of queued writes", lo=1, hi=MAX_IO_THREADS)
-    io_engine: str = _s("auto", "who runs the per-file system calls: auto (io_uring where rings can be set "
-                        "up, else threads, else python), io_uring, threads, python", choices=IO_ENGINES)
+    io_engine: str = _s("auto", "who runs the per-file system calls: auto (the C threads where the native "
+                        "library builds, else python), io_uring, threads, python", choices=IO_ENGINES)
     capacity_bytes: int = _s(0, "bytes the file tier may take on disk (0: no byte limit; file_slots still "
                              "holds); least recently used blocks are deleted beyond it", lo=0, hi=2**62)
     direct_io: bool = _s(True, "O_DIRECT block files where block sizes are multiples of 4096 (cold reads 97% "

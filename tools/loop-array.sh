@@ -18,7 +18,7 @@ up)
   [ "$(id -u)" = 0 ] || { echo "loop-array.sh: needs root (losetup, mkfs, mount)" >&2; exit 2; }
   mkdir -p "$base"
   for i in $(seq 0 $((n - 1))); do
-    img=/dev/shm/tcarray-d$i.img
+    img=/dev/shm/tcarray-$(basename "$base")-d$i.img  # one backing file per base: never two file systems on one
     mnt=$base/d$i
     if mountpoint -q "$mnt"; then echo "$mnt"; continue; fi
     truncate -s "$size" "$img"
@@ -46,10 +46,11 @@ down)
     rmdir "$mnt" 2>/dev/null || true
   done
   # loop devices left attached to our files (a mount that failed half-way)
-  { losetup -a | grep -o '^/dev/loop[0-9]*:.*tcarray-d[0-9]*\.img' || true; } | cut -d: -f1 | while read -r dev; do
+  tag=tcarray-$(basename "$base")
+  { losetup -a | grep -o "^/dev/loop[0-9]*:.*$tag-d[0-9]*\.img" || true; } | cut -d: -f1 | while read -r dev; do
     losetup -d "$dev" 2>/dev/null || true
   done
-  rm -f /dev/shm/tcarray-d*.img ;;
+  rm -f /dev/shm/"$tag"-d*.img ;;
 status)
   base=${2:-/mnt/tcarray}
   found=0

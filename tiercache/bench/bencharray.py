@@ -55,7 +55,7 @@ def _median(vals: list[float]) -> float:
 
 
 def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_threads: int, fsync: str,
-              seed: int) -> dict:
+              seed: int, io_engine: str = "auto") -> dict:
     """Row store stores and loads of ``total_bytes`` over ``dirs``; GB/s each way."""
     from tiercache import RowStore
     from tiercache.memory import alloc_host
@@ -68,7 +68,7 @@ def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_thre
     out: dict = {}
     roots = [d / "rowstore" for d in dirs]
     with RowStore(rows, roots if len(roots) > 1 else roots[0], capacity_blocks=RowStore.blocks_for(n + per_job),
-                  fsync=fsync, io_threads=io_threads) as st:
+                  fsync=fsync, io_threads=io_threads, io_engine=io_engine) as st:
         for op in ("store", "load"):
             if op == "load":
                 rows[:] = 0
@@ -96,15 +96,16 @@ def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_thre
 
 def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:file",), total_bytes: int = 1 << 30,
                     iodepth: int = 128, batch: int = 32, numjobs: int = 1, io_threads: int | None = None, per_job: int = 32,
-                    fsync: str = "none",
+                    fsync: str = "none", io_engine: str = "auto",
                     rowstore: bool = True, limit: bool = True, plain: bool = True, fio: bool = True, fio_runtime: float = 2.0, repeat: int = 1,
                     seed: int | None = None, log=print) -> dict:
     """Run the job (module docstring) over ``roots`` (one directory per device); returns a
     JSON-ready report: per block size, fio's best (read and write, GB/s and its grid point),
     and per tiercache path its GB/s and ratio to fio's best (median and range over passes).
     ``io_threads``: the file tier's I/O threads (default: one per request in flight,
-    ``numjobs * ceil(iodepth / batch)``, which the row store gets too). ``limit`` and
-    ``plain``: also the format's limit (a baseline: not with ``fio=False``) and the plain
+    ``numjobs * ceil(iodepth / batch)``, which the row store gets too). ``io_engine``: the
+    file tier's engine on the tuned paths and the row store (the plain caller keeps the
+    default). ``limit`` and ``plain``: also the format's limit (a baseline: not with ``fio=False``) and the plain
     caller (module docstring).
 
     Raises:
@@ -122,7 +123,7 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
     dirs = [Path(r) / f"array-bench-{os.getpid()}" for r in roots]
     report: dict = {"job": "array", "roots": [str(r) for r in roots], "total_bytes": total_bytes, "iodepth": iodepth,
                     "batch": batch, "rows_per_job": per_job,
-                    "numjobs": numjobs, "io_threads": io_threads, "fsync": fsync, "repeat": repeat, "seed": seed,
+                    "numjobs": numjobs, "io_threads": io_threads, "io_engine": io_engine, "fsync": fsync, "repeat": repeat, "seed": seed,
                     "host": os.uname().nodename, "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M"),
                     "sizes": []}
     try:
@@ -145,7 +146,7 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
                     for rw, op in (("write", "write"), ("randread", "read")):
                         job = FioJob(name=f"arr{bs >> 10}k{rw}", rw=rw, bs=bs, size=max(bs, total_bytes // numjobs),
                                      iodepth=iodepth, iodepth_batch=min(batch, iodepth), numjobs=numjobs, tiers=pair,
-                                     baseline="none", verify=True)
+                                     baseline="none", verify=True, ioengine=io_engine)
                         rec = run_job(job, dirs, io_threads=io_threads, log=log, fsync=fsync)
                         gbps = rec[op]["bw_bytes"] / 1e9
                         row["paths"].setdefault(f"{pair} {op}", []).append(
@@ -154,7 +155,7 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
                              "cpu_us_per_block": rec["tiercache"].get("cpu_us_per_block"),
                              "cores_by_thread": rec["tiercache"].get("cores_by_thread")})
                 if rowstore:
-                    rs = _rowstore(dirs, bs, total_bytes, per_job, io_threads, fsync, seed + p)
+                    rs = _rowstore(dirs, bs, total_bytes, per_job, io_threads, fsync, seed + p, io_engine)
                     for op, fio_op in (("store", "write"), ("load", "read")):
                         row["paths"].setdefault(f"rowstore {op}", []).append(
                             {"gbps": rs[f"{op}_gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"),
@@ -226,6 +227,6 @@ def format_array(report: dict) -> str:
             f"{report['total_bytes'] >> 20} MiB per phase, iodepth {report['iodepth']} in requests of "
             f"{report.get('batch', report['iodepth'] // 4)}, row store jobs of {report.get('rows_per_job', 32)}, "
             f"numjobs {report['numjobs']}, "
-            f"{report['io_threads']} I/O threads, fsync {report['fsync']}, {report['repeat']} pass(es), "
+            f"{report['io_threads']} I/O threads, io_engine {report.get('io_engine', 'auto')}, fsync {report['fsync']}, {report['repeat']} pass(es), "
             f"{report['cores']} cores, {report['when']}")
     return "\n".join([head] + [format_size(row) for row in report["sizes"]])

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiercache.files.blockfile import FANOUT, SUBDIRS, file_size
+from tiercache.files import FANOUT, SUBDIRS, file_size
 
 #: files in flight (threads) tried; the best of each direction is reported
 INFLIGHT = (1, 16, 32, 128)

@@ -30,7 +30,7 @@ def _config(roots: list[str], bs: int, n: int, batch: int):
     from tiercache import CacheConfig, PoolSpec
 
     return CacheConfig([PoolSpec("kv", (bs,), "uint8")], host_slots=batch, file_slots=n + batch,
-                       roots=roots if len(roots) > 1 else roots[0], fsync="none")
+                       fsync="none", **({"roots": roots} if len(roots) > 1 else {"root": roots[0]}))
 
 
 def _blocks(seed: int, batch: int, bs: int) -> np.ndarray:

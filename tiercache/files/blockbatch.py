@@ -102,6 +102,21 @@ def _is_host(buf) -> bool:
     return isinstance(buf, (np.ndarray, memoryview))
 
 
+def _staged(buf, direct_io: bool) -> bool:
+    """Whether a block's buffer goes through the thread's pinned staging: a device buffer
+    (POSIX path), or with O_DIRECT a host buffer of whole pages that does not start on a page
+    (NumPy's own arrays start 16 bytes into one). Written or read in place, such a buffer would
+    take the page cache, and a later O_DIRECT read of the file would first wait for that
+    cache's writeback: 2 MiB reads over RAM-backed ext4 ran at a quarter of the speed of reads
+    of files written with O_DIRECT (benchmarks/request_python.py)."""
+    if not _is_host(buf):
+        return True
+    if not direct_io or buf.nbytes % ALIGN:
+        return False
+    arr = buf if isinstance(buf, np.ndarray) else np.asarray(buf)
+    return arr.__array_interface__["data"][0] % ALIGN != 0
+
+
 class Outcome:
     """The outcome of a set of blocks (a chunk of a request, or a group commit's request):
     one event for all of them, the errors of those that failed (by index), and callbacks
@@ -381,11 +396,12 @@ class BlockBatches:
 
     # -- request -> chunks -------------------------------------------------------------------
     @staticmethod
-    def chunks(items: list[tuple[Key, dict]]) -> list[list[int]]:
+    def chunks(items: list[tuple[Key, dict]], direct_io: bool = False) -> list[list[int]]:
         """Indices of ``items`` cut into chunks of whole blocks: as few as hold at most
         :data:`MAX_CHUNK_FILES` files each (a request of up to 64 files is one native call,
         its files all in flight on one io_uring ring or the C threads), evened out, and at most
-        :data:`STAGING_BYTES` of device buffers. Cutting a 32-block request into quarters, as
+        :data:`STAGING_BYTES` of buffers that go through staging (:func:`_staged`; ``direct_io``:
+        the tier's O_DIRECT setting). Cutting a 32-block request into quarters, as
         before, doubled the Python work per block around the native calls: on an H100 machine
         with four RAM-backed devices, 256 KiB blocks in 32-block requests read at 12.5 GB/s as
         one chunk against 6.2 as four (docs/performance.md, "Several devices: root arrays")."""
@@ -396,7 +412,7 @@ class BlockBatches:
         cur: list[int] = []
         files = staged = 0
         for i, (_, bufs) in enumerate(items):
-            dev = sum(align_up(b.nbytes) for b in bufs.values() if not _is_host(b))
+            dev = sum(align_up(b.nbytes) for b in bufs.values() if _staged(b, direct_io))
             if cur and (files + len(bufs) > target or staged + dev > STAGING_BYTES):
                 out.append(cur)
                 cur, files, staged = [], 0, 0
@@ -408,18 +424,21 @@ class BlockBatches:
         return out
 
     def _staging(self, nbytes: int) -> np.ndarray:
-        """This thread's pinned staging buffer of at least ``nbytes`` (page-aligned)."""
+        """This thread's staging buffer of at least ``nbytes`` (page-aligned; pinned where CUDA
+        is usable: device buffers go through it)."""
         buf = getattr(self._local, "staging", None)
         if buf is None or buf.nbytes < nbytes:
             from tiercache.memory import alloc_host
 
-            buf, owner = alloc_host(max(nbytes, 1 << 20), pinned=True)
+            buf, owner = alloc_host(max(nbytes, 1 << 20), pinned=None)
             self._local.staging, self._local.owner = buf, owner
         return buf
 
-    def _layout(self, idx: list[int], items, skip, errors: dict) -> list[tuple[int, Key, PoolSpec, object, np.ndarray]]:
+    def _layout(self, idx: list[int], items, skip, errors: dict) -> tuple[list[tuple], list[tuple]]:
         """Per file of the chunk's blocks that are not skipped: ``(item, key, pool, buffer,
-        host view)``, the host view being the buffer itself or a slice of pinned staging."""
+        host view)``, the host view being the buffer itself or a slice of pinned staging
+        (:func:`_staged`); and ``[(j, buffer view, staging view)]`` of the host buffers staged
+        (file ``j``: copied into staging before a write, out of it after a read)."""
         files = []
         dev_bytes = 0
         for i in idx:
@@ -429,22 +448,28 @@ class BlockBatches:
                 continue
             key, bufs = items[i]
             for name, buf in bufs.items():
-                files.append((i, key, self.pools[name], buf))
-                if not _is_host(buf):
+                staged = _staged(buf, self.direct_io)
+                files.append((i, key, self.pools[name], buf, staged))
+                if staged:
                     dev_bytes += align_up(buf.nbytes)
         staging = self._staging(dev_bytes) if dev_bytes else None
-        out, at = [], 0
-        for i, key, pool, buf in files:
+        out, bounce, at = [], [], 0
+        for i, key, pool, buf, staged in files:
+            view = None
             if _is_host(buf):
-                host = np.asarray(buf)
-                if not host.flags.c_contiguous:
+                view = np.asarray(buf)
+                if not view.flags.c_contiguous:
                     raise ValueError(f"block buffer of pool {pool.name!r} is not contiguous")
-                host = host.reshape(-1).view(np.uint8)
-            else:
+                view = view.reshape(-1).view(np.uint8)
+            if staged:
                 host = staging[at:at + buf.nbytes]
                 at += align_up(buf.nbytes)
+                if view is not None:
+                    bounce.append((len(out), view, host))
+            else:
+                host = view
             out.append((i, key, pool, buf, host))
-        return out
+        return out, bounce
 
     def _ops(self, files) -> Ops:
         ops = Ops(len(files), self.native.heads(len(files)))
@@ -471,7 +496,7 @@ class BlockBatches:
         """Read ``items`` (``[(key, {pool: buffer})]``) into their buffers; see
         :meth:`~tiercache.files.FileTier.submit`."""
         out: list = [None] * len(items)
-        for idx in self.chunks(items):
+        for idx in self.chunks(items, self.direct_io):
             outcome = Outcome()
             for i in idx:
                 out[i] = (items[i][0], BlockFuture(outcome, i))
@@ -482,7 +507,7 @@ class BlockBatches:
         errors: dict[int, BaseException] = {}
         try:
             before_io(idx[0], deps, delay_s, None)
-            files = self._layout(idx, items, skip, errors)
+            files, bounce = self._layout(idx, items, skip, errors)
             ops = self._ops(files)
             paths = [self.dir.block_path(key, pool.name) for _, key, pool, _, _ in files]
             names = [p.name for p in paths]
@@ -524,6 +549,9 @@ class BlockBatches:
                 if self.open_files is not None:
                     self.open_files.release(held)
             self._device_copies([(buf, host) for i, buf, host in to_device if i not in errors])
+            for j, view, host in bounce:
+                if files[j][0] not in errors:
+                    np.copyto(view, host)
         except BaseException as exc:
             for i in idx:
                 errors.setdefault(i, exc)
@@ -585,7 +613,7 @@ class BlockBatches:
     def submit_write(self, items, deps=(), delay_s: float = 0.0, skip=None) -> list[tuple[Key, BlockFuture]]:
         """Write ``items`` (``[(key, {pool: buffer})]``) to their files; see
         :meth:`~tiercache.files.FileTier.submit`."""
-        chunks = self.chunks(items)
+        chunks = self.chunks(items, self.direct_io)
         n_files = sum(len(bufs) for _, bufs in items)
         out: list = [None] * len(items)
         group = None
@@ -608,8 +636,10 @@ class BlockBatches:
         staged: dict[int, list] = {}
         try:
             before_io(idx[0], deps, delay_s, None)
-            files = self._layout(idx, items, skip, errors)
+            files, bounce = self._layout(idx, items, skip, errors)
             self._device_copies([(host, buf) for _, _, _, buf, host in files if not _is_host(buf)])
+            for _, view, host in bounce:
+                np.copyto(host, view)
             ops = self._ops(files)
             publish = group is None
             flags = (PUBLISH | (FDATASYNC if self.fsync != "none" else 0)) if publish else 0

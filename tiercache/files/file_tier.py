@@ -25,7 +25,7 @@ import numpy as np
 
 from tiercache.errors import CorruptBlockError
 from tiercache.files import kvikio_io, posix_io
-from tiercache.files.batchio import NativeIO, choose_engine
+from tiercache.files.batchio import NativeIO, choose_engine, native_threads
 from tiercache.files.blockbatch import BlockBatches, GroupCommit, before_io, python_rename_all, settle_futures
 from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, file_size, parse_filename
 from tiercache.files.iopath import IOPath
@@ -162,7 +162,8 @@ class FileTier:
         #: the native engine's held descriptors and free files (None with the python engine)
         self.open_files: OpenFiles | None = None
         if self.engine in ("io_uring", "threads"):
-            self._native = NativeIO(io_threads, uring=self.engine == "io_uring")
+            self._native = NativeIO(native_threads(self.engine, io_threads, len(self.dir.members)),
+                                    uring=self.engine == "io_uring")
             if open_files and not self.shared:  # shared: see the open_files argument
                 sizes = len({file_size(p.block_nbytes) for p in pools})
                 want = num_slots * len(pools) + FREE_FILES * sizes if open_files < 0 else open_files

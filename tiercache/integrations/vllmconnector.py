@@ -76,7 +76,7 @@ DEFAULTS: dict[str, Any] = {
     "root": None, "capacity_bytes": 0, "capacity_blocks": None, "sharing": "exclusive", "fsync": "data",
     "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
-    "copy_streams": "compute", "load_policy": "always",
+    "copy_streams": "compute", "load_policy": "faster",
 }
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of

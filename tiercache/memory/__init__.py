@@ -14,10 +14,11 @@ Depends on the foundation modules only (errors, dtypes, geometry, cuda).
 from .hostmem import HUGE_PAGE_MODES, PAGE, alloc_host, free_huge_pages, huge_page_bytes, is_pinned
 from .memcopy import MEMCPY_DEFAULT, copy_many_sync, copy_sync, data_ptr
 from .memory_tier import MemoryTier, make_device_tier, make_host_tier
+from .recycled import recycled_empty
 from .streams import EventPool, StreamPool, as_cupy_stream, copy_stream
 
 __all__ = [
     "EventPool", "HUGE_PAGE_MODES", "MEMCPY_DEFAULT", "MemoryTier", "PAGE", "StreamPool",
     "alloc_host", "as_cupy_stream", "copy_many_sync", "copy_stream", "copy_sync", "data_ptr", "free_huge_pages",
-    "huge_page_bytes", "is_pinned", "make_device_tier", "make_host_tier",
+    "huge_page_bytes", "is_pinned", "make_device_tier", "make_host_tier", "recycled_empty",
 ]
