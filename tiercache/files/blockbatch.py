@@ -632,6 +632,10 @@ class BlockBatches:
         return out
 
     def _write_chunk(self, idx, items, outcome: Outcome | None, deps, delay_s, skip, group: GroupCommit | None) -> None:
+        """One chunk of a write request (a task of the I/O threads): stage device and unaligned
+        buffers, make the headers, choose each file's name (a free file or a new temporary
+        one), write them in one native call, then publish or stage them for the group commit
+        (``group``), and settle the chunk's blocks."""
         errors: dict[int, BaseException] = {}
         staged: dict[int, list] = {}
         try:
@@ -642,90 +646,13 @@ class BlockBatches:
                 np.copyto(host, view)
             ops = self._ops(files)
             publish = group is None
-            flags = (PUBLISH | (FDATASYNC if self.fsync != "none" else 0)) if publish else 0
-            of = self.open_files
-            reused: list[Entry | None] = [None] * len(files)
             paths = [self.dir.block_path(key, pool.name) for _, key, pool, _, _ in files]
             ops.dirs = np.fromiter((p.dir_fd for p in paths), np.int32, len(paths))
-            # the usual headers are made by the C threads (checksum, then header: MAKEHEAD) in the
-            # write call itself; a header with extra metadata is encoded here
-            native_heads = self.native_hash and not (self.block_meta and any(
-                self.block_meta.get(key) for _, key, _, _, _ in files))
-            if native_heads:
-                self._expect_tails(ops, files)
-                ops.flags |= MAKEHEAD
-            else:
-                if self.native_hash:  # every file's XXH3-64 on the C threads
-                    self.native.run(HASHONLY, self.dir.fd, ops)
-                for j, (i, key, pool, _, host) in enumerate(files):
-                    digest = int(ops.hash[j]) if self.native_hash else checksum(host)
-                    ops.heads[j] = np.frombuffer(encode_header(key, pool, digest, self.block_meta.get(key)), np.uint8)
+            self._write_heads(ops, files)
             finals = [p.name for p in paths]
-            # free files and reservations are taken for the whole batch at once: nothing below
-            # raises before the write call
-            plan = of.plan_writes(list(zip(ops.file_len.tolist(), ops.dirs.tolist(), finals)), publish) \
-                if of is not None else None
-            for j, (i, key, pool, _, host) in enumerate(files):
-                final = finals[j]
-                free, reserved, exchange, move = plan[j] if plan is not None else (None, False, False, False)
-                if move:
-                    # a large file: one free elsewhere is moved here (a rename) rather than allocated
-                    free = of.take_free(int(ops.file_len[j]), int(ops.dirs[j]))
-                    reserved = free is None and of.reserve()
-                if free is not None:  # a free file of this size: written through its descriptor
-                    ops.names.append(free[0].encode())
-                    ops.fd[j] = free[1].fd
-                    reused[j] = free[1]
-                    ops.flags[j] |= KEEP_DIRECT if free[1].direct else 0
-                else:
-                    ops.names.append(posix_io.tmp_name(final).encode())
-                    ops.flags[j] |= self._keep(ops, j) if reserved else 0
-                ops.finals.append(final.encode())
-                ops.flags[j] |= flags | (EXCHANGE if exchange else 0)
+            reused = self._write_names(ops, files, finals, publish)
             self.native.run(WRITE, self.dir.fd, ops)
-            io_failed: set[int] = set()
-            entries: list[Entry | None] = [None] * len(files)
-            published: list[tuple[int, tuple]] = []
-            for j, (i, *_rest) in enumerate(files):
-                if reused[j] is not None:
-                    entries[j] = reused[j]
-                elif ops.flags[j] & KEEP:  # a reserved descriptor: kept (fd >= 0) or not
-                    entries[j] = _kept_entry(ops, j)
-                    if entries[j] is None:
-                        of.unreserve()
-                    else:
-                        entries[j].refs = 1  # the writer's, until published or discarded
-                if ops.err[j]:
-                    if entries[j] is not None:  # its temporary name is gone
-                        of.discard(entries[j])
-                        entries[j] = None
-                    if i not in errors:
-                        errors[i] = error_for(int(ops.err[j]), str(paths[j]))
-                        io_failed.add(i)
-                elif publish and of is not None:
-                    published.append((j, (finals[j], ops.names[j].decode(), entries[j], int(ops.got[j]), int(ops.dirs[j]))))
-            if published:
-                for (j, _), drop in zip(published, of.published_many([item for _, item in published])):
-                    if drop:
-                        paths[j].with_name(drop).unlink()
-            if io_failed:  # a failed write leaves no file of its block (no stale or half-written one)
-                self._delete([items[i][0] for i in sorted(io_failed)])
-            if publish:
-                ok = [i for i in idx if i not in errors]
-                if ok and self.fsync == "data+dir":
-                    try:
-                        fsync_dirs([paths[j] for j, (i, *_r) in enumerate(files) if i not in errors])
-                    except OSError as exc:
-                        self._delete([items[i][0] for i in ok])
-                        errors.update({i: exc for i in ok})
-            else:
-                for j, (i, *_rest) in enumerate(files):
-                    item = (paths[j].with_name(ops.names[j].decode()), paths[j], entries[j])
-                    if i in errors:
-                        if not ops.err[j]:
-                            self.discard(item)  # a sibling pool's file failed: drop this one too
-                    else:
-                        staged.setdefault(i, []).append(item)
+            self._write_results(ops, files, paths, finals, reused, publish, idx, items, errors, staged)
         except BaseException as exc:
             for st in staged.values():
                 for item in st:
@@ -742,6 +669,104 @@ class BlockBatches:
             else:
                 group.staged[i] = staged.get(i, [])
         group.task_done()
+
+    def _write_heads(self, ops: Ops, files) -> None:
+        """The header pages: the usual ones made by the C threads in the write call itself
+        (checksum, then header: ``MAKEHEAD``); a header with extra metadata encoded here."""
+        native_heads = self.native_hash and not (self.block_meta and any(
+            self.block_meta.get(key) for _, key, _, _, _ in files))
+        if native_heads:
+            self._expect_tails(ops, files)
+            ops.flags |= MAKEHEAD
+            return
+        if self.native_hash:  # every file's XXH3-64 on the C threads
+            self.native.run(HASHONLY, self.dir.fd, ops)
+        for j, (i, key, pool, _, host) in enumerate(files):
+            digest = int(ops.hash[j]) if self.native_hash else checksum(host)
+            ops.heads[j] = np.frombuffer(encode_header(key, pool, digest, self.block_meta.get(key)), np.uint8)
+
+    def _write_names(self, ops: Ops, files, finals: list[str], publish: bool) -> list[Entry | None]:
+        """Each write's file and flags: a free file of its size (written through its held
+        descriptor) or a new temporary file (kept open where a descriptor was reserved), to be
+        published over its final name (``publish``: by this chunk, exchanged where the replaced
+        file is worth keeping). Free files and reservations are taken for the whole chunk at
+        once, and nothing after raises before the write call. Returns per file the free file's
+        entry it reuses, or None."""
+        of = self.open_files
+        flags = (PUBLISH | (FDATASYNC if self.fsync != "none" else 0)) if publish else 0
+        reused: list[Entry | None] = [None] * len(files)
+        plan = of.plan_writes(list(zip(ops.file_len.tolist(), ops.dirs.tolist(), finals)), publish) \
+            if of is not None else None
+        for j in range(len(files)):
+            final = finals[j]
+            free, reserved, exchange, move = plan[j] if plan is not None else (None, False, False, False)
+            if move:
+                # a large file: one free elsewhere is moved here (a rename) rather than allocated
+                free = of.take_free(int(ops.file_len[j]), int(ops.dirs[j]))
+                reserved = free is None and of.reserve()
+            if free is not None:  # a free file of this size: written through its descriptor
+                ops.names.append(free[0].encode())
+                ops.fd[j] = free[1].fd
+                reused[j] = free[1]
+                ops.flags[j] |= KEEP_DIRECT if free[1].direct else 0
+            else:
+                ops.names.append(posix_io.tmp_name(final).encode())
+                ops.flags[j] |= self._keep(ops, j) if reserved else 0
+            ops.finals.append(final.encode())
+            ops.flags[j] |= flags | (EXCHANGE if exchange else 0)
+        return reused
+
+    def _write_results(self, ops: Ops, files, paths, finals: list[str], reused: list[Entry | None], publish: bool,
+                       idx: list[int], items, errors: dict, staged: dict) -> None:
+        """After the write call: the descriptors kept or reused, each failed block's error
+        (none of its files left), and then either the published files' bookkeeping (and the
+        directory sync of ``data+dir``) or, for the group commit, each block's files in
+        ``staged`` (``[(tmp, final, entry)]``; a block with a failed sibling file has its other
+        files removed)."""
+        of = self.open_files
+        io_failed: set[int] = set()
+        entries: list[Entry | None] = [None] * len(files)
+        published: list[tuple[int, tuple]] = []
+        for j, (i, *_rest) in enumerate(files):
+            if reused[j] is not None:
+                entries[j] = reused[j]
+            elif ops.flags[j] & KEEP:  # a reserved descriptor: kept (fd >= 0) or not
+                entries[j] = _kept_entry(ops, j)
+                if entries[j] is None:
+                    of.unreserve()
+                else:
+                    entries[j].refs = 1  # the writer's, until published or discarded
+            if ops.err[j]:
+                if entries[j] is not None:  # its temporary name is gone
+                    of.discard(entries[j])
+                    entries[j] = None
+                if i not in errors:
+                    errors[i] = error_for(int(ops.err[j]), str(paths[j]))
+                    io_failed.add(i)
+            elif publish and of is not None:
+                published.append((j, (finals[j], ops.names[j].decode(), entries[j], int(ops.got[j]), int(ops.dirs[j]))))
+        if published:
+            for (j, _), drop in zip(published, of.published_many([item for _, item in published])):
+                if drop:
+                    paths[j].with_name(drop).unlink()
+        if io_failed:  # a failed write leaves no file of its block (no stale or half-written one)
+            self._delete([items[i][0] for i in sorted(io_failed)])
+        if publish:
+            ok = [i for i in idx if i not in errors]
+            if ok and self.fsync == "data+dir":
+                try:
+                    fsync_dirs([paths[j] for j, (i, *_r) in enumerate(files) if i not in errors])
+                except OSError as exc:
+                    self._delete([items[i][0] for i in ok])
+                    errors.update({i: exc for i in ok})
+            return
+        for j, (i, *_rest) in enumerate(files):
+            item = (paths[j].with_name(ops.names[j].decode()), paths[j], entries[j])
+            if i in errors:
+                if not ops.err[j]:
+                    self.discard(item)  # a sibling pool's file failed: drop this one too
+            else:
+                staged.setdefault(i, []).append(item)
 
     def discard(self, item: tuple) -> None:
         """Remove a staged file that will not be published (``(tmp, final, entry)``) and drop
