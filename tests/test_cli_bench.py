@@ -287,6 +287,9 @@ def test_array_bench_over_two_roots_verifies_every_path(tmp_path):
     assert row["paths"]["host:file read"]["runs"][0]["verified"] == 2 * 64
     assert row["paths"]["rowstore load"]["runs"][0]["verified"] == 64
     assert row["paths"]["plain get"]["runs"][0]["verified"] == 64
+    for name, path in row["paths"].items():  # every path reports its CPU per block
+        cpu = path["runs"][0]["cpu_us_per_block"]
+        assert cpu["user"] >= 0 and cpu["sys"] >= 0 and cpu["user"] + cpu["sys"] > 0, name
     assert all(p["gbps_median"] > 0 for p in row["paths"].values())
     assert not [p for r in roots for p in r.iterdir()]  # the job's directories are removed
 

@@ -14,7 +14,7 @@ Per block size (16 KiB to 2 MiB by default), in directories ``<Di>/array-bench-<
    like for like), every byte verified at the end.
 3. **the row store** (the vLLM tier's path, :class:`~tiercache.RowStore` over the same
    directories): stores and loads of ``total_bytes`` in jobs of ``per_job`` rows, all jobs
-   submitted at once, loads checked byte for byte.
+   submitted at once, loads checked byte for byte; the process's CPU per block.
 4. **the format's own limit** (:func:`~tiercache.bench.formatlimit.format_limit`): C threads
    that do only a block file's open, O_DIRECT write or read, close and (writes) rename, at
    the best of several in-flight counts; the limit of one file per block on these file
@@ -33,6 +33,7 @@ at the end). ``repeat`` alternated passes give the median and range of each rati
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_thre
         for op in ("store", "load"):
             if op == "load":
                 rows[:] = 0
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t = time.perf_counter()
             for i in range(0, n, per_job):
                 idx = list(range(i, min(n, i + per_job)))
@@ -84,6 +86,9 @@ def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_thre
             if failed:
                 raise RuntimeError(f"row store {op}: {len(failed)} job(s) failed")
             out[f"{op}_gbps"] = n * bs / wall / 1e9
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            out[f"{op}_cpu_us_per_block"] = {"user": (r1.ru_utime - r0.ru_utime) / n * 1e6,
+                                             "sys": (r1.ru_stime - r0.ru_stime) / n * 1e6}
         want = np.frombuffer(np.random.default_rng(seed).bytes(n * bs), np.uint8).reshape(n, bs)
         bad = int(np.count_nonzero((rows != want).any(axis=1)))
         if bad:
@@ -159,7 +164,8 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
                     for op, fio_op in (("store", "write"), ("load", "read")):
                         row["paths"].setdefault(f"rowstore {op}", []).append(
                             {"gbps": rs[f"{op}_gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"),
-                             "limit_gbps": lim.get(f"{fio_op}_gbps"), "verified": rs["verified_rows"]})
+                             "limit_gbps": lim.get(f"{fio_op}_gbps"), "verified": rs["verified_rows"],
+                             "cpu_us_per_block": rs[f"{op}_cpu_us_per_block"]})
                 if plain:
                     pc = plain_caller(dirs, bs, total_bytes, batch=batch, seed=seed + p)
                     for op, fio_op in (("offload", "write"), ("get", "read")):
