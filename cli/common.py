@@ -60,7 +60,7 @@ def roots_inside(root: Path) -> list[Path]:
     """The tiercache roots directly inside ``root`` (sorted): ``tiercache bench --keep`` leaves
     its files in ``ROOT/bench-<time>-<pid>/``, and vLLM's ``TierCacheTier`` keeps one root per
     model and rank in ``ROOT/<model>_<digest>_r<rank>/``."""
-    from tiercache.files import is_root
+    from tiercache.rootops import is_root
 
     try:
         return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and is_root(p))
@@ -82,7 +82,7 @@ def array_members(root: Path) -> list[Path]:
     """The roots to work on for ``root``: itself, or every member of its root array (the home
     first), as the array's record names them; a member whose path is gone is an error."""
     from tiercache.errors import RootError
-    from tiercache.files import members_of
+    from tiercache.rootops import members_of
 
     try:
         members = members_of(root)

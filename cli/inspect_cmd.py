@@ -14,8 +14,7 @@ from rich.table import Table
 from tiercache.config import load_config
 from tiercache.cuda import cuda_status
 from tiercache.errors import RootError, TierCacheError
-from tiercache.files import RootDir, index_summary, member_states, select_io_path, subdir_owner
-from tiercache.rootops import survey
+from tiercache.rootops import RootDir, index_summary, member_states, select_io_path, subdir_owner, survey
 
 from .common import DEFAULT_CONFIG, fail, human_bytes, roots_inside
 

@@ -4,6 +4,7 @@ What is ours: block files under their canonical names whose header is tiercache'
 same key and pool (corrupt data included), tiercache's temporary files, and regular files in a
 real ``quarantine/`` directory. Deletion goes through the root's directory descriptor and never
 follows a symlink; the root's lock is held for the whole purge, so no cache opens it meanwhile.
+Those rules live in :mod:`tiercache.rootops.purge`; this command parses, asks and prints.
 """
 
 from __future__ import annotations
@@ -16,16 +17,12 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import InvalidKeyError, RootError
-from tiercache.settings import default
-from tiercache.files import INDEX, QUARANTINE, RootDir, RootLock, is_root, lock_holder, native_status, tmp_abandoned
-from tiercache.rootops import (DELETE, FileEntry, RootCheck, RootSurvey, entry_path, gc_paused, own_entries, quick_gil_handoff,
-                               survey, unlink_all)
+from tiercache.rootops import Selection, execute_plan, is_root, locked_for_purge, plan_purge, purge_now
 from tiercache.geometry import POOL_NAME_RE
 from tiercache.keys import key_from_text
 
 from .common import array_members, fail, human_bytes, not_a_root, parse_duration, resolve_root
 
-TMP_MAX_AGE_S = default("sharing", "tmp_max_age_s")  # the one default (tiercache.settings)
 #: purge's default threads: a million files purged in 34.7 s on 8 threads, 29.6 s on 32
 #: (CPU machine, ext4 mounted with discard; docs/performance.md)
 PURGE_THREADS = 32
@@ -70,138 +67,64 @@ def purge(
 
 
 def _purge_root(root: Path, pool, wanted_keys, cutoff, dry_run: bool, yes: bool, threads: int, force: bool) -> set[str]:
-    """Purge one root (one member of an array); returns the pools its block files are of."""
-    holder = lock_holder(root)
-    shared = holder == "shared"
-    if shared and not force:
-        fail(f"refusing to purge {str(root)!r}: in use by processes in shared mode; --force deletes their block "
-             "files anyway (a file one of them has open stays readable to it; the others read as evicted)")
-    if holder is not None and not shared:
-        fail(f"refusing to purge {str(root)!r}: in use by process {holder}; close that cache first")
+    """Purge one root (one member of an array: :mod:`tiercache.rootops.purge`'s rules); asks
+    first unless ``yes``; returns the pools its block files are of."""
+    sel = Selection(frozenset(pool) if pool else None, frozenset(wanted_keys) if wanted_keys is not None else None,
+                    cutoff)
     try:
-        rd = RootDir(root, check_owner=False)
+        with locked_for_purge(root, force) as (rd, shared):
+            if yes and not dry_run:  # no question to ask: check and delete as the root is listed
+                return _purge_now(rd, sel, shared, threads)
+            return _purge_planned(rd, sel, shared, dry_run, yes, threads)
     except RootError as exc:
         fail(str(exc))
-    try:
-        # held while deleting: no cache opens the root meanwhile (shared: no exclusive one)
-        lock = RootLock(rd, shared=shared)
-    except RootError as exc:
-        rd.close()
-        fail(f"refusing to purge {str(root)!r}: {exc}")
-    try:
-        return _purge(rd, pool, wanted_keys, cutoff, dry_run, yes, shared, threads)
-    finally:
-        lock.release()
-        rd.close()
 
 
-def _purge(rd: RootDir, pools, wanted_keys, cutoff, dry_run: bool, yes: bool, shared: bool = False,
-           threads: int = PURGE_THREADS) -> set[str]:
-    """Purge ``rd``: asks first unless ``yes``; returns the pools its block files are of."""
+def _purge_planned(rd, sel: Selection, shared: bool, dry_run: bool, yes: bool, threads: int) -> set[str]:
+    """List, then (unless ``dry_run``) ask and delete."""
     root = rd.path
-    # the native header reads learn each file's size; --older-than needs every file's mtime
-    stat_sizes = cutoff is not None or not native_status()[0]
-    whole_root = not pools and wanted_keys is None
-
-    def wanted(entries: list[FileEntry]) -> list[FileEntry]:
-        return [e for e in entries if (not pools or e.pool in pools) and (wanted_keys is None or e.key in wanted_keys)
-                and (cutoff is None or e.mtime < cutoff)]
-
-    if yes and not dry_run:  # no question to ask: check and delete as the root is listed
-        return _purge_now(rd, wanted, stat_sizes, whole_root, cutoff, shared, threads)
-    sv = survey(root, sizes=stat_sizes)
-    seen = {e.pool for e in sv.blocks}
-    chosen = wanted(sv.blocks)
-    leftovers, leftover_sizes = _leftovers(rd, sv, cutoff, shared) if whole_root else ([], [])
-    own = own_entries(rd, chosen, threads)
-    targets = [entry_path(rd, e) for e in own] + leftovers
-    sizes = [e.size for e in own] + leftover_sizes
-    skipped = len(chosen) - len(own)
-    for problem in sv.problems:
+    plan = plan_purge(rd, sel, shared, threads)
+    for problem in plan.problems:
         typer.echo(f"left alone: {problem}")
-    _left_alone(skipped)
-    total = sum(sizes)
-    if not targets:
+    _left_alone(plan.skipped)
+    total = sum(plan.sizes)
+    if not plan.targets:
         typer.echo(f"nothing to purge in {root}")
-        return seen
+        return plan.seen
     if dry_run:
-        for t in targets:
+        for t in plan.targets:
             typer.echo(f"would delete {t}")
-        typer.echo(f"would delete {len(targets)} file(s), {human_bytes(total)}")
-        return seen
+        typer.echo(f"would delete {len(plan.targets)} file(s), {human_bytes(total)}")
+        return plan.seen
     if not yes:
         try:
-            ok = typer.confirm(f"delete {len(targets)} file(s), {human_bytes(total)}, from {root}?")
+            ok = typer.confirm(f"delete {len(plan.targets)} file(s), {human_bytes(total)}, from {root}?")
         except (typer.Abort, EOFError):  # no answer (no terminal, end of input)
             fail("nothing deleted: purge asks before deleting and got no answer (add --yes to skip the question)")
         if not ok:  # a deliberate no is not an error
             typer.echo(f"nothing deleted from {root}")
-            return seen
-    removed, freed = 0, 0
-    if whole_root and cutoff is None:  # nothing left for the saved index to list
-        rd.child(INDEX).unlink()
-    with Progress(transient=True, disable=len(targets) < 1000) as progress:
-        task = progress.add_task("purging", total=len(targets))
-        gone = unlink_all(targets, threads, on_done=lambda n: progress.advance(task, n))
-    for ok, size in zip(gone, sizes):
-        removed += ok
-        freed += size if ok else 0
+            return plan.seen
+    with Progress(transient=True, disable=len(plan.targets) < 1000) as progress:
+        task = progress.add_task("purging", total=len(plan.targets))
+        removed, freed = execute_plan(rd, plan, sel, threads, on_done=lambda n: progress.advance(task, n))
     typer.echo(f"deleted {removed} file(s), {human_bytes(freed)}, from {root}")
-    return seen
+    return plan.seen
 
 
-def _leftovers(rd: RootDir, sv: RootSurvey, cutoff, shared: bool) -> tuple[list, list[int]]:
-    """What a whole-root purge clears beside block files: tiercache's temporary files (in
-    shared mode only abandoned ones) and quarantined files; their paths and sizes."""
-    paths, sizes = [], []
-    now = time.time()
-    for e in sv.temporary:
-        if shared and not tmp_abandoned(e.name, now - e.mtime, TMP_MAX_AGE_S):
-            continue  # a live writer's (shared mode)
-        if cutoff is None or e.mtime < cutoff:
-            paths.append(entry_path(rd, e))
-            sizes.append(e.size)
-    qdir = rd.subdir(QUARANTINE) if not sv.problems else None
-    for e in sv.quarantined if qdir is not None else ():
-        if cutoff is None or e.mtime < cutoff:
-            paths.append(qdir.child(e.name))
-            sizes.append(e.size)
-    return paths, sizes
-
-
-def _purge_now(rd: RootDir, wanted, stat_sizes: bool, whole_root: bool, cutoff, shared: bool, threads: int) -> set[str]:
-    """``purge --yes``: each subdirectory's chosen files are checked and deleted
-    (:class:`RootCheck`, ``delete``) while the next is filed; then the leftovers."""
-    chosen = 0
-    drop_index = whole_root and cutoff is None
-    seen: set[str] = set()
-
-    def add(entries: list[FileEntry]) -> None:
-        nonlocal chosen
-        seen.update(e.pool for e in entries)
-        mine = wanted(entries)
-        if mine and drop_index and not chosen:
-            rd.child(INDEX).unlink()  # before any block goes: nothing left for the saved index to list
-        chosen += len(mine)
-        check.add(mine)
-
-    with gc_paused(), quick_gil_handoff(), Progress(transient=True) as progress, \
-            RootCheck(rd, DELETE, threads, on_done=lambda n: progress.advance(task, n)) as check:
+def _purge_now(rd, sel: Selection, shared: bool, threads: int) -> set[str]:
+    """``purge --yes``: :func:`~tiercache.rootops.purge_now` with a progress bar."""
+    with Progress(transient=True) as progress:
         task = progress.add_task("purging", total=None)
-        sv = survey(rd.path, sizes=stat_sizes, on_blocks=add)
-        leftovers, leftover_sizes = _leftovers(rd, sv, cutoff, shared) if whole_root else ([], [])
-        progress.update(task, total=chosen + len(leftovers))
-        gone, skipped = check.results()
-        done = unlink_all(leftovers, threads, on_done=lambda n: progress.advance(task, n))
-    for problem in sv.problems:
+        res = purge_now(rd, sel, shared, threads, on_total=lambda n: progress.update(task, total=n),
+                        on_done=lambda n: progress.advance(task, n))
+    for problem in res.problems:
         typer.echo(f"left alone: {problem}")
-    _left_alone(skipped)
-    if not chosen and not leftovers:
+    _left_alone(res.skipped)
+    if not res.found:
         typer.echo(f"nothing to purge in {rd.path}")
-        return seen
-    freed = sum(e.size for e in gone) + sum(size for ok, size in zip(done, leftover_sizes) if ok)
-    typer.echo(f"deleted {len(gone) + sum(done)} file(s), {human_bytes(freed)}, from {rd.path}")
-    return seen
+        return res.seen
+    typer.echo(f"deleted {res.deleted} file(s), {human_bytes(res.freed)}, from {rd.path}")
+    return res.seen
 
 
 def _left_alone(skipped: int) -> None:

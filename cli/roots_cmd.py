@@ -19,8 +19,7 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import RootError
-from tiercache.files import is_root, member_states, reshape, subdir_owner
-from tiercache.rootops import survey
+from tiercache.rootops import is_root, member_states, reshape, subdir_owner, survey
 
 from .common import EXIT_FINDING, fail, human_bytes, not_a_root
 

@@ -56,7 +56,7 @@ def read_root(root: Path) -> tuple[list, float | None]:
         OSError: the root cannot be read. LookupError: no cache has saved stats there.
     """
     from tiercache.errors import RootError
-    from tiercache.files import members_of
+    from tiercache.rootops import members_of
     from tiercache.rootops import survey
     from tiercache.metrics import families
 

@@ -151,6 +151,15 @@ def test_library_never_imports_the_benchmarks():
     assert not bad, "\n".join(bad)
 
 
+def test_the_cli_reaches_roots_through_rootops_only():
+    """The commands parse, ask and print; the rules about a root's files (what is bad, what is
+    the cache's to delete, locks) live in tiercache.rootops, and the CLI never imports the file
+    tier's modules itself."""
+    bad = [f"{_where(m, line)}: {target}" for m in MODULES if unit_of(m) == "tiercache.cli"
+           for target, _, line in imports_of(m) if target.startswith("tiercache.files")]
+    assert not bad, "\n".join(bad)
+
+
 def test_subpackages_are_used_through_their_faces_and_no_private_names_cross():
     # an integration module is a face of its own: it imports its library (transformers...), so
     # its package cannot import it for everyone
