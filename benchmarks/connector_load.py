@@ -17,6 +17,7 @@ Reproduces docs/vllm.md, "The direct path: status".
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -25,10 +26,8 @@ from pathlib import Path
 
 import torch
 
-import json
-
+from tiercache.integrations.vllmconnector import BlockTransfer, ConnectorWorker, parse_config
 from tiercache.resources import models_dir
-from tiercache.integrations.vllmconnector import ConnectorWorker, BlockTransfer, parse_config
 
 
 def _value(v: str):

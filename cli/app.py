@@ -69,10 +69,10 @@ app = typer.Typer(
 )
 
 from .bench_cmd import bench_app
-from .roots_cmd import roots_app
 from .calibrate_cmd import calibrate
 from .inspect_cmd import inspect
 from .purge_cmd import purge
+from .roots_cmd import roots_app
 from .top_cmd import top
 from .verify_cmd import verify
 

@@ -17,9 +17,9 @@ import typer
 from rich.progress import Progress
 
 from tiercache.errors import InvalidKeyError, RootError
-from tiercache.rootops import Selection, execute_plan, is_root, locked_for_purge, plan_purge, purge_now
 from tiercache.geometry import POOL_NAME_RE
 from tiercache.keys import key_from_text
+from tiercache.rootops import Selection, execute_plan, is_root, locked_for_purge, plan_purge, purge_now
 
 from .common import array_members, fail, human_bytes, not_a_root, parse_duration, resolve_root
 

@@ -56,9 +56,8 @@ def read_root(root: Path) -> tuple[list, float | None]:
         OSError: the root cannot be read. LookupError: no cache has saved stats there.
     """
     from tiercache.errors import RootError
-    from tiercache.rootops import members_of
-    from tiercache.rootops import survey
     from tiercache.metrics import families
+    from tiercache.rootops import members_of, survey
 
     if not os.path.isdir(root):
         raise LookupError("no such directory")

@@ -28,7 +28,6 @@ import sys
 import time
 
 import numpy as np
-
 from layouts import make_pools, raw_host, snapshot
 
 from tiercache import KeyNotFoundError, TierCache

@@ -9,9 +9,9 @@ TierCacheTier, tokens compared and every file verified.
 from __future__ import annotations
 
 import os
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest

@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from tiercache.cli import app
 from typer.testing import CliRunner
+
+from tiercache.cli import app
 
 SMALL = """
 [tiers]
@@ -332,3 +333,33 @@ def test_format_limit_writes_publishes_and_reads_every_file_then_removes_them(tm
                  8192, 1, False)
     finally:
         os.close(fd)
+
+
+def test_hf_bench_plans_runs_and_summarizes_passes_on_the_cpu():
+    """bench hf's run plan (plain first at each context, each tiercache mode per variant, the
+    files mode with a plain reference at its own context) and its summary of passes (median
+    pass, cold figures, share of the PCIe bound, paired ratios), without a GPU."""
+    from tiercache.bench.benchhf import _plan, _run_line, _summarize
+
+    variants = [(2, "host"), (4, "host")]
+    plan = _plan((1024, 2048), ("tiercache-host", "tiercache-files", "plain-h2d"), variants, 512)
+    assert list(plan) == [1024, 2048, 512]
+    assert plan[1024][0] == ("plain", None) and plan[512] == [("plain", None), ("tiercache-files", variants[0]),
+                                                             ("tiercache-files", variants[1])]
+    assert [e for e in plan[2048] if e[0] == "tiercache-host"] == [("tiercache-host", v) for v in variants]
+
+    def rec(mode, tok_s, variant=None):
+        return {"mode": mode, "decode_tok_s": tok_s, "new_tokens": 32, "identical": True, "first_divergence": None,
+                "max_logit_diff": 0.0, "ttft_s": 0.1, "peak_vram_bytes": 1 << 30, "decode_peak_vram_bytes": 1 << 29,
+                "gpu_wait_ms_per_step": 1.0, "forward_host_ms_per_step": 2.0, "step_ms": 5.0,
+                "ring_layers": variant[0] if variant else None}
+
+    e, base = ("tiercache-host", variants[0]), ("plain", None)
+    passes = {e: [rec(*e[:1], t, e[1]) for t in (90.0, 100.0, 80.0)], base: [rec("plain", t) for t in (100, 125, 100)]}
+    cold = {e: rec("tiercache-host", 50.0, e[1]), base: rec("plain", 60.0)}
+    out = _summarize(e, passes, cold, 1024, 50.0, 1 << 17)
+    assert out["decode_tok_s"] == 90.0 and out["decode_tok_s_passes"] == [90.0, 100.0, 80.0]
+    assert out["cold_decode_tok_s"] == 50.0
+    assert out["vs_plain"] == pytest.approx(0.8)  # median of 0.9, 0.8, 0.8
+    assert out["pcie_bound_tok_s"] == pytest.approx(50e9 / ((1 << 17) * (1024 - 16)))
+    assert "tiercache-host R=2" in _run_line(out, 1024)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
-from tiercache.cli import app
 from typer.testing import CliRunner
 
 from tiercache.bench.fiospec import load_job_file
+from tiercache.cli import app
 from tiercache.cuda import cuda_status
+from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 
 runner = CliRunner()
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

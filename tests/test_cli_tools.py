@@ -12,10 +12,10 @@ import time
 import pytest
 from conftest import bpath, files, random_keys
 from helpers import put_random
-from tiercache.cli import app
 from typer.testing import CliRunner
 
 from tiercache import TierCache
+from tiercache.cli import app
 from tiercache.files import RootLock, block_filename
 
 runner = CliRunner()

@@ -9,8 +9,7 @@ import pytest
 from conftest import random_keys
 
 from tiercache.errors import SlotRangeError, TierFullError
-from tiercache.placement import CompactSlots, TierSlots
-from tiercache.placement import compactslots
+from tiercache.placement import CompactSlots, TierSlots, compactslots
 
 
 def _pick(rng, pool, m):

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import files
 from crash_child import block, pools
 
 from tiercache import CacheConfig, TierCache
-from conftest import files
 
 KILLS = int(os.environ.get("TIERCACHE_CRASH_KILLS", "50"))
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from engine_model import Mirror
 
-from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache import ArrayMismatchError, PoolSpec, SlotRangeError
 from tiercache.files import FileTier, IOPath
 from tiercache.memory import make_host_tier
+from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache.transfer import TransferEngine
 
 

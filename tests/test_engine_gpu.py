@@ -11,10 +11,10 @@ import pytest
 from engine_model import Mirror
 from helpers import partial_round_trip
 
-from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache import PoolSpec
 from tiercache.files import FileTier, select_io_path
 from tiercache.memory import make_device_tier, make_host_tier
+from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache.transfer import TransferEngine
 
 pytestmark = pytest.mark.gpu

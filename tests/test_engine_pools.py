@@ -15,6 +15,7 @@ from layouts import LAYOUTS, expected_partial, make_pools, scramble, snapshot
 from tiercache import ArrayMismatchError, ConfigError, KeyNotFoundError, SlotRangeError, TierCache, TierUnavailableError
 from tiercache.serving import DevicePools
 
+
 def _positions(rng, n: int, k: int, nb: int, partial: bool) -> np.ndarray:
     """``[n, k]`` distinct random device block ids; with ``partial``, the first host block
     lacks its first positions and the last one its last positions (-1)."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import random_keys
 from helpers import assert_bytes, put_random
+
 from tiercache import SpillError, TierCache, TransferError
 
 

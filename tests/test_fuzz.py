@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 
+from helpers import assert_bytes, put_random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_bytes, put_random
 from tiercache import ConfigError, TierCache
 from tiercache.config import config_from_dict
 

@@ -3,18 +3,17 @@ renames; each block acknowledged only after the sync; failures leave nothing beh
 
 from __future__ import annotations
 
-import os
-
 import errno
+import os
 
 import numpy as np
 import pytest
 from conftest import bpath, files, random_keys
 from helpers import assert_bytes, put_random
 
-from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache import PoolSpec, TierCache, TransferError
 from tiercache.files import FileTier, IOPath, block_filename, posix_io
+from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import files, require_integration  # noqa: E402
 
 torch = require_integration("torch")

@@ -158,8 +158,8 @@ def _rowstore_root(tmp_path, rng, n=24, row_bytes=8192):
 
 
 def test_rowstore_opens_from_the_index_and_reconciles_changes(tmp_path, rng, monkeypatch):
-    from tiercache.files import FileTier
     from tiercache import RowStore
+    from tiercache.files import FileTier
 
     root, rows, keys = _rowstore_root(tmp_path, rng)
     assert (root / INDEX).is_file()
@@ -269,7 +269,7 @@ def test_rowstore_store_in_flight_across_the_reconciliation_listing_is_kept(tmp_
     import threading
 
     from tiercache import RowStore
-    from tiercache.files import SUBDIRS, FileTier, blockbatch, block_subdir
+    from tiercache.files import SUBDIRS, FileTier, block_subdir, blockbatch
 
     root, rows, keys = _rowstore_root(tmp_path, rng)
     with RowStore(np.zeros_like(rows), root, capacity_blocks=4 * len(keys)) as st:

@@ -10,8 +10,8 @@ import os
 
 import numpy as np
 import pytest
-
 from helpers import assert_bytes, put_random
+
 from tiercache import TierCache
 from tiercache.files.blockfile import checked_metadata, pack_metadata
 from tiercache.files.indexfile import INDEX_FORMAT, MAGIC

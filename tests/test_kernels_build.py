@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+
 from tiercache.kernels.loader import kernel_sources
 
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
@@ -32,10 +33,10 @@ def test_kernel_compiles(tmp_path, source, arch):
 
 
 def test_copy_bench_without_gpu_is_a_clean_error(monkeypatch):
-    from tiercache.cli import app
     from typer.testing import CliRunner
 
     from tiercache import cuda
+    from tiercache.cli import app
 
     monkeypatch.setenv("TIERCACHE_DISABLE_CUDA", "1")
     cuda.cuda_status.cache_clear()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import put_random
 from typer.testing import CliRunner
 
-from helpers import put_random
-from tiercache import ConfigError, RootError, TierCache
+from tiercache import ConfigError, RootError, RowStore, TierCache
 from tiercache.cli import app
-from tiercache import RowStore
 
 
 def test_file_slots_beyond_this_machines_memory_are_one_clear_error(make_config, tmp_path):

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import ENGINES, bpath, names, random_keys
 
-from tiercache.settings import sections
 from tiercache import ConfigError, CorruptBlockError, PoolSpec
 from tiercache.files import FileTier, IOPath, batchio, block_filename, choose_engine
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches
+from tiercache.settings import sections
 
 NATIVE = [e for e in ENGINES if e != "python"]
 needs_native = pytest.mark.skipif(not NATIVE, reason="no C compiler: the native engines cannot be built here")

@@ -11,8 +11,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from helpers import put_random
+
 from tiercache import ConfigError, InvalidKeyError, TierCache
 
 LOCK = ".tiercache-root.lock"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import ENGINES, bpath, names, random_keys
 
-from tiercache.settings import sections
 from tiercache import CacheConfig, PoolSpec, TierCache
 from tiercache.files import FileTier, IOPath, batchio, block_filename, block_subdir
+from tiercache.settings import sections
 
 NATIVE = [e for e in ENGINES if e != "python"]
 pytestmark = pytest.mark.skipif(not NATIVE, reason="no C compiler: the native engines cannot be built here")

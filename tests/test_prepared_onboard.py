@@ -24,6 +24,7 @@ from tiercache import (
     TierUnavailableError,
 )
 
+
 def _cache(pools, tmp_path, k, host_slots, file_slots=64):
     return TierCache.for_engine(pools, host_slots=host_slots, file_slots=file_slots, blocks_per_host_block=k,
                                 root=tmp_path / "root", fsync="none")

@@ -28,11 +28,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-from tiercache import CacheConfig, PoolSpec, TierCache
-
 from conftest import random_keys
 from helpers import assert_bytes, put_random
+
+from tiercache import CacheConfig, PoolSpec, TierCache
 
 POOLS = (PoolSpec("kv", (4096,), "uint8"), PoolSpec("act", (300,), "float32"))
 BLOCKS = 16

@@ -12,20 +12,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import random_keys
+from helpers import assert_bytes, put_random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from tiercache import CacheConfig, PoolSpec, RowStore, TierCache
 from tiercache.errors import ConfigError, RootError
-from tiercache.files import (ARRAY, SUBDIRS, FileTier, IOPath, balanced_table, block_subdir, members_of, read_record,
-                             reshape)
-from tiercache.files import rootreshape
+from tiercache.files import (
+    ARRAY,
+    SUBDIRS,
+    FileTier,
+    IOPath,
+    balanced_table,
+    block_subdir,
+    members_of,
+    read_record,
+    reshape,
+    rootreshape,
+)
 from tiercache.files.rootdir import RootDir, RootPath
 from tiercache.settings import sections
-
-from conftest import random_keys
-from helpers import assert_bytes, put_random
 
 POOLS = (PoolSpec("kv", (8192,), "uint8"), PoolSpec("act", (1000,), "float32"))
 

@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import random_keys
+from helpers import assert_bytes, put_random
 from typer.testing import CliRunner
 
 from tiercache import CacheConfig, PoolSpec, TierCache
@@ -20,9 +22,6 @@ from tiercache.errors import RootError, TransferError
 from tiercache.files import ARRAY, SUBDIRS, FileTier, IOPath, block_subdir, member_states, read_record, subdir_owner
 from tiercache.files.rootdir import RootDir
 from tiercache.settings import sections
-
-from conftest import random_keys
-from helpers import assert_bytes, put_random
 
 POOLS = (PoolSpec("kv", (8192,), "uint8"), PoolSpec("act", (100,), "float32"))
 

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from conftest import bpath, drop_index, files, names, random_keys
 from helpers import assert_bytes, put_random
-from tiercache.cli import app
 from typer.testing import CliRunner
 
 from tiercache import ArrayMismatchError, CacheConfig, ConfigError, PoolSpec, RootError, TierCache, TierFullError
+from tiercache.cli import app
 from tiercache.config import config_from_dict
 from tiercache.cuda import cuda_status
 from tiercache.errors import TransferError
-from tiercache.files.batchio import native_status
 from tiercache.files import SUBDIRS, FileTier, block_filename, block_subdir
+from tiercache.files.batchio import native_status
 
 runner = CliRunner()
 

@@ -14,11 +14,11 @@ from helpers import put_random
 
 from tiercache import TierCache
 from tiercache.files import RootDir
-from tiercache.rootops import entry_path, is_own_block_file, survey, verify_file
-from tiercache.rootops import check as rootcheck
 from tiercache.files.blockfile import DATA_OFFSET, encode_header
-from tiercache.rootops.check import delete_own, own_entries, unlink_all, verify_entries
 from tiercache.geometry import PoolSpec
+from tiercache.rootops import check as rootcheck
+from tiercache.rootops import entry_path, is_own_block_file, survey, verify_file
+from tiercache.rootops.check import delete_own, own_entries, unlink_all, verify_entries
 
 
 def _damage(path, kind: str, rng: np.random.Generator, other) -> None:

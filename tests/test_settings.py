@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiercache import CacheConfig, ConfigError, PoolSpec
+from tiercache import CacheConfig, ConfigError, PoolSpec, RowStore
 from tiercache.config import config_from_dict
-from tiercache import RowStore
 from tiercache.settings import (
     SECTIONS,
     FileSettings,

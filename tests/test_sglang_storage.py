@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from conftest import require_integration
 
 sglang = require_integration("sglang")

@@ -21,8 +21,7 @@ from conftest import bpath, files, names, random_blocks
 from shared_worker import POOLS, bytes_of
 
 from tiercache import CacheConfig, InvalidKeyError, PoolSpec, RootError, TierCache, TransferError
-from tiercache.files import DATA_OFFSET, block_filename
-from tiercache.files import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
+from tiercache.files import BOOT_TAG, DATA_OFFSET, block_filename, tmp_abandoned, tmp_name, tmp_owner
 
 HERE = Path(__file__).resolve().parent
 POOL = PoolSpec("p", (2048,), "uint8")

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import random
 
-from tiercache.placement import NegativeCache, TouchThrottle, lru_victims
-from tiercache.placement import sharedbook
+from tiercache.placement import NegativeCache, TouchThrottle, lru_victims, sharedbook
 
 
 def test_a_miss_is_remembered_for_its_ttl_only():

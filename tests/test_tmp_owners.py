@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
-
 from helpers import put_random
+
 from tiercache import TierCache
 from tiercache.files import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 

@@ -10,10 +10,10 @@ import os
 
 from conftest import bpath, random_keys
 from helpers import put_random
-from tiercache.cli import app
 from typer.testing import CliRunner
 
 from tiercache import TierCache
+from tiercache.cli import app
 from tiercache.files import RootDir
 from tiercache.rootops import RootCheck, recheck, survey
 

@@ -17,7 +17,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import require_integration
 
 vllm = require_integration("vllm")
@@ -27,8 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 
 from tiercache.bench.benchvllmserve import damage_file  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
-from tiercache.integrations.vllmconnector import (TierCacheConnector, block_views, parse_config,  # noqa: E402
-                                                   rank_roots)
+from tiercache.integrations.vllmconnector import TierCacheConnector, block_views, parse_config, rank_roots  # noqa: E402
 
 BS, LAYERS, HEADS, HD, NB = 16, 4, 2, 8, 64
 

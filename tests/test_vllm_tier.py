@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import bpath, files, names, require_integration
 
 require_integration("vllm")
 
+import vllm_harness as H  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     Locality,
     LookupResult,
@@ -34,7 +34,6 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 
-import vllm_harness as H  # noqa: E402
 from tiercache import ConfigError, RootError  # noqa: E402
 from tiercache.files import batchio  # noqa: E402
 from tiercache.integrations import vllmcompat as compat  # noqa: E402

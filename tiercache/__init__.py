@@ -30,10 +30,10 @@ from tiercache.errors import (
     PinnedBlockError,
     RootError,
     SlotRangeError,
+    SpillError,
     TierCacheError,
     TierFullError,
     TierUnavailableError,
-    SpillError,
     TornReadError,
     TransferError,
     UnknownPoolError,
@@ -44,7 +44,8 @@ from tiercache.serving import DevicePools
 from tiercache.transfer import sm_carveout
 
 try:  # the one version: pyproject.toml's, as installed
-    from importlib.metadata import PackageNotFoundError, version as _version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _version
 
     __version__ = _version("tiercache")
 except PackageNotFoundError:  # a source tree that was never installed

@@ -30,9 +30,8 @@ Depends on :mod:`tiercache.files` and :mod:`tiercache.placement`.
 
 from __future__ import annotations
 
-import dataclasses
-
 import collections
+import dataclasses
 import enum
 import logging
 import os
@@ -56,8 +55,16 @@ from tiercache.errors import (
     TierFullError,
     TornReadError,
 )
-from tiercache.files import (FREE_FILES, SUBDIRS, FileTier, IOPath, block_subdir_index, file_size,
-                             when_all_settled, write_stats)
+from tiercache.files import (
+    FREE_FILES,
+    SUBDIRS,
+    FileTier,
+    IOPath,
+    block_subdir_index,
+    file_size,
+    when_all_settled,
+    write_stats,
+)
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
 from tiercache.placement import CompactSlots, NegativeCache, RootIndex, TouchThrottle, lru_victims

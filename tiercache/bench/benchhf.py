@@ -278,16 +278,7 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
     rings = (ring_layers,) if isinstance(ring_layers, int) else tuple(ring_layers)
     tails = (tails,) if isinstance(tails, str) else tuple(tails)
     variants = [(r, t) for r in rings for t in tails]  # TieredCache's (ring_layers, tails)
-    plan = [(m, c, r) for c in contexts for m in dict.fromkeys(("plain", *modes)) if m != "tiercache-files"
-            for r in (variants if m.startswith("tiercache") else (None,))]
-    if "tiercache-files" in modes:
-        if files_context not in contexts:
-            plan.append(("plain", files_context, None))
-        plan.extend(("tiercache-files", files_context, r) for r in variants)
-    groups: dict[int, list] = {}
-    for mode, ctx, variant in plan:
-        groups.setdefault(ctx, []).append((mode, variant))
-    for ctx, entries in groups.items():
+    for ctx, entries in _plan(contexts, modes, variants, files_context).items():
         g = torch.Generator().manual_seed(seed + ctx)
         ids = torch.randint(1, cfg.vocab_size, (batch, ctx - new_tokens), generator=g).cuda()
         passes: dict[tuple, list] = {e: [] for e in entries}
@@ -308,27 +299,9 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
                 else:
                     passes[mode, variant].append(rec)
         for e in entries:
-            rec = _median_pass(passes[e])
-            rec["cold_decode_tok_s"] = cold[e]["decode_tok_s"]
-            rec["cold_identical"] = cold[e]["identical"]
-            mean_len = ctx - rec["new_tokens"] / 2
-            rec["pcie_bound_tok_s"] = bw * 1e9 / (per_token * mean_len)
-            rec["share_of_bound"] = rec["decode_tok_s"] / rec["pcie_bound_tok_s"]
-            # paired ratios: each pass runs every mode back to back, so a host whose speed drifts
-            # between passes weighs on both sides of a ratio alike
-            for name, base in (("vs_plain", ("plain", None)), ("vs_ceiling", ("plain-h2d", None))):
-                if base in passes and e != base:
-                    ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(passes[e], passes[base])
-                              if b["decode_tok_s"]]
-                    rec[name] = statistics.median(ratios) if ratios else 0.0
+            rec = _summarize(e, passes, cold, ctx, bw, per_token)
             runs.append(rec)
-            log(f"{_label(rec):16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
-                f"(passes {', '.join(f'{x:.1f}' for x in rec['decode_tok_s_passes'])}; cold run "
-                f"{rec['cold_decode_tok_s']:.1f}; {rec['share_of_bound']:.2f} of PCIe bound), peak VRAM "
-                f"{rec['peak_vram_bytes'] / 2**20:.0f} MiB (decode {rec['decode_peak_vram_bytes'] / 2**20:.0f}), "
-                f"cache host {rec.get('cache_host_ms_per_step', 0):.1f} ms/step, GPU wait "
-                f"{rec['gpu_wait_ms_per_step']:.1f} ms/step, forward {rec['forward_host_ms_per_step']:.1f} of "
-                f"{rec['step_ms']:.1f} ms/step, identical {rec['identical']} (max logit diff {rec['max_logit_diff']:.3g})")
+            log(_run_line(rec, ctx))
     if root is not None:
         shutil.rmtree(Path(root) / "hf-fio", ignore_errors=True)
     return {"h2d_gbps": bw, "kv_bytes_per_token": per_token, "batch": batch, "tokens_per_block": tokens_per_block,
@@ -336,6 +309,54 @@ def run_hf_bench(contexts=(16384, 32768), new_tokens: int = 32, batch: int = 1, 
             # the peer's own divergence is reported, not judged: ok is about tiercache's modes
             "ok": all(r["first_divergence"] is None or r["max_logit_diff"] <= LOGIT_TOLERANCE for r in runs
                       if r["mode"] != "offloaded")}
+
+
+def _plan(contexts, modes, variants: list, files_context: int) -> dict[int, list[tuple[str, tuple | None]]]:
+    """Per context length, the runs of a pass, in order: ``(mode, variant)``; ``plain`` first
+    (every run's reference), each tiercache mode once per ``(ring_layers, tails)`` variant, the
+    files mode (and a plain run as its reference) at ``files_context``."""
+    plan = [(m, c, r) for c in contexts for m in dict.fromkeys(("plain", *modes)) if m != "tiercache-files"
+            for r in (variants if m.startswith("tiercache") else (None,))]
+    if "tiercache-files" in modes:
+        if files_context not in contexts:
+            plan.append(("plain", files_context, None))
+        plan.extend(("tiercache-files", files_context, r) for r in variants)
+    groups: dict[int, list] = {}
+    for mode, ctx, variant in plan:
+        groups.setdefault(ctx, []).append((mode, variant))
+    return groups
+
+
+def _summarize(e: tuple, passes: dict[tuple, list], cold: dict[tuple, dict], ctx: int, bw: float,
+               per_token: int) -> dict:
+    """Run ``e``'s record: its median pass, its cold pass's figures, its share of the PCIe
+    bound (``bw`` GB/s over ``per_token`` bytes of KV per token at the run's mean length),
+    and its tokens/s against plain and plain-h2d paired pass by pass."""
+    rec = _median_pass(passes[e])
+    rec["cold_decode_tok_s"] = cold[e]["decode_tok_s"]
+    rec["cold_identical"] = cold[e]["identical"]
+    mean_len = ctx - rec["new_tokens"] / 2
+    rec["pcie_bound_tok_s"] = bw * 1e9 / (per_token * mean_len)
+    rec["share_of_bound"] = rec["decode_tok_s"] / rec["pcie_bound_tok_s"]
+    # paired ratios: each pass runs every mode back to back, so a host whose speed drifts
+    # between passes weighs on both sides of a ratio alike
+    for name, base in (("vs_plain", ("plain", None)), ("vs_ceiling", ("plain-h2d", None))):
+        if base in passes and e != base:
+            ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(passes[e], passes[base])
+                      if b["decode_tok_s"]]
+            rec[name] = statistics.median(ratios) if ratios else 0.0
+    return rec
+
+
+def _run_line(rec: dict, ctx: int) -> str:
+    """One run's log line."""
+    return (f"{_label(rec):16s} ctx {ctx:6d}: ttft {rec['ttft_s']:.2f} s, decode {rec['decode_tok_s']:.1f} tok/s "
+            f"(passes {', '.join(f'{x:.1f}' for x in rec['decode_tok_s_passes'])}; cold run "
+            f"{rec['cold_decode_tok_s']:.1f}; {rec['share_of_bound']:.2f} of PCIe bound), peak VRAM "
+            f"{rec['peak_vram_bytes'] / 2**20:.0f} MiB (decode {rec['decode_peak_vram_bytes'] / 2**20:.0f}), "
+            f"cache host {rec.get('cache_host_ms_per_step', 0):.1f} ms/step, GPU wait "
+            f"{rec['gpu_wait_ms_per_step']:.1f} ms/step, forward {rec['forward_host_ms_per_step']:.1f} of "
+            f"{rec['step_ms']:.1f} ms/step, identical {rec['identical']} (max logit diff {rec['max_logit_diff']:.3g})")
 
 
 def _median_pass(recs: list[dict]) -> dict:

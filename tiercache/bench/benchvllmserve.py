@@ -68,9 +68,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from tiercache.bench.stagetrace import StageTrace, breakdown
 from tiercache.errors import ConfigError, MissingDependencyError
 from tiercache.resources import models_dir
-from tiercache.bench.stagetrace import StageTrace, breakdown
 
 #: the modes of one run, in order
 MODES = ("recompute", "cpu", "fs", "tiercache", "connector", "tiercache-shared", "connector-shared")

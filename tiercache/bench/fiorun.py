@@ -36,9 +36,9 @@ from tiercache.bench.fiospec import FioJob
 from tiercache.cuda import cuda_status
 from tiercache.errors import ConfigError
 from tiercache.files import FileTier, choose_engine, select_io_path
-from tiercache.settings import MAX_IO_THREADS, FileSettings, TransferSettings
 from tiercache.geometry import PoolSpec
 from tiercache.memory import alloc_host, make_device_tier, make_host_tier
+from tiercache.settings import MAX_IO_THREADS, FileSettings, TransferSettings
 from tiercache.transfer import TransferEngine
 
 PERCENTILES = (1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95, 99.99)

@@ -22,24 +22,73 @@
 Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """
 
-from .batchio import (CHECK, DIRECT, HASH, IO_ENGINES, NOT_REGULAR, READ, UNLINK, NativeIO, Ops, choose_engine, native_hash,
-                      native_status, uring_status)
-from .blockfile import (ALIGN, DATA_OFFSET, FANOUT, SUBDIRS, block_filename, block_relpath, block_subdir,
-                        block_subdir_index, checksum, decode_header, file_size, header_checksum, is_temporary_name,
-                        parse_filename,
-                        usual_header_tail)
+from .batchio import (
+                      CHECK,
+                      DIRECT,
+                      HASH,
+                      IO_ENGINES,
+                      NOT_REGULAR,
+                      READ,
+                      UNLINK,
+                      NativeIO,
+                      Ops,
+                      choose_engine,
+                      native_hash,
+                      native_status,
+                      uring_status,
+)
 from .blockbatch import when_all_settled
 from .blockcheck import verify_file
+from .blockfile import (
+                      ALIGN,
+                      DATA_OFFSET,
+                      FANOUT,
+                      SUBDIRS,
+                      block_filename,
+                      block_relpath,
+                      block_subdir,
+                      block_subdir_index,
+                      checksum,
+                      decode_header,
+                      file_size,
+                      header_checksum,
+                      is_temporary_name,
+                      parse_filename,
+                      usual_header_tail,
+)
 from .file_tier import FileTier, ScanResult
-from .openfiles import FREE_FILES
+from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
 from .iopath import IOPath, select_io_path
-from .rootdir import (DIR_MODE, INDEX, QUARANTINE, STATS, NotRegularFileError, RootDir, RootLock, RootPath, classify,
-                      is_root, lock_holder, write_stats)
-from .rootarray import (ARRAY, ArrayRecord, MemberState, RootArray, balanced_table, member_states, members_of,
-                        open_roots, read_record, record_of, subdir_owner)
+from .openfiles import FREE_FILES
+from .rootarray import (
+                      ARRAY,
+                      ArrayRecord,
+                      MemberState,
+                      RootArray,
+                      balanced_table,
+                      member_states,
+                      members_of,
+                      open_roots,
+                      read_record,
+                      record_of,
+                      subdir_owner,
+)
+from .rootdir import (
+                      DIR_MODE,
+                      INDEX,
+                      QUARANTINE,
+                      STATS,
+                      NotRegularFileError,
+                      RootDir,
+                      RootLock,
+                      RootPath,
+                      classify,
+                      is_root,
+                      lock_holder,
+                      write_stats,
+)
 from .rootreshape import ReshapeResult, reshape
 from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
-from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
 
 __all__ = [
     "verify_file",

@@ -33,12 +33,11 @@ from tiercache.files.iothreads import IOThreads
 from tiercache.files.openfiles import FREE_FILES, OpenFiles
 from tiercache.files.rootarray import RootArray, open_roots
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, classify
-
 from tiercache.files.sharing import published, tmp_abandoned, tmp_name, tmp_owner
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
-from tiercache.settings import FileSettings, SharingSettings
 from tiercache.memory import copy_sync
+from tiercache.settings import FileSettings, SharingSettings
 
 log = logging.getLogger("tiercache")
 _VANISHED = "vanished"  # a file deleted between the listing and its check

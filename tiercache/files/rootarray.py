@@ -40,10 +40,8 @@ from pathlib import Path
 
 from tiercache.errors import RootError
 from tiercache.files.blockfile import SUBDIRS, block_location, parse_filename
-from tiercache.files.rootdir import (ARRAY, ARRAY_LOCK, FILE_MODE, RootDir, RootPath, is_root, open_root,
-                                    write_atomic)
+from tiercache.files.rootdir import ARRAY, ARRAY_LOCK, FILE_MODE, RootDir, RootPath, is_root, open_root, write_atomic
 from tiercache.keys import Key
-
 from tiercache.settings import MAX_ROOTS
 
 _FORMAT = 1

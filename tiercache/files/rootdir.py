@@ -35,8 +35,14 @@ import time
 from pathlib import Path
 
 from tiercache.errors import RootError
-from tiercache.files.blockfile import (BOOT_TAG, FORMAT_VERSION, SUBDIRS, block_location, is_temporary_name,
-                                      parse_filename)
+from tiercache.files.blockfile import (
+    BOOT_TAG,
+    FORMAT_VERSION,
+    SUBDIRS,
+    block_location,
+    is_temporary_name,
+    parse_filename,
+)
 from tiercache.keys import Key
 
 MARKER = ".tiercache-root"

@@ -32,8 +32,18 @@ from dataclasses import dataclass, field
 
 from tiercache.errors import RootError
 from tiercache.files.blockfile import SUBDIRS, is_temporary_name
-from tiercache.files.rootarray import (ArrayRecord, Members, _array_lock, _cmd, _fsync_dir, balanced_table,
-                                       holds_blocks, new_members, read_record, write_record)
+from tiercache.files.rootarray import (
+    ArrayRecord,
+    Members,
+    _array_lock,
+    _cmd,
+    _fsync_dir,
+    balanced_table,
+    holds_blocks,
+    new_members,
+    read_record,
+    write_record,
+)
 from tiercache.files.rootdir import ARRAY, FILE_MODE, INDEX, STATS, TMP_OWN, RootDir, RootLock, is_root, open_root
 from tiercache.settings import MAX_ROOTS
 

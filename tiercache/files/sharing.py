@@ -25,7 +25,6 @@ from tiercache.files.rootdir import RootDir
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key
 
-
 _tmp_ids = itertools.count(secrets.randbits(32))
 _TMP_OWNER = re.compile(r"\.tmp\.block_[A-Za-z0-9_.-]+\.bin\.([0-9]+)\.([0-9a-f]+)", re.ASCII)
 #: the root's own temporary files (index, stats, marker): ``.tmp.own.<name>.<pid>[.<tag>]``

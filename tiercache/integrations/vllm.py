@@ -106,14 +106,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from tiercache.integrations import vllmcompat as compat
-from tiercache.integrations.vllmcompat import SecondaryTierManager, TransferJob
-
-from tiercache.errors import ConfigError, TierCacheError
 from tiercache import KeyState, RowStore
+from tiercache.errors import ConfigError, TierCacheError
+from tiercache.integrations import vllmcompat as compat
+from tiercache.integrations.engineconfig import with_defaults
+from tiercache.integrations.vllmcompat import SecondaryTierManager, TransferJob
 from tiercache.settings import default as settings_default
 from tiercache.settings import sections
-from tiercache.integrations.engineconfig import with_defaults
 
 log = logging.getLogger("tiercache")
 _PRESENT, _PENDING = KeyState.PRESENT, KeyState.PENDING

@@ -57,16 +57,15 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from tiercache.errors import ConfigError
 from tiercache.files import SUBDIRS, parse_filename
-from tiercache.rowstore import RowStore
-from tiercache.integrations.rowjobs import RowJobs
-from tiercache.integrations.loadcost import POLICIES as LOAD_POLICIES, PROBE_EVERY, LoadCost
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
+from tiercache.integrations.loadcost import POLICIES as LOAD_POLICIES
+from tiercache.integrations.loadcost import PROBE_EVERY, LoadCost
+from tiercache.integrations.rowjobs import RowJobs
+from tiercache.rowstore import RowStore
 from tiercache.settings import sections
 
 log = logging.getLogger("tiercache")

@@ -25,8 +25,17 @@ from collections.abc import Callable
 import numpy as np
 
 from tiercache.errors import RootError, TierFullError
-from tiercache.files import (SUBDIRS, FileTier, IndexUnusable, SavedIndex, ScanResult, changed_dirs, dir_times,
-                             load_index, save_index)
+from tiercache.files import (
+    SUBDIRS,
+    FileTier,
+    IndexUnusable,
+    SavedIndex,
+    ScanResult,
+    changed_dirs,
+    dir_times,
+    load_index,
+    save_index,
+)
 from tiercache.keys import Key
 from tiercache.placement.compactslots import CompactSlots, key_hash
 

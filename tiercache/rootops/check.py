@@ -33,9 +33,27 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from tiercache.errors import ConfigError, CorruptBlockError
-from tiercache.files import (ALIGN, CHECK, DATA_OFFSET, DIRECT, HASH, NOT_REGULAR, READ, UNLINK, NativeIO, Ops, RootDir,
-                             RootPath, checksum, choose_engine, decode_header, file_size, header_checksum, native_hash,
-                             usual_header_tail)
+from tiercache.files import (
+    ALIGN,
+    CHECK,
+    DATA_OFFSET,
+    DIRECT,
+    HASH,
+    NOT_REGULAR,
+    READ,
+    UNLINK,
+    NativeIO,
+    Ops,
+    RootDir,
+    RootPath,
+    checksum,
+    choose_engine,
+    decode_header,
+    file_size,
+    header_checksum,
+    native_hash,
+    usual_header_tail,
+)
 from tiercache.geometry import PoolSpec
 from tiercache.rootops.inventory import FileEntry, entry_path, is_own_block_file, verify_file
 

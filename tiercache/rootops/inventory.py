@@ -30,13 +30,12 @@ from tiercache.files import (
     classify,
     decode_header,
     is_root,
-    lock_holder,
     is_temporary_name,
+    lock_holder,
     parse_filename,
     verify_file,  # noqa: F401 (rootops names it too: check.py, the package face)
 )
 from tiercache.keys import Key
-
 
 
 @dataclass(slots=True)

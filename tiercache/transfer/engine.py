@@ -37,11 +37,11 @@ from tiercache.errors import SlotRangeError, TierUnavailableError
 from tiercache.files import FileTier
 from tiercache.geometry import PoolSpec
 from tiercache.memory import EventPool, StreamPool, as_cupy_stream
+from tiercache.settings import TransferSettings
 from tiercache.transfer.jobs import Job, JobResult
 from tiercache.transfer.ordering import SlotLedger
 from tiercache.transfer.rowcopy import RowCopy
 from tiercache.transfer.transferstats import TransferStats
-from tiercache.settings import TransferSettings
 
 TIER_RANK = {"device": 0, "host": 1, "file": 2}
 
