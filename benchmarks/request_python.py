@@ -24,7 +24,7 @@ import numpy as np
 from tiercache import CacheConfig, PoolSpec, TierCache
 from tiercache.arrays import aligned_empty
 from tiercache.bench.fiospec import parse_size
-from tiercache.files import batchio
+from tiercache.files import nativeio
 
 
 def measure(root: str, bs: int, batch: int, requests: int, settings: dict) -> dict:
@@ -36,7 +36,7 @@ def measure(root: str, bs: int, batch: int, requests: int, settings: dict) -> di
     cfg = CacheConfig([PoolSpec("kv", (bs,), "uint8")], host_slots=batch, file_slots=requests * batch + batch,
                       fsync="none", **({"roots": roots} if len(roots) > 1 else {"root": roots[0]}), **settings)
     inside = [0.0]
-    orig = batchio.NativeIO.run
+    orig = nativeio.NativeIO.run
 
     def timed_run(self, *a):
         t = time.perf_counter()
@@ -45,7 +45,7 @@ def measure(root: str, bs: int, batch: int, requests: int, settings: dict) -> di
         finally:
             inside[0] += time.perf_counter() - t
 
-    batchio.NativeIO.run = timed_run
+    nativeio.NativeIO.run = timed_run
     out: dict = {}
     try:
         with TierCache(cfg) as cache:
@@ -68,7 +68,7 @@ def measure(root: str, bs: int, batch: int, requests: int, settings: dict) -> di
                 out[kind] = {"total": total / n * 1e6, "native": inside[0] / n * 1e6,
                              "outside": (total - inside[0]) / n * 1e6}
     finally:
-        batchio.NativeIO.run = orig
+        nativeio.NativeIO.run = orig
         for r in roots:
             shutil.rmtree(r, ignore_errors=True)
     return out

@@ -58,7 +58,7 @@
  * Errors are reported per operation: 0, an errno value, or TC_NOTREG (a symlink, directory,
  * FIFO or other non-regular file under the name).
  *
- * Loaded with ctypes by tiercache/files/batchio.py (compiled once per machine by
+ * Loaded with ctypes by tiercache/files/nativeio.py (compiled once per machine by
  * kernels/hostlib.py).
  */
 #define _GNU_SOURCE

@@ -168,7 +168,7 @@ class _WriteFaults:
         self.mp = monkeypatch
 
     def arm(self, engine: str, keys, err: int = errno.ENOSPC) -> None:
-        from tiercache.files import batchio, block_filename, posix_io
+        from tiercache.files import block_filename, nativeio, posix_io
 
         keys = set(keys)
         if engine == "python":
@@ -182,14 +182,14 @@ class _WriteFaults:
             self.mp.setattr(posix_io, "write_block", failing)
             return
         for k in keys:
-            batchio.set_fault(batchio.WRITE, block_filename(k, "")[: -len(".bin")], err)
+            nativeio.set_fault(nativeio.WRITE, block_filename(k, "")[: -len(".bin")], err)
 
     def disarm(self) -> None:
         self.mp.undo()
         if ENGINES != ["python"]:
-            from tiercache.files import batchio
+            from tiercache.files import nativeio
 
-            batchio.clear_faults()
+            nativeio.clear_faults()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from conftest import ENGINES, bpath, names, random_keys
 
 from tiercache import ConfigError, CorruptBlockError, PoolSpec
-from tiercache.files import FileTier, IOPath, batchio, block_filename, choose_engine
+from tiercache.files import FileTier, IOPath, block_filename, choose_engine, nativeio
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches
 from tiercache.settings import sections
 
@@ -146,12 +146,12 @@ def test_bad_files_fail_only_their_block(tmp_path, rng, io_engine, bs):
 def test_read_fault_mid_batch(tmp_path, rng, engine):
     pools, keys, data, ft, _ = _written(tmp_path, rng, engine, 40, fsync="none")
     doomed = keys[int(rng.integers(0, 40))]
-    batchio.set_fault(batchio.READ, block_filename(doomed, "act"), errno.EIO, times=1)
+    nativeio.set_fault(nativeio.READ, block_filename(doomed, "act"), errno.EIO, times=1)
     try:
         out = {p.name: np.zeros((40, p.block_nbytes), np.uint8) for p in pools}
         errs = ft.read(_items(keys, out))
     finally:
-        batchio.clear_faults()
+        nativeio.clear_faults()
     assert {k for k, e in errs.items() if e} == {doomed}
     assert isinstance(errs[doomed], OSError) and errs[doomed].errno == errno.EIO
     ok = [i for i, k in enumerate(keys) if k != doomed]
@@ -167,11 +167,11 @@ def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
     pools, keys, _old, ft, root = _written(tmp_path, rng, engine, 20, fsync=fsync)
     new = _data(rng, pools, 20)
     doomed = keys[int(rng.integers(0, 20))]
-    batchio.set_fault(batchio.WRITE, block_filename(doomed, "kv")[:-4], errno.ENOSPC)
+    nativeio.set_fault(nativeio.WRITE, block_filename(doomed, "kv")[:-4], errno.ENOSPC)
     try:
         errs = ft.write(_items(keys, new))
     finally:
-        batchio.clear_faults()
+        nativeio.clear_faults()
     assert {k for k, e in errs.items() if e} == {doomed}
     assert errs[doomed].errno == errno.ENOSPC
     # the only temporary files are the free files the tier keeps (replaced blocks' files)
@@ -196,11 +196,11 @@ def test_rename_fault_unpublishes_the_block(tmp_path, rng, engine):
     data = _data(rng, pools, 6)
     root = tmp_path / "root"
     ft = _tier(root, pools, engine, fsync="data")
-    batchio.set_fault(batchio.RENAME, block_filename(keys[3], "act"), errno.EIO)
+    nativeio.set_fault(nativeio.RENAME, block_filename(keys[3], "act"), errno.EIO)
     try:
         errs = ft.write(_items(keys, data))
     finally:
-        batchio.clear_faults()
+        nativeio.clear_faults()
     assert {k for k, e in errs.items() if e} == {keys[3]}
     assert not [p for p in names(root) if p.startswith(".tmp.") or p.startswith(block_filename(keys[3], "")[:-4])]
     ft.close()
@@ -264,8 +264,8 @@ def test_engine_choice():
 def test_no_compiler_falls_back_to_python(monkeypatch, tmp_path):
     from tiercache.kernels import hostlib
 
-    batchio._library.cache_clear()
-    batchio.uring_status.cache_clear()
+    nativeio._library.cache_clear()
+    nativeio.uring_status.cache_clear()
     monkeypatch.setenv("TIERCACHE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "no-such-compiler-here")
     hostlib.load.cache_clear()
@@ -275,8 +275,8 @@ def test_no_compiler_falls_back_to_python(monkeypatch, tmp_path):
         with pytest.raises(ConfigError, match="io_engine = 'threads' but the native I/O library cannot be built"):
             choose_engine("threads")
     finally:
-        batchio._library.cache_clear()
-        batchio.uring_status.cache_clear()
+        nativeio._library.cache_clear()
+        nativeio.uring_status.cache_clear()
         hostlib.load.cache_clear()
 
 
@@ -300,7 +300,7 @@ def test_ci_builds_the_native_engine():
 
     if hostlib.compiler() is None:
         pytest.skip("no C compiler")
-    assert batchio.native_status()[0], batchio.native_status()[1]
+    assert nativeio.native_status()[0], nativeio.native_status()[1]
 
 
 @needs_native
@@ -356,14 +356,14 @@ def test_unaligned_host_buffers_still_take_o_direct_through_staging(tmp_path, rn
     src = unaligned(n)
     src[:] = rng.integers(0, 256, src.shape, dtype=np.uint8)
     seen: list[tuple[int, np.ndarray]] = []
-    run = batchio.NativeIO.run
+    run = nativeio.NativeIO.run
 
     def spy(self, kind, dir_fd, ops):
-        if kind in (batchio.READ, batchio.WRITE):
+        if kind in (nativeio.READ, nativeio.WRITE):
             seen.append((kind, ops.flags.copy()))
         return run(self, kind, dir_fd, ops)
 
-    monkeypatch.setattr(batchio.NativeIO, "run", spy)
+    monkeypatch.setattr(nativeio.NativeIO, "run", spy)
     ft = _tier(tmp_path / "root", pools, engine, direct_io=True, fsync="none")
     assert not any(ft.write(_items(keys, {"kv": src})).values())
     bad = keys[int(rng.integers(0, n))]
@@ -378,6 +378,6 @@ def test_unaligned_host_buffers_still_take_o_direct_through_staging(tmp_path, rn
     assert {k for k, e in errs.items() if e is not None} == {bad}
     for i, k in enumerate(keys):
         assert np.array_equal(out[i], src[i] if k != bad else np.full(bs, 7, np.uint8)), k
-    assert {kind for kind, _ in seen} == {batchio.READ, batchio.WRITE}
-    assert all((flags & batchio.DIRECT).all() for _, flags in seen)
+    assert {kind for kind, _ in seen} == {nativeio.READ, nativeio.WRITE}
+    assert all((flags & nativeio.DIRECT).all() for _, flags in seen)
     ft.close()

@@ -12,7 +12,7 @@ import pytest
 from conftest import ENGINES, bpath, names, random_keys
 
 from tiercache import CacheConfig, PoolSpec, TierCache
-from tiercache.files import FileTier, IOPath, batchio, block_filename, block_subdir
+from tiercache.files import FileTier, IOPath, block_filename, block_subdir, nativeio
 from tiercache.settings import sections
 
 NATIVE = [e for e in ENGINES if e != "python"]
@@ -133,11 +133,11 @@ def test_a_failed_write_into_a_free_file_is_never_served(tmp_path, rng, engine):
     assert len(of.free_names()) == 16
     others = _keys_in(rng, {block_subdir(k) for k in keys}, 8)  # each where a free file waits
     doomed = others[int(rng.integers(0, 8))]
-    batchio.set_fault(batchio.WRITE, block_filename(doomed, "kv"), errno.ENOSPC)
+    nativeio.set_fault(nativeio.WRITE, block_filename(doomed, "kv"), errno.ENOSPC)
     try:
         errs = ft.write(_items(others, _rows(rng, pools, 8)))
     finally:
-        batchio.clear_faults()
+        nativeio.clear_faults()
     assert {k for k, e in errs.items() if e} == {doomed}
     assert of.reused >= 8  # the new blocks went into free files
     assert not (bpath(root, doomed, "kv")).exists()

@@ -25,7 +25,7 @@ from tiercache.config import config_from_dict
 from tiercache.cuda import cuda_status
 from tiercache.errors import TransferError
 from tiercache.files import SUBDIRS, FileTier, block_filename, block_subdir
-from tiercache.files.batchio import native_status
+from tiercache.files.nativeio import native_status
 
 runner = CliRunner()
 

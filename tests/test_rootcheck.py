@@ -166,7 +166,7 @@ def test_chunks_hold_their_byte_bound_when_the_listing_gave_no_sizes(damaged, mo
     monkeypatch.setattr(rootcheck, "CHUNK_BYTES", 3 * 16384)
     entries = survey(damaged.root, sizes=False).blocks
     with RootDir(damaged.root, check_owner=False) as rd:
-        from tiercache.files.batchio import NativeIO
+        from tiercache.files.nativeio import NativeIO
 
         native = NativeIO(1)
         try:

@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 
 from tiercache import ConfigError, RootError  # noqa: E402
-from tiercache.files import batchio  # noqa: E402
+from tiercache.files import nativeio  # noqa: E402
 from tiercache.integrations import vllmcompat as compat  # noqa: E402
 from tiercache.integrations.vllm import TierCacheTier  # noqa: E402
 
@@ -292,28 +292,28 @@ def test_file_deleted_behind_its_back_fails_that_chunk(engine, rng):
     assert engine.lookups(keys[:1]) == [LookupResult.MISS]
 
 
-@pytest.mark.skipif(not batchio.native_status()[0], reason="fault injection needs the native engine")
+@pytest.mark.skipif(not nativeio.native_status()[0], reason="fault injection needs the native engine")
 def test_transient_read_error_fails_the_chunk_and_leaves_its_file(engine, rng):
     keys = H.new_keys(rng, 2)
     engine.store(keys)
     path = bpath(engine.tier.root, keys[1], "kv")
     before = path.read_bytes()
-    batchio.set_fault(batchio.READ, keys[1].hex(), 5, 1)  # EIO once
+    nativeio.set_fault(nativeio.READ, keys[1].hex(), 5, 1)  # EIO once
     try:
         engine.tier.submit_load(compat.make_job(1, keys, np.array([0, 1]), True, ReqContext("r")))
         engine.tier.drain_jobs()
         (res,) = engine.tier.get_finished_jobs()
     finally:
-        batchio.clear_faults()
+        nativeio.clear_faults()
     assert_partial(res, [keys[0]])
     assert path.read_bytes() == before  # not deleted, not quarantined
     assert not np.any(engine.rows[1])
 
 
-@pytest.mark.skipif(not batchio.native_status()[0], reason="fault injection needs the native engine")
+@pytest.mark.skipif(not nativeio.native_status()[0], reason="fault injection needs the native engine")
 def test_failed_store_leaves_no_file_and_reports_failure(engine, rng):
     keys = H.new_keys(rng, 3)
-    batchio.set_fault(batchio.WRITE, keys[1].hex(), 28)  # ENOSPC
+    nativeio.set_fault(nativeio.WRITE, keys[1].hex(), 28)  # ENOSPC
     try:
         eng_rows = [0, 1, 2]
         engine.rows[:3] = 7
@@ -321,7 +321,7 @@ def test_failed_store_leaves_no_file_and_reports_failure(engine, rng):
         engine.tier.drain_jobs()
         (res,) = engine.tier.get_finished_jobs()
     finally:
-        batchio.clear_faults()
+        nativeio.clear_faults()
     assert not res.success
     assert engine.lookups(keys) == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
     assert f"block_x{keys[1].hex()}_pool_kv.bin" not in _files(engine.tier)

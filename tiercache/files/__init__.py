@@ -3,13 +3,13 @@
 - :mod:`.blockfile`: the block-file format (4 KiB header, checksummed data) and file names;
 - :mod:`.blockcheck`: one block file checked against itself as it is on disk;
 - :mod:`.posix_io`: atomic writes (temporary file, ``fdatasync``, rename) and verified reads;
-- :mod:`.batchio`: the native I/O engine (``kernels/blockio.c``: io_uring or C threads) and
+- :mod:`.nativeio`: the native I/O engine (``kernels/blockio.c``: io_uring or C threads) and
   the choice of engine;
 - :mod:`.blockbatch`: requests as native batches (headers, checksums, staging) and the group
   commit both engines share;
 - :mod:`.kvikio_io`: ``CuFile`` reads and writes straight between VRAM and files (GDS or
   kvikio's compat mode);
-- :mod:`.iopath`: which path device blocks take (GDS / compat / POSIX) and why;
+- :mod:`.devicepath`: which path device blocks take (GDS / compat / POSIX) and why;
 - :mod:`.rootdir`: the root's marker, single-writer lock, stats file and entry names;
 - :mod:`.rootarray`: several roots (one per device) as one: the array's record and table,
   opening, adding and removing members;
@@ -22,70 +22,70 @@
 Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """
 
-from .batchio import (
-                      CHECK,
-                      DIRECT,
-                      HASH,
-                      IO_ENGINES,
-                      NOT_REGULAR,
-                      READ,
-                      UNLINK,
-                      NativeIO,
-                      Ops,
-                      choose_engine,
-                      native_hash,
-                      native_status,
-                      uring_status,
-)
 from .blockbatch import when_all_settled
 from .blockcheck import verify_file
 from .blockfile import (
-                      ALIGN,
-                      DATA_OFFSET,
-                      FANOUT,
-                      SUBDIRS,
-                      block_filename,
-                      block_relpath,
-                      block_subdir,
-                      block_subdir_index,
-                      checksum,
-                      decode_header,
-                      file_size,
-                      header_checksum,
-                      is_temporary_name,
-                      parse_filename,
-                      usual_header_tail,
+    ALIGN,
+    DATA_OFFSET,
+    FANOUT,
+    SUBDIRS,
+    block_filename,
+    block_relpath,
+    block_subdir,
+    block_subdir_index,
+    checksum,
+    decode_header,
+    file_size,
+    header_checksum,
+    is_temporary_name,
+    parse_filename,
+    usual_header_tail,
 )
+from .devicepath import IOPath, select_io_path
 from .file_tier import FileTier, ScanResult
 from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
-from .iopath import IOPath, select_io_path
+from .nativeio import (
+    CHECK,
+    DIRECT,
+    HASH,
+    IO_ENGINES,
+    NOT_REGULAR,
+    READ,
+    UNLINK,
+    NativeIO,
+    Ops,
+    choose_engine,
+    native_hash,
+    native_status,
+    uring_status,
+)
 from .openfiles import FREE_FILES
 from .rootarray import (
-                      ARRAY,
-                      ArrayRecord,
-                      MemberState,
-                      RootArray,
-                      balanced_table,
-                      member_states,
-                      members_of,
-                      open_roots,
-                      read_record,
-                      record_of,
-                      subdir_owner,
+    ARRAY,
+    ArrayRecord,
+    MemberState,
+    RootArray,
+    balanced_table,
+    member_states,
+    members_of,
+    open_roots,
+    read_record,
+    record_of,
+    subdir_owner,
 )
 from .rootdir import (
-                      DIR_MODE,
-                      INDEX,
-                      QUARANTINE,
-                      STATS,
-                      NotRegularFileError,
-                      RootDir,
-                      RootLock,
-                      RootPath,
-                      classify,
-                      is_root,
-                      lock_holder,
-                      write_stats,
+    DIR_MODE,
+    INDEX,
+    QUARANTINE,
+    STATS,
+    NotRegularFileError,
+    RootDir,
+    RootLock,
+    RootPath,
+    classify,
+    is_root,
+    lock_holder,
+    write_stats,
 )
 from .rootreshape import ReshapeResult, reshape
 from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner

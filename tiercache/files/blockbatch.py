@@ -4,7 +4,7 @@ group commit both engines share.
 A request (``[(key, {pool: buffer})]``) is cut into chunks of whole blocks (up to
 :data:`MAX_CHUNK_FILES` files, and :data:`STAGING_BYTES` of pinned staging when device
 buffers take the POSIX path); each chunk is one task on the file tier's I/O threads, which
-makes one :class:`~tiercache.files.batchio.NativeIO` call for all its files and then, per
+makes one :class:`~tiercache.files.nativeio.NativeIO` call for all its files and then, per
 file, checks the header and the XXH3-64 checksum. Chunks of one request overlap: while one
 chunk's checksums run in Python, the next chunk's files are on the disk.
 
@@ -33,7 +33,17 @@ import numpy as np
 
 from tiercache.errors import CorruptBlockError
 from tiercache.files import posix_io
-from tiercache.files.batchio import (
+from tiercache.files.blockfile import (
+    ALIGN,
+    DATA_OFFSET,
+    align_up,
+    checksum,
+    encode_header,
+    file_size,
+    header_checksum,
+    usual_header_tail,
+)
+from tiercache.files.nativeio import (
     CHECK,
     DIRECT,
     EXCHANGE,
@@ -54,16 +64,6 @@ from tiercache.files.batchio import (
     Ops,
     error_for,
     native_hash,
-)
-from tiercache.files.blockfile import (
-    ALIGN,
-    DATA_OFFSET,
-    align_up,
-    checksum,
-    encode_header,
-    file_size,
-    header_checksum,
-    usual_header_tail,
 )
 from tiercache.files.openfiles import Entry, OpenFiles
 from tiercache.files.rootdir import RootDir, RootPath

@@ -25,11 +25,11 @@ import numpy as np
 
 from tiercache.errors import CorruptBlockError
 from tiercache.files import kvikio_io, posix_io
-from tiercache.files.batchio import NativeIO, choose_engine, native_threads
 from tiercache.files.blockbatch import BlockBatches, GroupCommit, before_io, python_rename_all, settle_futures
 from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, file_size, parse_filename
-from tiercache.files.iopath import IOPath
+from tiercache.files.devicepath import IOPath
 from tiercache.files.iothreads import IOThreads
+from tiercache.files.nativeio import NativeIO, choose_engine, native_threads
 from tiercache.files.openfiles import FREE_FILES, OpenFiles
 from tiercache.files.rootarray import RootArray, open_roots
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, classify
@@ -85,11 +85,11 @@ class FileTier:
     Args:
         pools: the cache's pools.
         num_slots: blocks the tier may hold (enforced by the cache's policy).
-        io_path: how device buffers reach files (:class:`~tiercache.files.iopath.IOPath`).
+        io_path: how device buffers reach files (:class:`~tiercache.files.devicepath.IOPath`).
         settings: the ``[file]`` settings (:class:`~tiercache.settings.FileSettings`): the root
             (created if missing; see :func:`open_root`), ``fsync``, checksums, I/O threads
             (:class:`~tiercache.files.iothreads.IOThreads`), the I/O engine
-            (:mod:`tiercache.files.batchio`; the chosen one is :attr:`engine`, with
+            (:mod:`tiercache.files.nativeio`; the chosen one is :attr:`engine`, with
             :attr:`engine_reason`), O_DIRECT, the root owner check, and ``open_files``: the
             descriptors of block files the native engine keeps open
             (:mod:`tiercache.files.openfiles`; exclusive roots only, which also recycle

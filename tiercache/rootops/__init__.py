@@ -14,28 +14,28 @@ Depends on :mod:`tiercache.files` (the block format, the root, the native I/O en
 """
 
 from tiercache.files import (
-                             RootDir,
-                             index_summary,
-                             is_root,
-                             member_states,
-                             members_of,
-                             reshape,
-                             select_io_path,
-                             subdir_owner,
+    RootDir,
+    index_summary,
+    is_root,
+    member_states,
+    members_of,
+    reshape,
+    select_io_path,
+    subdir_owner,
 )
 
 from .check import (
-                             DELETE,
-                             OWN,
-                             VERIFY,
-                             Recheck,
-                             RootCheck,
-                             delete_own,
-                             own_entries,
-                             quick_gil_handoff,
-                             recheck,
-                             unlink_all,
-                             verify_entries,
+    DELETE,
+    OWN,
+    VERIFY,
+    Recheck,
+    RootCheck,
+    delete_own,
+    own_entries,
+    quick_gil_handoff,
+    recheck,
+    unlink_all,
+    verify_entries,
 )
 from .inventory import FileEntry, RootSurvey, entry_path, gc_paused, is_own_block_file, survey, verify_file
 from .purge import PurgePlan, PurgeResult, Selection, execute_plan, locked_for_purge, plan_purge, purge_now
