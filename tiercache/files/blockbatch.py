@@ -37,6 +37,7 @@ from tiercache.files.blockfile import (
     ALIGN,
     DATA_OFFSET,
     align_up,
+    block_location,
     checksum,
     encode_header,
     file_size,
@@ -102,19 +103,31 @@ def _is_host(buf) -> bool:
     return isinstance(buf, (np.ndarray, memoryview))
 
 
-def _staged(buf, direct_io: bool) -> bool:
-    """Whether a block's buffer goes through the thread's pinned staging: a device buffer
-    (POSIX path), or with O_DIRECT a host buffer of whole pages that does not start on a page
-    (NumPy's own arrays start 16 bytes into one). Written or read in place, such a buffer would
-    take the page cache, and a later O_DIRECT read of the file would first wait for that
-    cache's writeback: 2 MiB reads over RAM-backed ext4 ran at a quarter of the speed of reads
-    of files written with O_DIRECT (benchmarks/request_python.py)."""
-    if not _is_host(buf):
+def _host_view(buf, pool_name: str) -> np.ndarray:
+    """A host buffer as a flat ``uint8`` array (no copy).
+
+    Raises:
+        ValueError: the buffer is not contiguous.
+    """
+    if type(buf) is np.ndarray and buf.ndim == 1 and buf.dtype == np.uint8 and buf.flags.c_contiguous:
+        return buf
+    view = np.asarray(buf)
+    if not view.flags.c_contiguous:
+        raise ValueError(f"block buffer of pool {pool_name!r} is not contiguous")
+    return view.reshape(-1).view(np.uint8)
+
+
+def _staged(nbytes: int, ptr: int | None, direct_io: bool) -> bool:
+    """Whether a block's buffer (``nbytes`` at address ``ptr``; None: device memory) goes
+    through the thread's pinned staging: a device buffer (POSIX path), or with O_DIRECT a host
+    buffer of whole pages that does not start on a page (NumPy's own arrays start 16 bytes into
+    one). Written or read in place, such a buffer would take the page cache, and a later
+    O_DIRECT read of the file would first wait for that cache's writeback: 2 MiB reads over
+    RAM-backed ext4 ran at a quarter of the speed of reads of files written with O_DIRECT
+    (benchmarks/request_python.py)."""
+    if ptr is None:
         return True
-    if not direct_io or buf.nbytes % ALIGN:
-        return False
-    arr = buf if isinstance(buf, np.ndarray) else np.asarray(buf)
-    return arr.__array_interface__["data"][0] % ALIGN != 0
+    return direct_io and nbytes % ALIGN == 0 and ptr % ALIGN != 0
 
 
 class Outcome:
@@ -386,6 +399,9 @@ class BlockBatches:
         #: XXH3-64 of data in the C threads (reads: ``HASH``; writes: a ``HASHONLY`` batch first)
         self.native_hash = native_hash()
         self._local = threading.local()
+        #: block subdirectory name -> its directory descriptor (held open by the root for the
+        #: tier's life)
+        self._subdir_fds: dict[str, int] = {}
         self._root = str(directory.path)  # for messages
         #: per pool: its usual header text after the key, kept alive for the C checks
         #: (array, address, length, block bytes)
@@ -412,7 +428,8 @@ class BlockBatches:
         cur: list[int] = []
         files = staged = 0
         for i, (_, bufs) in enumerate(items):
-            dev = sum(align_up(b.nbytes) for b in bufs.values() if _staged(b, direct_io))
+            dev = sum(align_up(b.nbytes) for b in bufs.values() if _staged(
+                b.nbytes, np.asarray(b).__array_interface__["data"][0] if _is_host(b) else None, direct_io))
             if cur and (files + len(bufs) > target or staged + dev > STAGING_BYTES):
                 out.append(cur)
                 cur, files, staged = [], 0, 0
@@ -434,13 +451,15 @@ class BlockBatches:
             self._local.staging, self._local.owner = buf, owner
         return buf
 
-    def _layout(self, idx: list[int], items, skip, errors: dict) -> tuple[list[tuple], list[tuple]]:
+    def _layout(self, idx: list[int], items, skip, errors: dict) -> tuple[list[tuple], list[tuple], list[int]]:
         """Per file of the chunk's blocks that are not skipped: ``(item, key, pool, buffer,
         host view)``, the host view being the buffer itself or a slice of pinned staging
-        (:func:`_staged`); and ``[(j, buffer view, staging view)]`` of the host buffers staged
-        (file ``j``: copied into staging before a write, out of it after a read)."""
+        (:func:`_staged`); ``[(j, buffer view, staging view)]`` of the host buffers staged
+        (file ``j``: copied into staging before a write, out of it after a read); and each
+        file's host view's address."""
         files = []
         dev_bytes = 0
+        direct_io = self.direct_io
         for i in idx:
             why = skip(i) if skip is not None else None
             if why:
@@ -448,38 +467,45 @@ class BlockBatches:
                 continue
             key, bufs = items[i]
             for name, buf in bufs.items():
-                staged = _staged(buf, self.direct_io)
-                files.append((i, key, self.pools[name], buf, staged))
+                pool = self.pools[name]
+                if _is_host(buf):
+                    view = _host_view(buf, name)
+                    ptr = view.__array_interface__["data"][0]
+                else:
+                    view = ptr = None
+                staged = _staged(buf.nbytes, ptr, direct_io)
+                files.append((i, key, pool, buf, view, ptr, staged))
                 if staged:
                     dev_bytes += align_up(buf.nbytes)
         staging = self._staging(dev_bytes) if dev_bytes else None
-        out, bounce, at = [], [], 0
-        for i, key, pool, buf, staged in files:
-            view = None
-            if _is_host(buf):
-                view = np.asarray(buf)
-                if not view.flags.c_contiguous:
-                    raise ValueError(f"block buffer of pool {pool.name!r} is not contiguous")
-                view = view.reshape(-1).view(np.uint8)
+        base = staging.__array_interface__["data"][0] if staging is not None else 0
+        out, bounce, ptrs, at = [], [], [], 0
+        for i, key, pool, buf, view, ptr, staged in files:
             if staged:
                 host = staging[at:at + buf.nbytes]
+                ptr = base + at
                 at += align_up(buf.nbytes)
                 if view is not None:
                     bounce.append((len(out), view, host))
             else:
                 host = view
             out.append((i, key, pool, buf, host))
-        return out, bounce
+            ptrs.append(ptr)
+        return out, bounce, ptrs
 
-    def _ops(self, files) -> Ops:
-        ops = Ops(len(files), self.native.heads(len(files)))
-        for j, (_, _, pool, _, host) in enumerate(files):
-            ptr = host.ctypes.data
-            ops.data[j] = ptr
-            ops.data_len[j] = host.nbytes
-            ops.file_len[j] = file_size(pool.block_nbytes)
-            if self.direct_io and ptr % ALIGN == 0 and host.nbytes % ALIGN == 0:
-                ops.flags[j] = DIRECT
+    def _ops(self, files, ptrs: list[int]) -> Ops:
+        """A batch for ``files`` (host views at addresses ``ptrs``): each one's data pointer and
+        length, its file's length, and ``DIRECT`` where the tier uses O_DIRECT and its host
+        view is whole aligned pages."""
+        n = len(files)
+        ops = Ops(n, self.native.heads(n))
+        lens = [host.nbytes for _, _, _, _, host in files]
+        ops.data[:] = ptrs
+        ops.data_len[:] = lens
+        ops.file_len[:] = [file_size(pool.block_nbytes) for _, _, pool, _, _ in files]
+        if self.direct_io and n:
+            aligned = ((ops.data % np.uint64(ALIGN)) == 0) & ((ops.data_len % ALIGN) == 0)
+            ops.flags[aligned] = DIRECT
         return ops
 
     def _device_copies(self, pairs) -> None:
@@ -504,51 +530,26 @@ class BlockBatches:
         return out
 
     def _read_chunk(self, idx, items, outcome: Outcome, deps, delay_s, skip) -> None:
+        """One chunk of a read request (a task of the I/O threads): its files read in one
+        native call, checked (in C where it can vouch for them), copied out of staging where
+        staged, and the chunk's blocks settled."""
         errors: dict[int, BaseException] = {}
         try:
             before_io(idx[0], deps, delay_s, None)
-            files, bounce = self._layout(idx, items, skip, errors)
-            ops = self._ops(files)
-            paths = [self.dir.block_path(key, pool.name) for _, key, pool, _, _ in files]
-            names = [p.name for p in paths]
-            ops.names = [n.encode() for n in names]
-            ops.dirs = np.fromiter((p.dir_fd for p in paths), np.int32, len(paths))
+            files, bounce, ptrs = self._layout(idx, items, skip, errors)
+            ops = self._ops(files, ptrs)
+            names = self._locate(ops, files)
             if self.verify and self.native_hash:
                 ops.flags |= HASH
                 self._expect(ops, files)
             held = self._hold(names, ops)
             try:
                 self.native.run(READ, self.dir.fd, ops)
-                to_device = []
-                adopted: list[tuple[str, Entry]] = []
-                for j, (i, key, pool, buf, host) in enumerate(files):
-                    kept = int(ops.fd[j]) if held[j] is None and ops.flags[j] & KEEP else None
-                    try:
-                        if i in errors:
-                            raise CorruptBlockError("a sibling file failed")
-                        if ops.verdict is None or not ops.verdict[j]:  # not vouched for by the C check
-                            self._check_read(ops, j, key, pool, host, paths[j])
-                        entry = _kept_entry(ops, j) if kept is not None else None
-                    except BaseException as exc:
-                        errors.setdefault(i, exc)
-                        if kept is not None and kept >= 0:
-                            os.close(kept)
-                        entry = None
-                    if kept is not None:
-                        if entry is not None:
-                            adopted.append((names[j], entry))
-                        else:
-                            self.open_files.unreserve()
-                    if i in errors:
-                        continue
-                    if not _is_host(buf):
-                        to_device.append((i, buf, host))
-                if adopted:
-                    self.open_files.adopt_many(adopted)
+                self._read_results(ops, files, names, errors)
             finally:
                 if self.open_files is not None:
                     self.open_files.release(held)
-            self._device_copies([(buf, host) for i, buf, host in to_device if i not in errors])
+            self._device_copies([(buf, host) for i, _, _, buf, host in files if not _is_host(buf) and i not in errors])
             for j, view, host in bounce:
                 if files[j][0] not in errors:
                     np.copyto(view, host)
@@ -556,6 +557,57 @@ class BlockBatches:
             for i in idx:
                 errors.setdefault(i, exc)
         outcome.settle(errors)
+
+    def _locate(self, ops: Ops, files) -> list[str]:
+        """Each file's name (returned, and in ``ops.names``) and its subdirectory's descriptor
+        (``ops.dirs``): the tier holds its block subdirectories open for its life, so each
+        subdirectory's descriptor is looked up once."""
+        names: list[str] = []
+        dirs = ops.dirs = np.empty(len(files), np.int32)
+        fds = self._subdir_fds
+        for j, (_, key, pool, _, _) in enumerate(files):
+            sub, name = block_location(key, pool.name)
+            fd = fds.get(sub)
+            if fd is None:
+                fd = fds[sub] = self.dir.block_path(key, pool.name).dir_fd
+            dirs[j] = fd
+            names.append(name)
+        ops.names = [n.encode() for n in names]
+        return names
+
+    def _read_results(self, ops: Ops, files, names: list[str], errors: dict) -> None:
+        """After the read call: each block's error (a file that failed, or whose sibling did),
+        and the descriptors the reads kept (adopted by the open-file cache, or closed). Only
+        the files that need a look are visited: those with an error, those the C checks did not
+        vouch for, and those that kept a descriptor; the others are done."""
+        kept_mask = (ops.flags & KEEP) != 0  # only reads without a held descriptor keep one
+        look = kept_mask | (ops.err != 0)
+        if ops.verdict is None:
+            look[:] = True
+        else:
+            look |= ops.verdict == 0
+        adopted: list[tuple[str, Entry]] = []
+        for j in np.flatnonzero(look).tolist():
+            i, key, pool, _, host = files[j]
+            kept = int(ops.fd[j]) if kept_mask[j] else None
+            try:
+                if i in errors:
+                    raise CorruptBlockError("a sibling file failed")
+                if ops.verdict is None or not ops.verdict[j]:  # not vouched for by the C check
+                    self._check_read(ops, j, key, pool, host, self.dir.block_path(key, pool.name))
+                entry = _kept_entry(ops, j) if kept is not None else None
+            except BaseException as exc:
+                errors.setdefault(i, exc)
+                if kept is not None and kept >= 0:
+                    os.close(kept)
+                entry = None
+            if kept is not None:
+                if entry is not None:
+                    adopted.append((names[j], entry))
+                else:
+                    self.open_files.unreserve()
+        if adopted:
+            self.open_files.adopt_many(adopted)
 
     def _keep(self, ops: Ops, j: int) -> int:
         """Flags of operation ``j`` keeping its file open: an O_DIRECT descriptor where the
@@ -640,11 +692,11 @@ class BlockBatches:
         staged: dict[int, list] = {}
         try:
             before_io(idx[0], deps, delay_s, None)
-            files, bounce = self._layout(idx, items, skip, errors)
+            files, bounce, ptrs = self._layout(idx, items, skip, errors)
             self._device_copies([(host, buf) for _, _, _, buf, host in files if not _is_host(buf)])
             for _, view, host in bounce:
                 np.copyto(host, view)
-            ops = self._ops(files)
+            ops = self._ops(files, ptrs)
             publish = group is None
             paths = [self.dir.block_path(key, pool.name) for _, key, pool, _, _ in files]
             ops.dirs = np.fromiter((p.dir_fd for p in paths), np.int32, len(paths))
