@@ -210,3 +210,23 @@ def test_every_subpackage_is_packaged():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {m for m in PACKAGES if m.startswith("tiercache.")} | {"tiercache"}
     assert folders <= listed, sorted(folders - listed)
+
+
+def test_every_measured_file_backs_a_page():
+    """Evidence lives in docs/measured/ and every file there is cited by a page (by its path,
+    its name, or a pattern such as ``measured/vllm/connector-*-20261127.json``): no data
+    beside the prose, none that no page explains."""
+    import fnmatch
+    import re
+
+    assert not [p.name for p in (REPO / "docs").iterdir() if p.is_file() and p.suffix != ".md"], \
+        "data files belong under docs/measured/"
+    text = "\n".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
+    cited = {c.split("measured/", 1)[-1] for c in re.findall(r"[\w.*/-]+\.(?:json|txt|png)", text)}
+    uncited = []
+    for path in sorted((REPO / "docs" / "measured").rglob("*")):
+        if path.is_file():
+            rel = str(path.relative_to(REPO / "docs" / "measured"))
+            if not any(fnmatch.fnmatch(rel, c) or fnmatch.fnmatch(path.name, c) for c in cited):
+                uncited.append(rel)
+    assert not uncited, f"cited by no page: {uncited}"
