@@ -166,3 +166,32 @@ def test_recycled_memory_is_reused_without_new_pages():
     y[::4096] = 2
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert y.ctypes.data == addr and faults < 64, faults
+
+
+def test_recycled_arrays_are_never_shared_between_threads(rng):
+    """Threads taking and letting go of recycled arrays at once: each thread's array holds only
+    what that thread wrote while it holds it (no mapping handed to two holders)."""
+    import threading
+
+    from tiercache.memory import recycled
+
+    size = 2 << 20
+    bad: list[str] = []
+
+    def work(tid: int) -> None:
+        for _ in range(40):
+            a = recycled.recycled_empty(size)
+            a[:] = tid
+            view = a[size // 3:]
+            del a
+            if not (view == tid).all():
+                bad.append(f"thread {tid}: another holder wrote its array")
+            del view
+
+    threads = [threading.Thread(target=work, args=(t + 1,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, bad[:3]
+    assert recycled.pool_stats()["kept_bytes"] <= recycled.POOL_BYTES

@@ -334,7 +334,8 @@ def test_native_headers_are_the_bytes_encode_header_makes(tmp_path, rng, bs):
 
 @needs_native
 @pytest.mark.parametrize("engine", NATIVE)
-def test_unaligned_host_buffers_still_take_o_direct_through_staging(tmp_path, rng, engine, monkeypatch):
+@pytest.mark.parametrize("fsync", ["none", "data"])
+def test_unaligned_host_buffers_still_take_o_direct_through_staging(tmp_path, rng, engine, fsync, monkeypatch):
     """NumPy arrays start 16 bytes into a page: with ``direct_io`` their blocks go through the
     thread's staging buffer, so every read and write is O_DIRECT (no page cache for a later
     O_DIRECT read to flush first), bytes exact both ways, and a block whose file fails its
@@ -364,7 +365,7 @@ def test_unaligned_host_buffers_still_take_o_direct_through_staging(tmp_path, rn
         return run(self, kind, dir_fd, ops)
 
     monkeypatch.setattr(nativeio.NativeIO, "run", spy)
-    ft = _tier(tmp_path / "root", pools, engine, direct_io=True, fsync="none")
+    ft = _tier(tmp_path / "root", pools, engine, direct_io=True, fsync=fsync)  # data: a group commit
     assert not any(ft.write(_items(keys, {"kv": src})).values())
     bad = keys[int(rng.integers(0, n))]
     with open(bpath(tmp_path / "root", bad, "kv"), "r+b") as f:  # a flipped data byte
