@@ -475,7 +475,7 @@ class TierCache:
             self._check_open()
             ks = normalize_keys(keys)
             self.file_index.discover(ks)
-            self.placement.require_present(ks)
+            found = self._highest_copies(ks)
             if isinstance(out, dict):
                 outs = self._as_pool_arrays(out, len(ks), "out")
                 result = out
@@ -487,17 +487,43 @@ class TierCache:
                 else:
                     result = out
                     outs = self._as_pool_arrays({name: out}, len(ks), "out")
-            for tier in self.placement.order:
-                ts = self.placement.tiers[tier]
-                idx = [i for i, k in enumerate(ks) if k in ts and not any(
-                    k in self.placement.tiers[t] for t in self.placement.above(tier))]
-                if not idx:
-                    continue
-                sub = [ks[i] for i in idx]
-                failed = self.mover.transfer(sub, tier, "caller", [ts.slot_of[k] for k in sub], idx, dst_arrays=outs)
+            for tier, (idx, sub, slots) in found.items():
+                failed = self.mover.transfer(sub, tier, "caller", slots, idx, dst_arrays=outs)
                 self.counters[f"get_hits_{tier}"] += len(sub) - len(failed)
                 self.mover.raise_failed(failed, tier, "caller")
             return result
+
+    def _highest_copies(self, ks: list[Key]) -> dict[str, tuple[list[int], list[Key], list[int]]]:
+        """Per tier, top first, the keys whose highest copy it holds: ``(positions in ks, keys,
+        slots)``; one lookup per key and tier until the key is found.
+
+        Raises:
+            KeyNotFoundError: naming the keys no tier holds.
+        """
+        found: dict[str, tuple[list[int], list[Key], list[int]]] = {}
+        left = range(len(ks))
+        for tier in self.placement.order:
+            slot_of = self.placement.tiers[tier].slot_of
+            rest: list[int] = []
+            idx: list[int] = []
+            sub: list[Key] = []
+            slots: list[int] = []
+            for i in left:
+                s = slot_of.get(ks[i])
+                if s is None:
+                    rest.append(i)
+                else:
+                    idx.append(i)
+                    sub.append(ks[i])
+                    slots.append(s)
+            if idx:
+                found[tier] = (idx, sub, slots)
+            left = rest
+            if not left:
+                break
+        if left:
+            self.placement.require_present([ks[i] for i in left])  # raises, naming them
+        return found
 
     def offload(self, keys, to: str | None = None, keep: bool = False) -> np.ndarray:
         """Move blocks down to tier ``to`` (default: the tier below the top tier).
