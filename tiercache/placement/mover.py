@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tiercache.errors import CorruptBlockError, SpillError, TornReadError, TransferError
+from tiercache.errors import CorruptBlockError, KeyNotFoundError, SpillError, TornReadError, TransferError
 from tiercache.files import FileTier
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, format_keys
@@ -164,20 +164,29 @@ class BlockMover:
         """
         ts = self.placement.tiers[dst]
         new = [k for k in keys if k not in ts]
+        # each key's nearest source: the closest tier above or below dst holding it (a tier above
+        # first at equal distance), with its slot there; one lookup per tier until found. Found
+        # before room is made: protected, the keys' own copies do not move meanwhile
+        order = self.placement.order
+        near = sorted((t for t in order if t != dst), key=lambda t: abs(order.index(t) - order.index(dst)))
+        groups: dict[str, tuple[list[Key], list[int]]] = {}
+        for k in new:
+            for t in near:
+                s = self.placement.tiers[t].slot_of.get(k)
+                if s is not None:
+                    g = groups.setdefault(t, ([], []))
+                    g[0].append(k)
+                    g[1].append(s)
+                    break
+            else:
+                raise KeyNotFoundError(f"block {format_keys([k])} is in no tier to copy into {dst} from")
         self.room_for(dst, len(new), new, protect | set(keys))
         dst_slots = dict(zip(new, ts.add(new)))
-        groups: dict[str, list[Key]] = {}
-        order = self.placement.order
-        for k in new:
-            held = [t for t in order if t != dst and k in self.placement.tiers[t]]
-            # nearest source: the closest tier above or below dst
-            src = min(held, key=lambda t: abs(order.index(t) - order.index(dst)))
-            groups.setdefault(src, []).append(k)
         failures: dict[Key, BaseException] = {}
-        for src, ks in groups.items():
+        for src, (ks, src_slots) in groups.items():
             src_ts = self.placement.tiers[src]
             try:
-                failed = self.transfer(ks, src, dst, [src_ts.slot_of[k] for k in ks], [dst_slots[k] for k in ks])
+                failed = self.transfer(ks, src, dst, src_slots, [dst_slots[k] for k in ks])
             except Exception as exc:  # the whole batch failed (e.g. a CUDA error)
                 failed = {k: exc for k in ks}
             failures.update(failed)
