@@ -106,3 +106,20 @@ def test_a_bad_value_names_the_setting_and_its_range(tmp_path, flat, value, mess
             RowStore(np.zeros((2, 4096), np.uint8), tmp_path / "r", capacity_blocks=4, **{flat: value})
         with pytest.raises(ConfigError, match=message):
             sections(**{flat: value})
+
+
+def test_copy_launcher_defaults_are_the_transfer_settings():
+    """CopyLauncher takes its thresholds' defaults from [transfer] (one default per setting,
+    defined once in tiercache.settings), so a launcher built without settings copies as the
+    engine's does."""
+    import inspect
+
+    from tiercache.copypaths.copykernels import CopyLauncher
+    from tiercache.settings import TransferSettings
+
+    sig, t = inspect.signature(CopyLauncher.__init__), TransferSettings()
+    shared = [k for k in sig.parameters if k in {f.name for f in dataclasses.fields(TransferSettings)}]
+    assert {"memcpy_min_bytes", "batch_min_bytes", "staged_min_run_bytes", "bulk_shape", "batch_streams",
+            "offload_staged_min_run_bytes"} <= set(shared)
+    for k in shared:
+        assert sig.parameters[k].default == getattr(t, k), k

@@ -44,6 +44,10 @@ from tiercache.copypaths.copyplan import contiguous_runs, memcpy_runs, strided_r
 from tiercache.copypaths.driverlaunch import KernelCall, Memcpy2DBatch, MemcpyCall, MemsetCall
 from tiercache.copypaths.segments import Segments, vector_bytes
 from tiercache.memory import MEMCPY_DEFAULT, data_ptr
+from tiercache.settings import TransferSettings
+
+#: the ``[transfer]`` settings' defaults, the launcher's own (tiercache.settings defines them once)
+_DEFAULTS = TransferSettings()
 
 
 class CopyLauncher:
@@ -104,10 +108,12 @@ class CopyLauncher:
     MEMCPY2D_MIN_ROW_BYTES = 16 << 10
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
-                 unroll: int = 8, memcpy_min_bytes: int = 4 << 20, batch_min_bytes: int = 128 << 10,
-                 staged_min_run_bytes: int = 0, bulk: bool = True, bulk_shape: str = "large",
-                 bulk_sms: int | None = None, bulk_ctas_per_sm: int = 1, batch_streams: int = 2,
-                 carveout_sms: int = 0, offload_staged_min_run_bytes: int = 256 << 10) -> None:
+                 unroll: int = 8, memcpy_min_bytes: int = _DEFAULTS.memcpy_min_bytes,
+                 batch_min_bytes: int = _DEFAULTS.batch_min_bytes,
+                 staged_min_run_bytes: int = _DEFAULTS.staged_min_run_bytes, bulk: bool = True,
+                 bulk_shape: str = _DEFAULTS.bulk_shape, bulk_sms: int | None = None, bulk_ctas_per_sm: int = 1,
+                 batch_streams: int = _DEFAULTS.batch_streams, carveout_sms: int = 0,
+                 offload_staged_min_run_bytes: int = _DEFAULTS.offload_staged_min_run_bytes) -> None:
         import cupy
 
         from tiercache.copypaths.batchcopy import BatchCopy
