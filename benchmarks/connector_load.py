@@ -11,6 +11,10 @@ previous upload, submitting, issuing uploads).
     python3 benchmarks/connector_load.py /dev/shm/cl --model llama-3.1-8b --blocks 512 \\
         --set io_threads=16 --set io_threads=16,io_engine=threads
 
+``--stores``: a prompt's stores behind a forward pass's stand-in (``--forward-ms`` of matmuls on
+the engine's stream) instead: the host time of ``after_forward``, the GPU time it adds to the
+engine's stream, and when the blocks are free, per run; ``--profile`` adds a cProfile of one.
+
 Reproduces docs/vllm.md, "The direct path: status".
 """
 
@@ -83,6 +87,90 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
             "load_slabs": w.load_slabs, "engine": w.store.ft.engine, "copies": w.copy_path}
 
 
+def _busy(ms: float, kernels: int = 0) -> None:
+    """About ``ms`` milliseconds of matmuls on the current stream (a forward pass's stand-in),
+    then ``kernels`` small kernels queued behind them (an eager forward pass's launch queue)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t[0].record()
+    a @ a
+    t[1].record()
+    t[1].synchronize()
+    for _ in range(max(1, int(ms / max(t[0].elapsed_time(t[1]), 0.01)))):
+        a @ a
+    x = torch.zeros(256, device="cuda")
+    for _ in range(kernels):
+        x.add_(1)
+
+
+def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_ms: float, profile: bool,
+           kernels: int = 0) -> dict:
+    """A prompt's stores behind a forward pass: ``blocks`` blocks planned, ``forward_ms`` of work
+    queued on the engine's stream, then ``after_forward`` (vLLM's ``wait_for_save``). Reports its
+    host time, the GPU time it adds to the engine's stream after the forward pass, and when the
+    blocks are free (``get_finished``) from the forward pass's end; the last run's blocks are
+    loaded back and compared."""
+    cfg = json.loads((models_dir() / f"{model}.json").read_text())
+    layers, heads, bs = cfg["num_hidden_layers"], cfg["num_key_value_heads"], 16
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    nb = 2 * blocks + 8
+    caches = {f"layers.{i}": torch.empty((2, nb, bs, heads, hd), dtype=torch.float16, device="cuda")
+              for i in range(layers)}
+    for t in caches.values():
+        t.view(torch.int16).random_(-30000, 30000)
+    shutil.rmtree(root, ignore_errors=True)
+    w = ConnectorWorker(parse_config({"root": root, "fsync": "none", **extra}), [Path(root)])
+    w.register(caches, nb)
+    rows, keys = [], []
+    prof = None
+    for r in range(runs):
+        keys = [os.urandom(16) for _ in range(blocks)]
+        torch.cuda.synchronize()
+        _busy(forward_ms, kernels)
+        fwd_end = torch.cuda.Event(enable_timing=True)
+        fwd_end.record()
+        if profile and r == runs - 1:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        t0 = time.perf_counter()
+        w.plan_stores([BlockTransfer(f"s{r}", keys, list(range(blocks)))])
+        w.after_forward()
+        host = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+        after = torch.cuda.Event(enable_timing=True)
+        after.record()
+        fwd_end.synchronize()
+        t_fwd = time.perf_counter()
+        while w.get_finished({f"s{r}"})[0] is None:
+            time.sleep(0.0005)
+        freed = time.perf_counter() - t_fwd
+        after.synchronize()
+        rows.append({"after_forward_host_ms": host * 1e3, "stream_added_ms": fwd_end.elapsed_time(after),
+                     "freed_after_forward_ms": freed * 1e3})
+        assert w.drain(120), "the stores did not finish"
+    want = [t[:, :blocks].clone() for t in caches.values()]
+    dst = list(range(blocks + 8, 2 * blocks + 8))
+    w.load([BlockTransfer("check", keys, dst)])
+    assert not w.load_errors()
+    for t, x in zip(caches.values(), want):
+        assert torch.equal(t[:, blocks + 8:].view(torch.int16), x.view(torch.int16)), "bytes differ"
+    counters = dict(w.counters)
+    w.close()
+    out = {"settings": extra, "forward_ms": forward_ms, "kernels": kernels, "blocks": blocks, "runs": rows,
+           "median": {k: statistics.median(x[k] for x in rows) for k in rows[0]}, "counters": counters}
+    if prof is not None:
+        import io
+        import pstats
+
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(18)
+        out["profile"] = buf.getvalue()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("root")
@@ -91,6 +179,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
     ap.add_argument("--set", action="append", default=[], help="key=value,... of kv_connector_extra_config")
+    ap.add_argument("--stores", action="store_true", help="the stores behind a forward pass instead of loads")
+    ap.add_argument("--forward-ms", type=float, default=200.0, help="the forward pass's stand-in (--stores)")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the last store's after_forward")
+    ap.add_argument("--kernels", type=int, default=0, help="small kernels queued behind the forward (--stores)")
     a = ap.parse_args()
     if a.switch_interval:
         import sys
@@ -98,7 +190,12 @@ def main() -> None:
         sys.setswitchinterval(a.switch_interval)
     for spec in a.set or [""]:
         extra = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
-        out = run(a.root, a.model, a.blocks, a.runs, {k: _value(v) for k, v in extra.items()})
+        extra = {k: _value(v) for k, v in extra.items()}
+        if a.stores:
+            out = stores(a.root, a.model, a.blocks, a.runs, extra, a.forward_ms, a.profile, a.kernels)
+            print(out.pop("profile", ""), flush=True)
+        else:
+            out = run(a.root, a.model, a.blocks, a.runs, extra)
         print(out, flush=True)
 
 

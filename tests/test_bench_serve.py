@@ -216,3 +216,10 @@ def test_stage_trace_splits_a_requests_time_into_the_engines_stages():
     # a recompute: no reads, no upload
     only = breakdown([("step", 1.0, 1.001, {"tokens": 8448}), ("forward", 1.002, 1.2, {})], 0.9, 1.25)
     assert only["read_ms"] is None and only["upload_ms"] is None and abs(only["prefill_ms"] - 198) < 1e-6
+    assert only["store_gather_ms"] is None and only["blocks_freed_ms"] is None and only["store_writes"] == 0
+    # the connector's stores: gathers summed, the last freeing of blocks from submission, writes counted
+    cold = breakdown([("blocks_freed", 0.95, 0.96, {"requests": 1}), ("store_write", 0.97, 0.99, {}),
+                      ("step", 1.0, 1.001, {"tokens": 8448}), ("store_gather", 1.21, 1.215, {}),
+                      ("store_gather", 1.22, 1.223, {}), ("store_write", 1.23, 1.24, {})], 0.9, 1.25)
+    assert abs(cold["store_gather_ms"] - 8) < 1e-6 and abs(cold["blocks_freed_ms"] - 60) < 1e-6
+    assert cold["store_writes"] == 2

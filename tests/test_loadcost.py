@@ -18,12 +18,15 @@ class Clock:
 
 
 def _measure(cost: LoadCost, clock: Clock, step_s: float, tokens: int, load_s: float, blocks: int) -> None:
-    """A prefill step of ``tokens`` taking ``step_s``, then a step issuing a load of ``blocks``
-    blocks that is reported done ``load_s`` later."""
+    """A prefill step of ``tokens`` whose output comes back ``step_s`` later (synchronous
+    scheduling), then a step issuing a load of ``blocks`` blocks that is reported done
+    ``load_s`` later."""
     cost.step(tokens, {})
     clock.t += step_s
+    cost.output()
     cost.step(tokens, {"r": blocks})
     clock.t += load_s
+    cost.output()
     cost.loaded("r")
     cost.step(0, {})
 
@@ -56,14 +59,17 @@ def test_small_idle_or_loading_steps_do_not_measure_the_prefill():
     assert LoadCost(16).policy == "always"
     cost.step(MIN_STEP_TOKENS - 1, {})  # a decode step
     clock.t += 1.0
+    cost.output()
     cost.step(4096, {"a": 4})  # a step with a load: its time is the load's, not the prefill's
     clock.t += 1.0
+    cost.output()
     cost.step(4096, {})
-    clock.t += 60.0  # idle
-    cost.step(4096, {})
+    clock.t += 60.0  # an output that never came back in time (an idle or stalled engine)
+    cost.output()
     assert cost.prefill_s_per_token is None
+    cost.step(4096, {})
     clock.t += 0.1
-    cost.step(0, {})
+    cost.output()
     assert cost.prefill_s_per_token == pytest.approx(0.1 / 4096)
     cost.forget("a")
     cost.loaded("a")  # a request that finished before its load was reported measures nothing
@@ -72,3 +78,25 @@ def test_small_idle_or_loading_steps_do_not_measure_the_prefill():
     clock.t += 1.0
     cost.loaded("small")  # the step around a small load is most of its time: not a rate
     assert cost.load_s_per_block is None
+
+
+def test_with_async_scheduling_a_prefill_is_timed_to_its_own_output_not_the_next_scheduling():
+    """vLLM's async scheduling schedules step N+1 while step N runs on the GPU, and step N's
+    output comes back after that: the interval between schedulings is the host's pace. A
+    prefill step is timed from its scheduling to its own output."""
+    clock = Clock()
+    cost = LoadCost(16, "faster", clock, pipeline_depth=2)
+    cost.step(8448, {})  # the prefill, 0.2 s on the GPU
+    clock.t += 0.001
+    cost.output()  # the previous step's output: not this prefill's
+    cost.step(1, {})  # the next step, scheduled 2 ms after the prefill's
+    clock.t += 0.001
+    assert cost.prefill_s_per_token is None
+    clock.t += 0.198
+    cost.output()  # the prefill's output
+    assert cost.prefill_s_per_token == pytest.approx(0.2 / 8448)
+    sync = LoadCost(16, "faster", clock)  # depth 1: the first output after the step is its own
+    sync.step(8448, {})
+    clock.t += 0.2
+    sync.output()
+    assert sync.prefill_s_per_token == pytest.approx(0.2 / 8448)

@@ -61,11 +61,13 @@ def _caches(layout: str = "flash", device: str = "cpu") -> dict:
                                                     ).view(torch.float16).to(device) for i in range(LAYERS)}
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
-                        pytest.param("cuda-side", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["cpu", "cpu-engine", pytest.param("cuda", marks=pytest.mark.gpu),
+                        pytest.param("cuda-side", marks=pytest.mark.gpu),
+                        pytest.param("cuda-engine", marks=pytest.mark.gpu)])
 def device(request):
     """Where the KV caches live: the CPU (torch's copies), or a GPU (the pinned staging, the
-    copy kernels and events; on the current stream, or ``-side``: on side streams)."""
+    copy kernels and events; on the current stream, or ``-side``: on side streams); stores
+    gathered by the connector's gatherer thread, or (``-engine``) on the engine's thread."""
     return request.param
 
 
@@ -75,6 +77,8 @@ class _Engine:
     def __init__(self, root, layout="flash", device="cpu", **extra) -> None:
         if device == "cuda-side":
             device, extra = "cuda", {"copy_streams": "side", **extra}
+        if device.endswith("-engine"):
+            device, extra = device.removesuffix("-engine"), {"store_gathers": "engine", **extra}
         cfg = _config(root, **extra)
         kvc = SimpleNamespace(num_blocks=NB)
         self.sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
@@ -264,12 +268,16 @@ def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage,
 
 
 def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng, device):
-    """More pieces than load slabs: each slab is read again only once its last piece is up."""
+    """More pieces than load slabs (and, on a GPU, than device store slabs): each slab is read
+    again only once its last piece is up, and a device slab takes the next gather only once
+    its copy to the host is done."""
     n = NB // 2 - 1
     hashes = [rng.bytes(32) for _ in range(n + 1)]
     a = _Engine(tmp_path, device=device, piece_blocks=3)
     w = a.worker._worker
     w.load_slabs, w._slab_events = 2, [None, None]  # two slabs of 3 blocks for 31 blocks
+    if w.cuda:
+        w.dev_store, w._dev_events = w.dev_store[:2], [None, None]  # two device store slabs
     want = _store(a, "r1", hashes, n * BS, list(range(n)))
     ids = list(rng.permutation(range(n, NB))[:n + 1])
     req = _request("r2", hashes, (n + 1) * BS)

@@ -55,6 +55,7 @@ second process to find the files: vLLM's ``NONE_HASH`` is random otherwise).
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -189,6 +190,7 @@ class _LoadCounter:
     def __init__(self) -> None:
         self.chunks = 0
         self.roots: list[str] = []
+        self.workers: list = []  # the connector's workers in this process (their counters)
         classes = []
         try:
             from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
@@ -226,6 +228,7 @@ class _LoadCounter:
         def worker_init(worker, settings, roots):
             init(worker, settings, roots)
             self.roots.extend(str(r) for r in roots)
+            self.workers.append(worker)
 
         ConnectorWorker._load, ConnectorWorker.__init__ = counted_load, worker_init
 
@@ -326,6 +329,8 @@ def worker_main(spec_path: str) -> int:
     if spec.get("h2d_probe"):
         extra["h2d_gbps"] = _h2d_gbps()
     extra["traced"] = trace.installed
+    if counter is not None and counter.workers:
+        extra["connector_counters"] = dict(sum((w.counters for w in counter.workers), collections.Counter()))
     if damaged is not None:
         extra["damaged"] = damaged
     Path(spec["out"]).write_text(json.dumps({"mode": spec["mode"], "startup_s": startup, "run_s": run_s,
@@ -516,7 +521,10 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
     out["per_request"] = [{k: r.get(k) for k in ("index", "prefix", "round", "ttft_s", "gpu_tokens", "connector_tokens",
                                                  "computed_tokens", "file_chunks", "stages")} for r in rows]
     out["stages_repeat_p50"] = stage_medians([r.get("stages") for r in reps])
+    out["stages_cold_p50"] = stage_medians([r.get("stages") for r in rows if r["round"] == 0])
     out["stages_traced"] = res.get("traced")
+    if res.get("connector_counters"):
+        out["connector_counters"] = res["connector_counters"]
     toks = {r["index"]: r["tokens"] for r in rows}
     if reference is not None:
         out["same_tokens_as_recompute"] = sum(toks[i] == reference.get(i) for i in toks)
@@ -529,12 +537,14 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
 #: the stages of a repeat's TTFT, in the order they happen (tiercache/bench/stagetrace.py)
 STAGES = ("lookup_ms", "before_read_ms", "read_ms", "read_to_upload_ms", "upload_ms", "after_upload_ms",
           "load_ms", "after_load_ms", "prefill_ms", "idle_forward_ms", "steps")
+#: what a cold request's stores cost (tiercache's connector)
+STORE_STAGES = ("store_gather_ms", "blocks_freed_ms", "store_writes")
 
 
 def stage_medians(stages: list[dict | None]) -> dict:
     """Per stage, the median over the requests that had it (``None`` where none had)."""
     out = {}
-    for k in ("ttft_ms",) + STAGES:
+    for k in ("ttft_ms",) + STAGES + STORE_STAGES:
         vals = [st[k] for st in stages if st and st.get(k) is not None]
         out[k] = statistics.median(vals) if vals else None
     return out
@@ -851,6 +861,13 @@ def format_serve_report(rep: dict) -> str:
         for mode, st in staged.items():
             lines.append(f"  {mode:<18}" + "  ".join("-" if st.get(k) is None else f"{st[k]:.1f}"
                                                      for k in ("ttft_ms",) + STAGES))
+    cold = {mode: m["stages_cold_p50"] for mode, m in rep["modes"].items()
+            if (m.get("stages_cold_p50") or {}).get("store_gather_ms") is not None}
+    if cold:
+        keys = ("ttft_ms", "prefill_ms", "idle_forward_ms", "steps") + STORE_STAGES
+        lines.append("cold TTFT by stage, medians in ms: " + "  ".join(k.removesuffix("_ms") for k in keys))
+        for mode, st in cold.items():
+            lines.append(f"  {mode:<18}" + "  ".join("-" if st.get(k) is None else f"{st[k]:.1f}" for k in keys))
     lines.append("(token columns: prompt tokens of the repeats by source; =rec/=cpu/=fs: requests whose tokens "
                  f"equal that mode's, of {next(iter(rep['modes'].values()))['compared'] if rep['modes'] else 0})")
     fio = rep.get("fio") or {}

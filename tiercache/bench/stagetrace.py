@@ -21,7 +21,10 @@ a time, every event between a request's submission and its first token is that r
 - ``load_ms``: tiercache's connector's synchronous loads on the engine thread (the reads, and
   the uploads issued behind them), summed, and ``after_load_ms``: from the last one's end to
   the first token;
-- ``steps``: scheduler steps in the interval, and ``idle_forward_ms``: the other forward passes.
+- ``steps``: scheduler steps in the interval, and ``idle_forward_ms``: the other forward passes;
+- ``store_gather_ms``: the connector's gathers of stores after forward passes (host time, summed),
+  ``blocks_freed_ms``: from submission to the last step that freed an earlier request's blocks
+  (their stores gathered), and ``store_writes``: store slabs whose files were finished meanwhile.
 
 A stage that did not happen (a recompute, a prefix from the CPU tier) is None.
 """
@@ -48,6 +51,9 @@ TARGETS: tuple[tuple[str, str, str, str], ...] = (
     ("vllm.v1.kv_offload.cpu.gpu_worker", "CPUOffloadingWorker", "get_finished", "upload_done"),
     ("tiercache.integrations.vllmconnector", "ConnectorScheduler", "get_num_new_matched_tokens", "lookup"),
     ("tiercache.integrations.vllmconnector", "ConnectorWorker", "_load", "load"),
+    ("tiercache.integrations.vllmconnector", "ConnectorWorker", "after_forward", "store_gather"),
+    ("tiercache.integrations.vllmconnector", "ConnectorWorker", "get_finished", "blocks_freed"),
+    ("tiercache.integrations.vllmconnector", "ConnectorWorker", "_finish_write", "store_write"),
 )
 
 
@@ -118,6 +124,8 @@ class StageTrace:
             with self._lock:
                 self._load_jobs.add(job_id)
             return {"job": job_id}
+        if stage == "blocks_freed":  # (sending, recving): an event only where blocks were freed
+            return {"requests": len(out[0])} if out and out[0] else None
         if stage == "upload_done":
             with self._lock:
                 done = [r for r in out if getattr(r, "job_id", None) in self._load_jobs]
@@ -176,6 +184,10 @@ def breakdown(events: list[tuple[str, float, float, dict]], submitted: float, fi
         "steps": len(steps),
         "step_tokens": [e[3].get("tokens", 0) for e in steps],
         "idle_forward_ms": _ms(sum(f[2] - f[1] for f in forwards if not any(f is p for p in prefill))),
+        "store_gather_ms": _ms(sum(e[2] - e[1] for e in ev if e[0] == "store_gather")) if times("store_gather", 1)
+        else None,
+        "blocks_freed_ms": _ms(max(times("blocks_freed", 2)) - submitted) if times("blocks_freed", 2) else None,
+        "store_writes": sum(1 for e in ev if e[0] == "store_write"),
     }
 
 

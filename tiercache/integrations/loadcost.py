@@ -4,7 +4,12 @@ from rates measured while the engine runs.
 A prefix of ``n`` blocks costs ``n * load_s_per_block`` to load (the storage, measured from the
 engine's own loads: from the step that issued a load to the output that reported it) and about
 ``n * tokens_per_block * prefill_s_per_token`` to recompute (measured from the engine's steps
-that computed at least :data:`MIN_STEP_TOKENS` tokens and loaded nothing). On fast storage a
+that computed at least :data:`MIN_STEP_TOKENS` tokens and loaded nothing: from the step's
+scheduling to its output reaching the scheduler, :meth:`LoadCost.output`. With vLLM's async
+scheduling the next step is scheduled before a step's output comes back, so a step's output is
+the first one after the step that follows it: ``pipeline_depth`` 2. The interval between two
+schedulings measured the host's pace there, not the GPU's, once nothing on the engine's thread
+waited for the GPU.) On fast storage a
 load wins by a wide margin; on a disk slower than the model's break-even speed (for
 Llama-3.1-8B on an H200, about 5 GB/s: docs/vllm.md) recomputing is faster, and a load there
 also holds up every request in the engine's step. The linear prefill estimate undercounts long
@@ -17,6 +22,7 @@ that got busier) is seen.
 
 from __future__ import annotations
 
+import collections
 import time
 
 #: steps that computed fewer tokens than this do not measure the prefill rate (decode steps)
@@ -41,19 +47,22 @@ class LoadCost:
         tokens_per_block: tokens in one block.
         policy: one of :data:`POLICIES`.
         clock: seconds, monotonic (tests give their own).
+        pipeline_depth: steps scheduled before a step's output comes back, that step included
+            (1: synchronous scheduling; 2: vLLM's async scheduling).
     """
 
-    def __init__(self, tokens_per_block: int, policy: str = "always", clock=time.monotonic) -> None:
+    def __init__(self, tokens_per_block: int, policy: str = "always", clock=time.monotonic,
+                 pipeline_depth: int = 1) -> None:
         self.tokens_per_block = int(tokens_per_block)
+        self.depth = max(1, int(pipeline_depth))
         self.policy = policy
         self.clock = clock
         self.load_s_per_block: float | None = None
         self.prefill_s_per_token: float | None = None
         self.skipped = 0  # prefixes recomputed because loading was slower
         self.probes = 0
-        self._step_t: float | None = None
-        self._step_tokens = 0
-        self._step_loaded = False
+        self._step_no = 0
+        self._open: collections.deque = collections.deque()  # (step, scheduled at, tokens) of prefill steps
         self._loads: dict[str, tuple[float, int]] = {}
 
     @staticmethod
@@ -62,15 +71,24 @@ class LoadCost:
 
     def step(self, tokens: int, loads: dict[str, int]) -> None:
         """A step was scheduled: ``tokens`` tokens to compute, ``loads`` (request -> blocks)
-        issued in it. The interval since the previous step measures that step's prefill."""
+        issued in it. A step of at least :data:`MIN_STEP_TOKENS` tokens and no load measures
+        the prefill once its output comes back (:meth:`output`)."""
         now = self.clock()
-        if self._step_t is not None and not self._step_loaded and self._step_tokens >= MIN_STEP_TOKENS:
-            dt = now - self._step_t
-            if 0 < dt < MAX_STEP_S:
-                self.prefill_s_per_token = self._avg(self.prefill_s_per_token, dt / self._step_tokens)
-        self._step_t, self._step_tokens, self._step_loaded = now, int(tokens), bool(loads)
+        self._step_no += 1
+        if tokens >= MIN_STEP_TOKENS and not loads:
+            self._open.append((self._step_no, now, int(tokens)))
         for rid, blocks in loads.items():
             self._loads[rid] = (now, int(blocks))
+
+    def output(self) -> None:
+        """A step's output reached the scheduler (vLLM's ``update_connector_output``): it ends
+        the prefill steps scheduled ``pipeline_depth - 1`` or more steps before the latest."""
+        now = self.clock()
+        while self._open and self._open[0][0] + self.depth - 1 <= self._step_no:
+            _, t, tokens = self._open.popleft()
+            dt = now - t
+            if 0 < dt < MAX_STEP_S:
+                self.prefill_s_per_token = self._avg(self.prefill_s_per_token, dt / tokens)
 
     def loaded(self, req_id: str) -> None:
         """Request ``req_id``'s load was reported done: measures the storage."""

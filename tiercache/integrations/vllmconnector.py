@@ -75,7 +75,8 @@ DEFAULTS: dict[str, Any] = {
     "root": None, "capacity_bytes": 0, "capacity_blocks": None, "sharing": "exclusive", "fsync": "data",
     "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
-    "copy_streams": "compute", "load_policy": "faster",
+    "copy_streams": "compute", "load_policy": "faster", "device_staging_bytes": 512 << 20,
+    "store_gathers": "thread",
 }
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
@@ -88,6 +89,12 @@ COPY_STREAMS = ("compute", "side")
 #: bulk-copy kernel where it applies, else the gather/scatter kernel; ``kernel``: always the
 #: gather/scatter kernel), or ``torch``: a copy per layer region (no CuPy needed)
 COPY_KERNELS = ("auto", "kernel", "torch")
+#: who issues the stores' gathers: ``thread``, a thread of the connector's own, once the step's
+#: forward pass is done, or ``engine``: the engine's
+#: thread inside ``wait_for_save``. There, with an eager forward pass's kernels still queued on
+#: the engine's stream, the launches waited for the GPU: a Llama-3.1-8B prompt's gathers held
+#: the engine's thread for 240-280 ms, the length of its prefill (docs/vllm.md)
+STORE_GATHERS = ("thread", "engine")
 SETTING_KEYS = ROWSTORE_KEYS
 
 
@@ -105,11 +112,14 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
         sections(**{name: out[k] for k, name in SETTING_KEYS.items()})
     except ConfigError as exc:
         raise ConfigError(f"TierCacheConnector: {exc}") from None
-    for k, lo in (("staging_bytes", 1 << 20), ("piece_blocks", 1)):
+    for k, lo in (("staging_bytes", 1 << 20), ("piece_blocks", 1), ("device_staging_bytes", 1 << 20)):
         check_positive("TierCacheConnector", out, k, lo)
     if out["copy_streams"] not in COPY_STREAMS:
         raise ConfigError(f"TierCacheConnector: 'copy_streams' = {out['copy_streams']!r}; valid: "
                           f"{', '.join(COPY_STREAMS)}")
+    if out["store_gathers"] not in STORE_GATHERS:
+        raise ConfigError(f"TierCacheConnector: 'store_gathers' = {out['store_gathers']!r}; valid: "
+                          f"{', '.join(STORE_GATHERS)}")
     if out["load_policy"] not in LOAD_POLICIES:
         raise ConfigError(f"TierCacheConnector: 'load_policy' = {out['load_policy']!r}; valid: "
                           f"{', '.join(LOAD_POLICIES)}")
@@ -242,7 +252,9 @@ class ConnectorScheduler:
         self.reqs: dict[str, _Req] = {}
         self._to_load: list[str] = []
         self._storing: set[bytes] = set()  # keys some request is storing
-        self.cost = LoadCost(self.block_size, settings["load_policy"])
+        # vLLM's async scheduling schedules the next step before a step's output comes back
+        depth = 2 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 1
+        self.cost = LoadCost(self.block_size, settings["load_policy"], pipeline_depth=depth)
         log.info("tiercache: vLLM connector: %d block(s) on disk under %s", len(self.present),
                  ", ".join(str(r[0]) for r in roots_by_rank))
 
@@ -363,6 +375,7 @@ class ConnectorScheduler:
             meta.stores.append(BlockTransfer(rid, keys, ids))
 
     def update_connector_output(self, out) -> None:
+        self.cost.output()
         for rid in getattr(out, "finished_sending", None) or ():
             st = self.reqs.pop(rid, None)
             if st is not None:  # its blocks' bytes are in pinned staging, on their way to files
@@ -409,11 +422,16 @@ class ConnectorWorker:
       read, goes up in one contiguous copy into a device slab and from there into its blocks'
       pages by one launch of the gather/scatter kernel (:meth:`CopyLauncher.copy_segments`),
       while the next pieces are read.
-    - **Stores** are gathered on a side stream after the step's forward pass (an event): the
-      pages of up to ``piece`` blocks into a device slab by one kernel launch, then one copy
-      into a free store slab of pinned rows; the writer thread then writes the slab's files. A
-      request's blocks are held only until their bytes are in pinned staging, not until the
-      files are published.
+    - **Stores** are gathered after the step's forward pass (an event): the pages of up to
+      ``piece`` blocks into a free device slab (a ring in ``device_staging_bytes``) by one kernel
+      launch, then one copy of that slab into a free store slab of pinned rows on a copy stream
+      of its own. By default (``store_gathers = "thread"``) a gatherer thread waits for the
+      forward pass on the host and issues them on a stream of its own, so the engine's thread
+      never waits for the GPU (a full prompt's blocks are immutable while held, and a preempted
+      request's are gathered before the next forward pass, which waits for them on the GPU).
+      The writer thread writes each slab's files once its copy is done (two slabs in flight). A
+      request's blocks are held only until their pages are read into a device slab, not until
+      the bytes reach the host or the files are published.
 
     Args:
         settings: :func:`parse_config`'s result.
@@ -454,6 +472,16 @@ class ConnectorWorker:
         self._free_slabs: list[int] = []
         self._slab_freed = threading.Condition(self._lock)
         self._gathered_ev = None  # the last gather's device-side copy (before its copy to the host)
+        self._dev_events: list = []  # per device store slab: its copy to the host (None: free)
+        self._next_dev = 0
+        # the stores' state (_gathers, _queued, _gathering, the device slabs), shared by the
+        # engine's thread and the gatherer thread
+        self._glock = threading.RLock()
+        self._kick = threading.Event()
+        self._stopping = False
+        self._gatherer: threading.Thread | None = None
+        self._gather_stream = None
+        self.gather_launcher = None
         self._writing: dict[bytes, threading.Event] = {}  # gathered, file not yet written
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -495,10 +523,21 @@ class ConnectorWorker:
             if self.settings["copy_streams"] == "side":
                 self._streams = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
             self.dev_load = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
-            self.dev_store = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
+            # stores gather into a ring of device slabs whose copies to the host run on a stream
+            # of their own: the engine's stream holds the gather kernels only
+            n_dev = max(2, min(store_slabs, self.settings["device_staging_bytes"] // (self.piece * self.row_bytes)))
+            self.dev_store = torch.empty((n_dev, self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
+            self._dev_events = [None] * n_dev
+            self._d2h_stream = self._streams[1] if self._streams else torch.cuda.Stream(device=self.device)
             self.launcher, self.copy_path = _launcher(self.device) if self.settings["copy_kernel"] != "torch" else (
                 None, "torch (copy_kernel = torch)")
             self._force = "kernel" if self.settings["copy_kernel"] == "kernel" else None
+            self.gather_launcher = self.launcher
+            if self.settings["store_gathers"] == "thread":
+                # the gatherer's own stream and launcher (a launcher's upload ring is one thread's)
+                self._gather_stream = self._streams[1] if self._streams else torch.cuda.Stream(device=self.device)
+                if self.launcher is not None:
+                    self.gather_launcher = _launcher(self.device)[0]
         else:
             self.copy_path = "torch (CPU)"
         s = self.settings
@@ -508,6 +547,10 @@ class ConnectorWorker:
         self.jobs.attach(self.store)
         self._writer = threading.Thread(target=self._write_loop, name="tiercache-vllm-connector-writer", daemon=True)
         self._writer.start()
+        if self.settings["store_gathers"] == "thread":
+            self._gatherer = threading.Thread(target=self._gather_loop, name="tiercache-vllm-connector-gatherer",
+                                              daemon=True)
+            self._gatherer.start()
         log.info("tiercache: vLLM connector worker: %d region(s) per block, %d bytes per block file, pieces of %d "
                  "blocks, %d load and %d store slab(s) of pinned staging, copies by %s, I/O engine %s, root %s "
                  "(%d blocks held)", len(views), self.row_bytes, self.piece, self.load_slabs, store_slabs,
@@ -520,7 +563,10 @@ class ConnectorWorker:
 
     @property
     def store_stream(self):
-        """The gathers' stream: a side stream, or (``copy_streams = "compute"``) the engine's."""
+        """The gathers' stream: the gatherer thread's, a side stream, or (``copy_streams =
+        "compute"``, ``store_gathers = "engine"``) the engine's."""
+        if self._gather_stream is not None:
+            return self._gather_stream
         return self._streams[1] if self._streams else torch.cuda.current_stream(self.device)
 
     # -- RowStore jobs -----------------------------------------------------------------------
@@ -652,21 +698,22 @@ class ConnectorWorker:
             ev.record(self.stream)
             self._slab_events[slab] = ev  # the pinned slab may take the next piece once this is up
             t1 = time.perf_counter()
-            self._device_copy(self.dev_load, ids, self.stream, to_pages=True)
+            self._device_copy(self.dev_load, ids, self.stream, to_pages=True, launcher=self.launcher)
             self.counters["h2d_issue_us"] += int((t1 - t0) * 1e6)
             self.counters["scatter_issue_us"] += int((time.perf_counter() - t1) * 1e6)
 
-    def _device_copy(self, dev: torch.Tensor, ids: list[int], stream, to_pages: bool) -> None:
-        """Device slab rows <-> the pages of blocks ``ids``, on ``stream`` (current)."""
-        if self.launcher is not None:
+    def _device_copy(self, dev: torch.Tensor, ids: list[int], stream, to_pages: bool, launcher) -> None:
+        """Device slab rows <-> the pages of blocks ``ids``, on ``stream`` (current), by
+        ``launcher`` (None: torch's copies)."""
+        if launcher is not None:
             cs = self._cupy_streams.get(stream.cuda_stream)
             if cs is None:
                 cs = self._cupy_streams[stream.cuda_stream] = _cupy_stream(stream, self.device)
             for size, pages, staged in self._segments(dev.data_ptr(), ids):
                 if to_pages:
-                    self.launcher.copy_segments(pages, staged, size, cs, self._force)
+                    launcher.copy_segments(pages, staged, size, cs, self._force)
                 else:
-                    self.launcher.copy_segments(staged, pages, size, cs, self._force)
+                    launcher.copy_segments(staged, pages, size, cs, self._force)
             return
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         n = len(ids)
@@ -679,6 +726,10 @@ class ConnectorWorker:
     # -- stores (the engine thread gathers, the writer thread writes) --------------------------
     def plan_stores(self, stores: list[BlockTransfer]) -> None:
         """Queue the step's stores; they are gathered once its forward pass is done."""
+        with self._glock:
+            self._plan_stores(stores)
+
+    def _plan_stores(self, stores: list[BlockTransfer]) -> None:
         for t in stores:
             self._had_stores.add(t.req_id)
             if sum(self._queued.values()) + len(t.keys) > self.max_queued:
@@ -696,18 +747,84 @@ class ConnectorWorker:
     def after_forward(self) -> None:
         """``wait_for_save``: the step's stores may read their blocks once the forward pass
         that computed them is done (an event on the current stream); gather what fits."""
-        if self._unstamped:
-            ev = True
-            if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
-            for e in self._unstamped:
-                e[3] = ev
-            self._unstamped = []
-        self._gather()
+        t0 = time.perf_counter()
+        with self._glock:
+            if self._unstamped:
+                ev = True
+                if self.cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(self.device))
+                for e in self._unstamped:
+                    e[3] = ev
+                self._unstamped = []
+            if self._gatherer is None:
+                self._gather()
+        if self._gatherer is not None:
+            self._kick.set()
+        self.counters["after_forward_us"] += int((time.perf_counter() - t0) * 1e6)
 
-    def _gather(self) -> None:
+    #: seconds the gatherer waits before it looks again for a free slab
+    GATHER_POLL_S = 0.001
+
+    def _gather_loop(self) -> None:
+        """The gatherer thread (``store_gathers = "thread"``): waits on the host for the forward
+        pass of the oldest queued store, then issues what fits (free device and pinned slabs)."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+            if self.gather_launcher is not None:
+                import cupy
+
+                cupy.cuda.Device(self.device.index or 0).use()
+        while not self._stopping:
+            with self._glock:
+                ev = self._gathers[0][3] if self._gathers else None
+            if ev is None:
+                self._kick.wait(0.05)
+                self._kick.clear()
+                continue
+            try:
+                if ev is not True:
+                    ev.synchronize()  # the GIL is released while the forward pass ends
+                with self._glock:
+                    self._gather()
+                    more = bool(self._gathers) and self._gathers[0][3] is not None
+            except Exception:  # pragma: no cover - reported, never raised into vLLM
+                log.exception("tiercache: vLLM connector: a gather failed; its stores are skipped")
+                self._drop_gathers()
+                continue
+            if more:
+                self._kick.wait(self.GATHER_POLL_S)
+                self._kick.clear()
+
+    def _drop_gathers(self) -> None:
+        """A gather failed: forget the stores queued (their blocks are freed unstored)."""
+        with self._glock:
+            for rid, keys, _, _ in self._gathers:
+                self._queued[rid] -= len(keys)
+                self.counters["stores_skipped_blocks"] += len(keys)
+            self._gathers.clear()
+
+    def _free_dev(self, block: bool) -> int | None:
+        """The next device store slab once its last copy to the host is done: None if it is
+        not done and ``block`` is false (the gathers go on in a later call)."""
+        if not self.cuda:
+            return 0
+        dev = self._next_dev
+        ev = self._dev_events[dev]
+        if ev is not None and not ev.query():
+            if not block:
+                self.counters["gather_dev_busy"] += 1
+                return None
+            ev.synchronize()
+        return dev
+
+    def _gather(self, block: bool = False) -> None:
+        """Issue the queued gathers whose forward pass is stamped, while device and pinned slabs
+        are free (``block``: wait for a device slab's copy). Callers hold ``_glock``."""
         while self._gathers and self._gathers[0][3] is not None:
+            dev = self._free_dev(block)
+            if dev is None:
+                return
             with self._lock:
                 if not self._free_slabs:
                     return
@@ -718,7 +835,7 @@ class ConnectorWorker:
             with self._lock:
                 for k in keys[:n]:
                     self._writing[k] = threading.Event()
-            gev = self._gather_rows(slab, ids[:n], step_ev)
+            gev, rows_ev = self._gather_rows(slab, dev, ids[:n], step_ev)
             if gev is not None:
                 self._gathering[rid].append(gev)
             self._queued[rid] -= n
@@ -726,53 +843,91 @@ class ConnectorWorker:
                 self._gathers.popleft()
             else:
                 entry[1], entry[2] = keys[n:], ids[n:]
-            self._writes.put((keys[:n], slab, gev))
+            self._writes.put((keys[:n], slab, rows_ev))
 
-    def _gather_rows(self, slab: int, ids: list[int], step_ev):
-        """The pages of blocks ``ids`` -> the rows of store slab ``slab`` (after ``step_ev``);
-        returns the event that marks the rows complete (None: complete now)."""
+    def _gather_rows(self, slab: int, dev: int, ids: list[int], step_ev):
+        """The pages of blocks ``ids`` -> device store slab ``dev`` (after ``step_ev``) -> the
+        rows of store slab ``slab``; returns two events (None, None: both done now): the pages
+        are read (the blocks may change), and the rows are complete (the files may be written)."""
         n, row0 = len(ids), slab * self.piece
         dst = self.staging[row0:row0 + n]
         if not self.cuda:
             idx = torch.tensor(ids, dtype=torch.long)
             for v, off in zip(self.views, self.offsets):
                 dst[:, off:off + v.shape[1]] = v.index_select(0, idx)
-            return None
+            return None, None
+        buf = self.dev_store[dev]
+        t0 = time.perf_counter()
         with torch.cuda.stream(self.store_stream):
             self.store_stream.wait_event(step_ev)
-            self._device_copy(self.dev_store, ids, self.store_stream, to_pages=False)
-            self._gathered_ev = torch.cuda.Event()
-            self._gathered_ev.record(self.store_stream)  # the pages are read: they may change now
-            dst.copy_(self.dev_store[:n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.store_stream)
-        return ev
+            self._device_copy(buf, ids, self.store_stream, to_pages=False, launcher=self.gather_launcher)
+            gathered = torch.cuda.Event()
+            gathered.record(self.store_stream)  # the pages are read: they may change now
+        self._gathered_ev = gathered
+        t1 = time.perf_counter()
+        d2h = self._d2h_stream
+        with torch.cuda.stream(d2h):
+            d2h.wait_event(gathered)
+            dst.copy_(buf[:n], non_blocking=True)
+            rows_ev = torch.cuda.Event()
+            rows_ev.record(d2h)
+        self.counters["gather_issue_us"] += int((t1 - t0) * 1e6)
+        self.counters["d2h_issue_us"] += int((time.perf_counter() - t1) * 1e6)
+        self._dev_events[dev] = rows_ev  # the slab may take the next gather once this is done
+        self._next_dev = (dev + 1) % len(self._dev_events)
+        return gathered, rows_ev
+
+    #: store slabs the writer keeps in the I/O engine at once (the next slab's files start
+    #: while the last one's finish)
+    WRITES_IN_FLIGHT = 2
 
     def _write_loop(self) -> None:
+        pending: collections.deque = collections.deque()  # (keys, slab, job id or None)
         while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            keys, slab, gev = item
             try:
-                if gev is not None:
-                    gev.synchronize()
-                res = self._wait(self._submit(self.store.submit_store, keys, slab * self.piece))
+                item = self._writes.get(block=not pending)
+            except queue.Empty:
+                self._finish_write(*pending.popleft())
+                continue
+            if item is None:
+                while pending:
+                    self._finish_write(*pending.popleft())
+                return
+            keys, slab, rows_ev = item
+            jid = None
+            try:
+                if rows_ev is not None:
+                    rows_ev.synchronize()
+                jid = self._submit(self.store.submit_store, keys, slab * self.piece)
+            except Exception:  # pragma: no cover - reported, never raised into vLLM
+                log.exception("tiercache: vLLM connector: a store of %d block(s) failed", len(keys))
+            pending.append((keys, slab, jid, time.perf_counter()))
+            if len(pending) >= self.WRITES_IN_FLIGHT:
+                self._finish_write(*pending.popleft())
+
+    def _finish_write(self, keys: list[bytes], slab: int, jid: int | None, submitted: float = 0.0) -> None:
+        """Wait for a store slab's write (job ``jid``, submitted at ``submitted`` perf_counter
+        seconds; None: it failed to start), count it, and free the slab and the blocks' waiters."""
+        try:
+            if jid is not None:
+                res = self._wait(jid)
+                self.counters["write_slabs"] += 1
+                self.counters["write_us"] += int((time.perf_counter() - submitted) * 1e6)
                 self.counters["stored_blocks"] += len(keys) - len(res.failed)
                 if res.failed:
                     self.counters["store_failed_blocks"] += len(res.failed)
                     log.warning("tiercache: vLLM connector: %d block(s) not stored: %s", len(res.failed),
                                 next(iter(res.failed.values())))
-            except Exception:  # pragma: no cover - reported, never raised into vLLM
-                log.exception("tiercache: vLLM connector: a store of %d block(s) failed", len(keys))
-            finally:
-                with self._lock:
-                    self._free_slabs.append(slab)
-                    self._slab_freed.notify_all()
-                    for k in keys:
-                        ev = self._writing.pop(k, None)
-                        if ev is not None:
-                            ev.set()
+        except Exception:  # pragma: no cover - reported, never raised into vLLM
+            log.exception("tiercache: vLLM connector: a store of %d block(s) failed", len(keys))
+        finally:
+            with self._lock:
+                self._free_slabs.append(slab)
+                self._slab_freed.notify_all()
+                for k in keys:
+                    ev = self._writing.pop(k, None)
+                    if ev is not None:
+                        ev.set()
 
     def before_forward(self, preempted: list[str]) -> None:
         """Before a step's forward pass (which may write any block vLLM freed): the stores of
@@ -783,37 +938,40 @@ class ConnectorWorker:
         wait)."""
         if self._unstamped:  # planned in a step without a forward pass: what is enqueued is enough
             self.after_forward()
-        if preempted and any(e[0] in preempted for e in self._gathers):
-            t0 = time.perf_counter()
-            while any(e[0] in preempted for e in self._gathers):
-                with self._lock:
-                    if not self._free_slabs:
-                        self._slab_freed.wait(1.0)
-                self._gather()
-            self.counters["preemption_flush_us"] += int((time.perf_counter() - t0) * 1e6)
-        if self.cuda and self._gathered_ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._gathered_ev)
-            self._gathered_ev = None
+        with self._glock:
+            if preempted and any(e[0] in preempted for e in self._gathers):
+                t0 = time.perf_counter()
+                while any(e[0] in preempted for e in self._gathers):
+                    with self._lock:
+                        if not self._free_slabs:
+                            self._slab_freed.wait(1.0)
+                    self._gather(block=True)
+                self.counters["preemption_flush_us"] += int((time.perf_counter() - t0) * 1e6)
+            if self.cuda and self._gathered_ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._gathered_ev)
+                self._gathered_ev = None
 
     # -- what finished -----------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(sending, recving)``: requests whose blocks may be freed (finished, and every
-        block they store gathered into pinned staging), and requests whose loads are done."""
-        self._gather()
-        self._finished_reqs |= set(finished_req_ids) & self._had_stores
-        sending = set()
-        for r in self._finished_reqs:
-            if self._queued[r] > 0:
-                continue
-            evs = self._gathering.get(r)
-            if evs and not all(e.query() for e in evs):
-                continue
-            sending.add(r)
-        for r in sending:
-            self._finished_reqs.discard(r)
-            self._had_stores.discard(r)
-            self._queued.pop(r, None)
-            self._gathering.pop(r, None)
+        block they store read out of their pages), and requests whose loads are done."""
+        with self._glock:
+            if self._gatherer is None:
+                self._gather()
+            self._finished_reqs |= set(finished_req_ids) & self._had_stores
+            sending = set()
+            for r in self._finished_reqs:
+                if self._queued[r] > 0:
+                    continue
+                evs = self._gathering.get(r)
+                if evs and not all(e.query() for e in evs):
+                    continue
+                sending.add(r)
+            for r in sending:
+                self._finished_reqs.discard(r)
+                self._had_stores.discard(r)
+                self._queued.pop(r, None)
+                self._gathering.pop(r, None)
         recving, self._recving = self._recving, set()
         return sending or None, recving or None
 
@@ -827,9 +985,11 @@ class ConnectorWorker:
         if ``timeout`` seconds passed first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self._gather()
+            with self._glock:
+                self._gather()
+                gathers = bool(self._gathers)
             with self._lock:
-                if not self._gathers and not self._writing:
+                if not gathers and not self._writing:
                     return True
                 self._slab_freed.wait(0.01)
         return False
@@ -837,11 +997,18 @@ class ConnectorWorker:
     def close(self) -> None:
         """Gather and write what is queued, then close the store."""
         deadline = time.monotonic() + 60.0
-        for e in self._unstamped:
-            e[3] = True if not self.cuda else torch.cuda.current_stream(self.device).record_event()
-        self._unstamped = []
+        if self._gatherer is not None:
+            self._stopping = True
+            self._kick.set()
+            self._gatherer.join()
+            self._gatherer = None
+        with self._glock:
+            for e in self._unstamped:
+                e[3] = True if not self.cuda else torch.cuda.current_stream(self.device).record_event()
+            self._unstamped = []
         while self._gathers and time.monotonic() < deadline:
-            self._gather()
+            with self._glock:
+                self._gather()
             time.sleep(0.001)
         if self._writer is not None:
             self._writes.put(None)
