@@ -230,3 +230,14 @@ def test_every_measured_file_backs_a_page():
             if not any(fnmatch.fnmatch(rel, c) or fnmatch.fnmatch(path.name, c) for c in cited):
                 uncited.append(rel)
     assert not uncited, f"cited by no page: {uncited}"
+
+
+def test_measured_files_are_named_by_subject_job_machine_and_date():
+    """``docs/measured/<subject>/<job>-<machine>-<YYYYMMDD>[-what it holds].<ext>``: one folder
+    per subject, and a name that says which job ran where and when."""
+    import re
+
+    pattern = re.compile(r"[a-z]+/[a-z-]+-(cpu|h100|h200|h100x2|2xh200)-2026\d{4}(-[\w.-]+)?\.(json|txt|png)")
+    bad = [str(p.relative_to(REPO / "docs" / "measured")) for p in (REPO / "docs" / "measured").rglob("*")
+           if p.is_file() and not pattern.fullmatch(str(p.relative_to(REPO / "docs" / "measured")))]
+    assert not bad, f"named outside the convention: {bad}"
