@@ -43,7 +43,9 @@ def _value(v: str):
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
+def _caches(model: str, blocks: int) -> tuple[dict, int]:
+    """The model geometry's KV caches on the GPU, ``2 * blocks + 8`` blocks of random bytes per
+    layer (FlashAttention's layout), and that block count."""
     cfg = json.loads((models_dir() / f"{model}.json").read_text())
     layers, heads, bs = cfg["num_hidden_layers"], cfg["num_key_value_heads"], 16
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -52,6 +54,11 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
               for i in range(layers)}
     for t in caches.values():
         t.view(torch.int16).random_(-30000, 30000)
+    return caches, nb
+
+
+def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
+    caches, nb = _caches(model, blocks)
     shutil.rmtree(root, ignore_errors=True)
     settings = parse_config({"root": root, "fsync": "none", **extra})
     w = ConnectorWorker(settings, [Path(root)])
@@ -110,14 +117,7 @@ def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_m
     host time, the GPU time it adds to the engine's stream after the forward pass, and when the
     blocks are free (``get_finished``) from the forward pass's end; the last run's blocks are
     loaded back and compared."""
-    cfg = json.loads((models_dir() / f"{model}.json").read_text())
-    layers, heads, bs = cfg["num_hidden_layers"], cfg["num_key_value_heads"], 16
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    nb = 2 * blocks + 8
-    caches = {f"layers.{i}": torch.empty((2, nb, bs, heads, hd), dtype=torch.float16, device="cuda")
-              for i in range(layers)}
-    for t in caches.values():
-        t.view(torch.int16).random_(-30000, 30000)
+    caches, nb = _caches(model, blocks)
     shutil.rmtree(root, ignore_errors=True)
     w = ConnectorWorker(parse_config({"root": root, "fsync": "none", **extra}), [Path(root)])
     w.register(caches, nb)

@@ -8,7 +8,7 @@ all on 8 threads. Prints one line per layout and phase (seconds, files/s).
 
     python3 benchmarks/fanout.py DIR [--files 1000000] [--bytes 8192]
 
-Reproduces docs/performance.md, "Directory fan-out at a million files".
+Reproduces docs/performance/scale.md, "Directory fan-out at a million files".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 host tier to files and onboards them back (``TierCache.offload`` / ``onboard``, the default
 fsync policy ``data``); fio runs 64 KiB random writes (``end_fsync=1`` and ``fdatasync=1``) and
 random reads at iodepth 32 on the same directory, alternated with the cache's passes. Every
-onboarded byte is checked. The claim it reproduces: docs/performance.md, "The native I/O
+onboarded byte is checked. The claim it reproduces: docs/experiments/files.md, "The native I/O
 engine", the multi-pool case.
 
     python3 benchmarks/multipool_file.py [--root DIR] [--blocks 64] [--repeat 3] [--engine auto]

@@ -9,7 +9,8 @@ wall time, the time inside ``NativeIO.run`` and the rest. Every read is checked 
 
     python3 benchmarks/request_python.py /dev/shm/rp --bs 256k --bs 16k --set io_engine=threads
 
-Reproduces docs/performance.md, "The native per-file path".
+Reproduces docs/performance/root-arrays.md, "The format's own limit, a plain caller, and the C threads
+by default".
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ IOMode = Enum("IOMode", {m: m for m in IO_MODES}, type=str)
 
 
 # -- options several jobs share ---------------------------------------------------------------
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config (default: configs/default.toml).")]
+ConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="TOML config (default: configs/default.toml).")
+]
 FormatOpt = Annotated[OutputFormat, typer.Option("--output-format", help="normal or json.")]
 RootOpt = Annotated[Optional[Path], typer.Option(help="Directory the job works in (overrides the config's root).")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed (default: fresh, reported).")]
@@ -110,31 +112,50 @@ def main_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.n
 @bench_app.command("fio")
 def fio_cmd(
     jobfiles: Annotated[Optional[list[Path]], typer.Argument(help="fio-style job files (INI or TOML) to run.")] = None,
-    config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None, io: IOOpt = None,
+    config: ConfigOpt = None,
+    output_format: FormatOpt = OutputFormat.normal,
+    root: RootOpt = None,
+    io: IOOpt = None,
     repeat: _repeat_opt(1, "medians of the ratios to each pass's baseline") = 1,
-    rw: Annotated[Optional[str], typer.Option("--rw", help="read|write|randread|randwrite|rw|randrw (read = onboard, "
-                                                           "write = offload).")] = None,
+    rw: Annotated[
+        Optional[str],
+        typer.Option("--rw", help="read|write|randread|randwrite|rw|randrw (read = onboard, write = offload)."),
+    ] = None,
     bs: Annotated[Optional[str], typer.Option("--bs", help="Block size (16k, 2m; default: the config's pool).")] = None,
     size: Annotated[Optional[str], typer.Option("--size", help="Bytes per job (e.g. 256m).")] = None,
     nblocks: Annotated[Optional[int], typer.Option("--nblocks", help="Blocks per job (instead of --size).")] = None,
     iodepth: Annotated[Optional[int], typer.Option("--iodepth", help="Blocks in flight per job.")] = None,
-    iodepth_batch: Annotated[Optional[int], typer.Option("--iodepth_batch", "--iodepth-batch", help="Blocks per engine "
-                                                         "request (default: iodepth/4, at least 1).")] = None,
+    iodepth_batch: Annotated[
+        Optional[int],
+        typer.Option(
+            "--iodepth_batch", "--iodepth-batch", help="Blocks per engine request (default: iodepth/4, at least 1)."
+        ),
+    ] = None,
     numjobs: Annotated[Optional[int], typer.Option("--numjobs", help="Jobs (threads) running at once.")] = None,
     runtime: Annotated[Optional[float], typer.Option("--runtime", help="Seconds to run.")] = None,
-    time_based: Annotated[bool, typer.Option("--time_based", "--time-based", help="Loop over the blocks until "
-                                                                                   "--runtime.")] = False,
+    time_based: Annotated[
+        bool, typer.Option("--time_based", "--time-based", help="Loop over the blocks until --runtime.")
+    ] = False,
     direct: Annotated[Optional[int], typer.Option("--direct", help="1: O_DIRECT block files.", min=0, max=1)] = None,
     tiers: Annotated[Optional[str], typer.Option("--tiers", help="device:host | host:file | device:file.")] = None,
-    verify: Annotated[Optional[int], typer.Option("--verify", help="1: check every block's bytes after the run.",
-                                                  min=0, max=1)] = None,
-    baseline: Annotated[Optional[Baseline], typer.Option("--baseline", help="What the job is measured against, in the "
-                                                         "same run: fio on the same directory with the same job (file "
-                                                         "tiers), the naive way, or nothing; auto: fio where installed, "
-                                                         "else naive.")] = None,
+    verify: Annotated[
+        Optional[int], typer.Option("--verify", help="1: check every block's bytes after the run.", min=0, max=1)
+    ] = None,
+    baseline: Annotated[
+        Optional[Baseline],
+        typer.Option(
+            "--baseline",
+            help="What the job is measured against, in the "
+            "same run: fio on the same directory with the same job (file "
+            "tiers), the naive way, or nothing; auto: fio where installed, "
+            "else naive.",
+        ),
+    ] = None,
     no_baseline: NoBaselineOpt = False,
-    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of bandwidth vs baseline and latency "
-                                                      "percentiles (needs matplotlib).")] = None,
+    plot_path: Annotated[
+        Optional[Path],
+        typer.Option("--plot", help="Write a PNG of bandwidth vs baseline and latency percentiles (needs matplotlib)."),
+    ] = None,
 ) -> None:
     """fio-style jobs on a tier pair (options or job files), printed like fio (IOPS, bandwidth,
     completion-latency percentiles) or as fio-style JSON, each with its baseline on the same
@@ -184,6 +205,23 @@ def _run_fio(jobfiles: list[Path], overrides: dict, config: Path | None, root: P
         typer.echo(format_fio(records))
 
 
+@bench_app.command("fio-table")
+def fio_table_cmd(
+    files: Annotated[list[Path], typer.Argument(help="JSON of `tiercache bench fio --output-format json` runs.")],
+) -> None:
+    """The file-vs-fio table of saved fio-style runs: per job tiercache's GB/s, fio's on the same
+    directory and the ratio (with its range), durable fio and that ratio, and p99 latencies."""
+    from tiercache.bench.fiorun import format_fio_table
+
+    records = []
+    for f in files:
+        try:
+            records += json.loads(f.read_text())["jobs"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            _fail(f"tiercache bench fio-table: {f}: not the JSON of a fio-style run ({type(exc).__name__}: {exc})")
+    typer.echo(format_fio_table(records))
+
+
 # -- the other jobs ----------------------------------------------------------------------------
 @bench_app.command("copy")
 def copy_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.normal, quick: QuickOpt = False) -> None:
@@ -219,9 +257,12 @@ def file_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.n
 
 
 @bench_app.command("layerwise")
-def layerwise_cmd(output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,
-                  blocks: Annotated[Optional[int], typer.Option(help="Blocks (default 256; --quick 64).", min=1)] = None,
-                  quick: QuickOpt = False) -> None:
+def layerwise_cmd(
+    output_format: FormatOpt = OutputFormat.normal,
+    root: RootOpt = None,
+    blocks: Annotated[Optional[int], typer.Option(help="Blocks (default 256; --quick 64).", min=1)] = None,
+    quick: QuickOpt = False,
+) -> None:
     """Layer-wise onboarding into engine tensors against onboarding everything first, beside
     per-layer compute (GPU)."""
     from tiercache.bench.benchlayerwise import format_layerwise_report, run_layerwise_bench
@@ -235,10 +276,16 @@ def layerwise_cmd(output_format: FormatOpt = OutputFormat.normal, root: RootOpt 
 
 
 @bench_app.command("metrics")
-def metrics_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,
-                blocks: Annotated[Optional[int], typer.Option(help="Blocks (default 1024; --quick 256).", min=1)] = None,
-                batch: Annotated[int, typer.Option(help="Blocks per call (at most 64).", min=1, max=4096)] = 32,
-                repeat: _repeat_opt(5, "--quick: 3") = 5, seed: SeedOpt = None, quick: QuickOpt = False) -> None:
+def metrics_cmd(
+    config: ConfigOpt = None,
+    output_format: FormatOpt = OutputFormat.normal,
+    root: RootOpt = None,
+    blocks: Annotated[Optional[int], typer.Option(help="Blocks (default 1024; --quick 256).", min=1)] = None,
+    batch: Annotated[int, typer.Option(help="Blocks per call (at most 64).", min=1, max=4096)] = 32,
+    repeat: _repeat_opt(5, "--quick: 3") = 5,
+    seed: SeedOpt = None,
+    quick: QuickOpt = False,
+) -> None:
     """The same cache calls with metrics off and on, two caches side by side, calls
     interleaved; plus what one scrape costs."""
     from tiercache.bench.benchmetrics import format_metrics_report, run_metrics_bench
@@ -252,13 +299,18 @@ def metrics_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputForma
 
 
 @bench_app.command("shared")
-def shared_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,
-               procs: Annotated[int, typer.Option(help="Processes on the shared root.", min=2, max=64)] = 4,
-               blocks: Annotated[Optional[int], typer.Option(help="Blocks per process (default 512; --quick 128).",
-                                                             min=1)] = None,
-               bs: Annotated[Optional[str], typer.Option("--bs", help="Block size (default 64k).")] = None,
-               batch: Annotated[int, typer.Option(help="Blocks per call.", min=1, max=256)] = 32,
-               repeat: _repeat_opt(3, "medians") = 3, seed: SeedOpt = None, quick: QuickOpt = False) -> None:
+def shared_cmd(
+    config: ConfigOpt = None,
+    output_format: FormatOpt = OutputFormat.normal,
+    root: RootOpt = None,
+    procs: Annotated[int, typer.Option(help="Processes on the shared root.", min=2, max=64)] = 4,
+    blocks: Annotated[Optional[int], typer.Option(help="Blocks per process (default 512; --quick 128).", min=1)] = None,
+    bs: Annotated[Optional[str], typer.Option("--bs", help="Block size (default 64k).")] = None,
+    batch: Annotated[int, typer.Option(help="Blocks per call.", min=1, max=256)] = 32,
+    repeat: _repeat_opt(3, "medians") = 3,
+    seed: SeedOpt = None,
+    quick: QuickOpt = False,
+) -> None:
     """--procs processes writing and reading one shared root against one process."""
     from tiercache.bench.benchshared import format_shared_report, run_shared_bench
     from tiercache.bench.fiospec import parse_size
@@ -276,14 +328,19 @@ def shared_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat
 
 
 @bench_app.command("vllm-tier")
-def vllm_tier_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,
-                  bs: Annotated[Optional[str], typer.Option("--bs", help="One row size (default: 256k and 2m).")] = None,
-                  size: Annotated[Optional[str], typer.Option("--size", help="Bytes per phase (default 1g; --quick "
-                                                                             "256m).")] = None,
-                  batch: Annotated[int, typer.Option(help="Chunks per job.", min=1, max=4096)] = 32,
-                  iodepth: Annotated[int, typer.Option("--iodepth", help="Jobs in flight.", min=1, max=1024)] = 8,
-                  repeat: _repeat_opt(3, "medians; --quick: 1") = 3, seed: SeedOpt = None,
-                  no_baseline: NoBaselineOpt = False, quick: QuickOpt = False) -> None:
+def vllm_tier_cmd(
+    config: ConfigOpt = None,
+    output_format: FormatOpt = OutputFormat.normal,
+    root: RootOpt = None,
+    bs: Annotated[Optional[str], typer.Option("--bs", help="One row size (default: 256k and 2m).")] = None,
+    size: Annotated[Optional[str], typer.Option("--size", help="Bytes per phase (default 1g; --quick 256m).")] = None,
+    batch: Annotated[int, typer.Option(help="Chunks per job.", min=1, max=4096)] = 32,
+    iodepth: Annotated[int, typer.Option("--iodepth", help="Jobs in flight.", min=1, max=1024)] = 8,
+    repeat: _repeat_opt(3, "medians; --quick: 1") = 3,
+    seed: SeedOpt = None,
+    no_baseline: NoBaselineOpt = False,
+    quick: QuickOpt = False,
+) -> None:
     """TierCacheTier against vLLM's own fs tier through vLLM's interface, on the same directory
     and CPU buffer, and fio's best on the root's disk."""
     from tiercache.bench.benchvllmtier import format_vllm_tier_report, run_vllm_tier_bench
@@ -292,9 +349,17 @@ def vllm_tier_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFor
     try:
         rows = (parse_size(bs, "--bs"),) if bs else (256 << 10, 2 << 20)
         total = parse_size(size, "--size") if size else (256 << 20 if quick else 1 << 30)
-        rep = run_vllm_tier_bench(_base(config, root), row_sizes=rows, total_bytes=total, per_job=batch,
-                                  in_flight=iodepth, repeat=1 if quick else repeat, fio=not no_baseline, seed=seed,
-                                  log=_log(output_format))
+        rep = run_vllm_tier_bench(
+            _base(config, root),
+            row_sizes=rows,
+            total_bytes=total,
+            per_job=batch,
+            in_flight=iodepth,
+            repeat=1 if quick else repeat,
+            fio=not no_baseline,
+            seed=seed,
+            log=_log(output_format),
+        )
     except TierCacheError as exc:
         _fail(str(exc))
     _report(rep, output_format, format_vllm_tier_report)
@@ -302,32 +367,62 @@ def vllm_tier_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFor
 
 @bench_app.command("vllm-serve")
 def vllm_serve_cmd(
-    config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,
-    model: Annotated[Optional[list[str]], typer.Option("--model", help="Model geometries (configs/models names, or "
-                                                       "config.json paths; repeat; default llama-3.1-8b and "
-                                                       "qwen2.5-32b; --quick: tiny-llama).")] = None,
+    config: ConfigOpt = None,
+    output_format: FormatOpt = OutputFormat.normal,
+    root: RootOpt = None,
+    model: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--model",
+            help="Model geometries (configs/models names, or "
+            "config.json paths; repeat; default llama-3.1-8b and "
+            "qwen2.5-32b; --quick: tiny-llama).",
+        ),
+    ] = None,
     prefixes: Annotated[int, typer.Option(help="Shared prefixes.", min=2, max=64)] = 4,
     prefix_tokens: Annotated[int, typer.Option(help="Tokens per prefix.", min=16, max=131072)] = 8192,
     suffix_tokens: Annotated[int, typer.Option(help="Tokens of each request after its prefix.", min=1, max=8192)] = 256,
-    rounds: Annotated[int, typer.Option(help="Times each prefix is asked (round 0 cold, the rest repeats).",
-                                        min=1, max=16)] = 3,
+    rounds: Annotated[
+        int, typer.Option(help="Times each prefix is asked (round 0 cold, the rest repeats).", min=1, max=16)
+    ] = 3,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per request (greedy).", min=1, max=1024)] = 8,
-    serve_mode: Annotated[Optional[list[str]], typer.Option("--serve-mode", help="Modes to run (repeat; default all: "
-                                                            "recompute, cpu, fs, tiercache, connector, tiercache-shared, connector-shared).")] = None,
+    serve_mode: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--serve-mode",
+            help="Modes to run (repeat; default all: "
+            "recompute, cpu, fs, tiercache, connector, tiercache-shared, connector-shared).",
+        ),
+    ] = None,
     restart: Annotated[bool, typer.Option(help="Fresh engines on the fs and tiercache roots, repeats only.")] = True,
     kill9: Annotated[bool, typer.Option(help="SIGKILL an engine while it stores, rerun on its root.")] = False,
-    gpu_util: Annotated[float, typer.Option(help="gpu_memory_utilization of one engine (the shared pair on one GPU: "
-                                                 "half each).", min=0.05, max=0.98)] = 0.9,
-    cpu_prefixes: Annotated[float, typer.Option(help="vLLM's CPU tier, in prefixes' worth of KV (below --prefixes).",
-                                                min=0.1, max=64)] = 2.0,
-    tensor_parallel: Annotated[int, typer.Option(help="GPUs per engine (vLLM's tensor_parallel_size).",
-                                                 min=1, max=8)] = 1,
-    shared_gpus: Annotated[Optional[str], typer.Option(help="'A,B': the shared pair's engines on GPUs A and B "
-                                                            "(default: halves of one GPU).")] = None,
-    connector_set: Annotated[Optional[list[str]], typer.Option(
-        "--connector-set", help="KEY=VALUE of the connector mode's kv_connector_extra_config (repeat; "
-                                "e.g. io_engine=threads).")] = None,
-    seed: SeedOpt = None, keep: KeepOpt = False, no_baseline: NoBaselineOpt = False, quick: QuickOpt = False,
+    gpu_util: Annotated[
+        float,
+        typer.Option(
+            help="gpu_memory_utilization of one engine (the shared pair on one GPU: half each).", min=0.05, max=0.98
+        ),
+    ] = 0.9,
+    cpu_prefixes: Annotated[
+        float, typer.Option(help="vLLM's CPU tier, in prefixes' worth of KV (below --prefixes).", min=0.1, max=64)
+    ] = 2.0,
+    tensor_parallel: Annotated[
+        int, typer.Option(help="GPUs per engine (vLLM's tensor_parallel_size).", min=1, max=8)
+    ] = 1,
+    shared_gpus: Annotated[
+        Optional[str],
+        typer.Option(help="'A,B': the shared pair's engines on GPUs A and B (default: halves of one GPU)."),
+    ] = None,
+    connector_set: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--connector-set",
+            help="KEY=VALUE of the connector mode's kv_connector_extra_config (repeat; e.g. io_engine=threads).",
+        ),
+    ] = None,
+    seed: SeedOpt = None,
+    keep: KeepOpt = False,
+    no_baseline: NoBaselineOpt = False,
+    quick: QuickOpt = False,
 ) -> None:
     """A real vLLM engine per mode on the GPU (random weights, a model's real geometry) on
     shared-prefix requests: recompute, vLLM's CPU tier, its fs tier, TierCacheTier (exclusive,
@@ -395,22 +490,53 @@ def scale_cmd(config: ConfigOpt = None, output_format: FormatOpt = OutputFormat.
 @bench_app.command("array")
 def array_cmd(
     output_format: FormatOpt = OutputFormat.normal,
-    root: Annotated[list[Path], typer.Option("--root", help="A directory on one device (repeatable: one per device of the array).")] = ...,
-    bs: Annotated[Optional[list[str]], typer.Option("--bs", help="Block size (repeatable; default 16k 64k 256k 2m).")] = None,
-    tiers: Annotated[Optional[list[str]], typer.Option("--tiers", help="Tier pair (repeatable; default host:file, and device:file with a GPU).")] = None,
+    root: Annotated[
+        list[Path], typer.Option("--root", help="A directory on one device (repeatable: one per device of the array).")
+    ] = ...,
+    bs: Annotated[
+        Optional[list[str]], typer.Option("--bs", help="Block size (repeatable; default 16k 64k 256k 2m).")
+    ] = None,
+    tiers: Annotated[
+        Optional[list[str]],
+        typer.Option("--tiers", help="Tier pair (repeatable; default host:file, and device:file with a GPU)."),
+    ] = None,
     size: Annotated[str, typer.Option(help="Bytes per phase (per block size and direction).")] = "1g",
     iodepth: Annotated[int, typer.Option(help="Blocks in flight per fio-style job.", min=1, max=4096)] = 128,
     batch: Annotated[int, typer.Option(help="Blocks per request of the cache's path.", min=1, max=4096)] = 32,
     rows_per_job: Annotated[int, typer.Option(help="Rows per job of the row store.", min=1, max=4096)] = 32,
     numjobs: Annotated[int, typer.Option(help="Jobs (threads) per fio-style run.", min=1, max=64)] = 1,
-    io_threads: Annotated[Optional[int], typer.Option(help="The file tier's I/O threads (default: one per request in flight, numjobs x iodepth / batch).", min=1, max=256)] = None,
-    fsync: Annotated[str, typer.Option(help="The file tier's fsync policy during the writes (none: as fio's end_fsync=1).")] = "none",
-    io_engine: Annotated[str, typer.Option(help="The file tier's io_engine on the tuned paths and the row store (auto, io_uring, threads, python).")] = "auto",
+    io_threads: Annotated[
+        Optional[int],
+        typer.Option(
+            help="The file tier's I/O threads (default: one per request in flight, numjobs x iodepth / batch).",
+            min=1,
+            max=256,
+        ),
+    ] = None,
+    fsync: Annotated[
+        str, typer.Option(help="The file tier's fsync policy during the writes (none: as fio's end_fsync=1).")
+    ] = "none",
+    io_engine: Annotated[
+        str,
+        typer.Option(
+            help="The file tier's io_engine on the tuned paths and the row store (auto, io_uring, threads, python)."
+        ),
+    ] = "auto",
     rowstore: Annotated[bool, typer.Option(help="Also the row store (the vLLM tier's path).")] = True,
-    format_limit: Annotated[bool, typer.Option(help="Also the format's own limit (C threads: open, O_DIRECT write or read, close, rename; no engine; a baseline, skipped with --no-baseline).")] = True,
-    plain_caller: Annotated[bool, typer.Option(help="Also a plain caller: TierCache with default settings, offload and get in fresh processes.")] = True,
+    format_limit: Annotated[
+        bool,
+        typer.Option(
+            help="Also the format's own limit (C threads: open, O_DIRECT write or read, close, rename; no "
+                 "engine; a baseline, skipped with --no-baseline)."
+        ),
+    ] = True,
+    plain_caller: Annotated[
+        bool,
+        typer.Option(help="Also a plain caller: TierCache with default settings, offload and get in fresh processes."),
+    ] = True,
     repeat: _repeat_opt(1, "fio and tiercache, alternated") = 1,
-    seed: SeedOpt = None, no_baseline: NoBaselineOpt = False,
+    seed: SeedOpt = None,
+    no_baseline: NoBaselineOpt = False,
 ) -> None:
     """The file tier over several devices (a root array, one --root per device) against fio's
     best over numjobs x iodepth on all of them at once, in the same run: the cache's offload
@@ -428,12 +554,26 @@ def array_cmd(
     pairs = tuple(tiers) if tiers else ("host:file",) + (("device:file",) if cuda_status().available else ())
     try:
         sizes = tuple(parse_size(b, "--bs") for b in bs) if bs else DEFAULT_SIZES
-        rep = run_array_bench([Path(r) for r in root], block_sizes=sizes, tiers=pairs,
-                              total_bytes=parse_size(size, "--size"), iodepth=iodepth, batch=batch, per_job=rows_per_job, numjobs=numjobs,
-                              io_threads=io_threads, fsync=fsync, io_engine=io_engine, rowstore=rowstore,
-                              limit=format_limit,
-                              plain=plain_caller, fio=not no_baseline,
-                              repeat=repeat, seed=seed, log=_log(output_format))
+        rep = run_array_bench(
+            [Path(r) for r in root],
+            block_sizes=sizes,
+            tiers=pairs,
+            total_bytes=parse_size(size, "--size"),
+            iodepth=iodepth,
+            batch=batch,
+            per_job=rows_per_job,
+            numjobs=numjobs,
+            io_threads=io_threads,
+            fsync=fsync,
+            io_engine=io_engine,
+            rowstore=rowstore,
+            limit=format_limit,
+            plain=plain_caller,
+            fio=not no_baseline,
+            repeat=repeat,
+            seed=seed,
+            log=_log(output_format),
+        )
     except TierCacheError as exc:
         _fail(str(exc))
     _report(rep, output_format, format_array)
@@ -441,19 +581,39 @@ def array_cmd(
 
 @bench_app.command("hf")
 def hf_cmd(
-    output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,
-    context: Annotated[Optional[list[int]], typer.Option(help="Context lengths in tokens (repeat; default 16384 and "
-                                                              "32768; --quick 4096 and 8192).", min=64)] = None,
+    output_format: FormatOpt = OutputFormat.normal,
+    root: RootOpt = None,
+    context: Annotated[
+        Optional[list[int]],
+        typer.Option(
+            help="Context lengths in tokens (repeat; default 16384 and 32768; --quick 4096 and 8192).", min=64
+        ),
+    ] = None,
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per run.", min=2, max=4096)] = 32,
     tokens_per_block: Annotated[int, typer.Option(help="TieredCache tokens_per_block.", min=1, max=65536)] = 1024,
-    ring_layers: Annotated[Optional[list[int]], typer.Option(help="TieredCache ring_layers (repeat to run tiercache's "
-                                                             "modes once per value; default 2).", min=2, max=64)] = None,
-    tails: Annotated[Optional[list[Tails]], typer.Option(help="TieredCache tails: host (pinned host memory) or device "
-                                                         "(VRAM); repeat to run tiercache's modes once per value; "
-                                                         "default host.")] = None,
-    hf_mode: Annotated[Optional[list[str]], typer.Option("--hf-mode", help="Modes to run (repeat; default all: plain, "
-                                                         "plain-h2d, offloaded, tiercache-host, tiercache-files).")] = None,
-    repeat: _repeat_opt(3, "medians of each mode's tokens/s") = 3, quick: QuickOpt = False,
+    ring_layers: Annotated[
+        Optional[list[int]],
+        typer.Option(
+            help="TieredCache ring_layers (repeat to run tiercache's modes once per value; default 2).", min=2, max=64
+        ),
+    ] = None,
+    tails: Annotated[
+        Optional[list[Tails]],
+        typer.Option(
+            help="TieredCache tails: host (pinned host memory) or device "
+            "(VRAM); repeat to run tiercache's modes once per value; "
+            "default host."
+        ),
+    ] = None,
+    hf_mode: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--hf-mode",
+            help="Modes to run (repeat; default all: plain, plain-h2d, offloaded, tiercache-host, tiercache-files).",
+        ),
+    ] = None,
+    repeat: _repeat_opt(3, "medians of each mode's tokens/s") = 3,
+    quick: QuickOpt = False,
 ) -> None:
     """transformers generate with its plain cache, its offloaded cache and tiercache's
     TieredCache (GPU), against the plain cache plus each layer's host -> device copy."""
@@ -464,9 +624,17 @@ def hf_cmd(
         _fail(f"--hf-mode {bad[0]!r}: expected one of {', '.join(MODES)}")
     try:
         ctx = tuple(context or ((4096, 8192) if quick else (16384, 32768)))
-        rep = run_hf_bench(contexts=ctx, new_tokens=new_tokens, root=_base(None, root), tokens_per_block=tokens_per_block,
-                           ring_layers=tuple(ring_layers or (2,)), tails=tuple(t.value for t in tails or (Tails.host,)),
-                           modes=tuple(hf_mode or MODES), repeat=repeat, log=_log(output_format))
+        rep = run_hf_bench(
+            contexts=ctx,
+            new_tokens=new_tokens,
+            root=_base(None, root),
+            tokens_per_block=tokens_per_block,
+            ring_layers=tuple(ring_layers or (2,)),
+            tails=tuple(t.value for t in tails or (Tails.host,)),
+            modes=tuple(hf_mode or MODES),
+            repeat=repeat,
+            log=_log(output_format),
+        )
     except TierCacheError as exc:
         _fail(str(exc))
     _report(rep, output_format, format_hf_report)
@@ -474,21 +642,38 @@ def hf_cmd(
 
 @bench_app.command("sglang-storage")
 def sglang_storage_cmd(
-    output_format: FormatOpt = OutputFormat.normal, root: RootOpt = None,
-    model: Annotated[Optional[list[str]], typer.Option("--model", help="Model geometries (configs/models names or "
-                                                       "config.json paths; repeat; default llama-3.1-8b and "
-                                                       "tiny-llama).")] = None,
-    page_tokens: Annotated[int, typer.Option(help="Tokens per HiCache page (SGLang's --page-size).", min=1,
-                                             max=4096)] = 64,
-    size: Annotated[Optional[str], typer.Option("--size", help="Bytes of pages per model (default 1g; --quick "
-                                                               "64m).")] = None,
+    output_format: FormatOpt = OutputFormat.normal,
+    root: RootOpt = None,
+    model: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--model",
+            help="Model geometries (configs/models names or "
+            "config.json paths; repeat; default llama-3.1-8b and "
+            "tiny-llama).",
+        ),
+    ] = None,
+    page_tokens: Annotated[
+        int, typer.Option(help="Tokens per HiCache page (SGLang's --page-size).", min=1, max=4096)
+    ] = 64,
+    size: Annotated[
+        Optional[str], typer.Option("--size", help="Bytes of pages per model (default 1g; --quick 64m).")
+    ] = None,
     batch: Annotated[int, typer.Option(help="Pages per controller call.", min=1, max=1024)] = 32,
     io_threads: Annotated[int, typer.Option(help="tiercache's I/O threads.", min=1, max=256)] = 16,
-    seed: SeedOpt = None, no_baseline: NoBaselineOpt = False, quick: QuickOpt = False,
+    seed: SeedOpt = None,
+    no_baseline: NoBaselineOpt = False,
+    quick: QuickOpt = False,
     keep: Annotated[bool, typer.Option(help="Keep the job's files.")] = False,
-    array: Annotated[Optional[list[Path]], typer.Option("--array", help="A directory per device (repeat): tiercache "
-                                                        "over all (a root array), SGLang's file backend on the first, "
-                                                        "fio over all.")] = None,
+    array: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            "--array",
+            help="A directory per device (repeat): tiercache "
+            "over all (a root array), SGLang's file backend on the first, "
+            "fio over all.",
+        ),
+    ] = None,
 ) -> None:
     """SGLang's own file HiCache backend and tiercache's, side by side on one directory, through
     SGLang's cache controller's page set and get calls: pages/s, GB/s, batch p50/p99, wrong

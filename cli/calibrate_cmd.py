@@ -16,9 +16,12 @@ from .common import DEFAULT_CONFIG, EXIT_USAGE, fail
 
 
 def calibrate(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config: its device_id and copy_kernel_sms.")] = None,
-    tolerance: Annotated[float, typer.Option(help="Copy engines win from this share of the SM kernel's bandwidth.",
-                                             min=0.5, max=1.5)] = 0.97,
+    config: Annotated[
+        Optional[Path], typer.Option("--config", "-c", help="TOML config: its device_id and copy_kernel_sms.")
+    ] = None,
+    tolerance: Annotated[
+        float, typer.Option(help="Copy engines win from this share of the SM kernel's bandwidth.", min=0.5, max=1.5)
+    ] = 0.97,
     quick: Annotated[bool, typer.Option(help="32 MiB per request, 3 samples (default: 128 MiB, 5).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:

@@ -20,9 +20,18 @@ from .common import DEFAULT_CONFIG, fail, human_bytes, roots_inside
 
 
 def inspect(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config (default: configs/default.toml).")] = None,
+    config: Annotated[
+        Optional[Path], typer.Option("--config", "-c", help="TOML config (default: configs/default.toml).")
+    ] = None,
     root: Annotated[Optional[Path], typer.Option(help="A file-tier root to look at (overrides the config's).")] = None,
-    scan: Annotated[bool, typer.Option("--scan", help="List every block file, however many (default: a root whose saved index holds more than 100000 blocks is counted from the index).")] = False,
+    scan: Annotated[
+        bool,
+        typer.Option(
+            "--scan",
+            help="List every block file, however many (default: a root whose saved index holds more than 100000 "
+                 "blocks is counted from the index).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show the pools and their geometry, slots and bytes per tier, the I/O path this machine
@@ -138,8 +147,11 @@ def _print(out: dict) -> None:
     if r.get("missing"):
         con.print(f"root {r['root']}: does not exist yet")
         return
-    con.print(f"root {r['root']}: {'tiercache root' if r['tiercache_root'] else '[red]not a tiercache root (no marker)[/red]'}"
-              f"{', in use by pid ' + r['locked_by_pid'] if r['locked_by_pid'] else ', not in use'}")
+    con.print(
+        f"root {r['root']}: "
+        f"{'tiercache root' if r['tiercache_root'] else '[red]not a tiercache root (no marker)[/red]'}"
+        f"{', in use by pid ' + r['locked_by_pid'] if r['locked_by_pid'] else ', not in use'}"
+    )
     if r.get("roots_inside"):
         con.print("tiercache roots inside it (inspect each with --root): " + ", ".join(r["roots_inside"]))
     t = Table(title="file tier contents", title_justify="left")

@@ -24,7 +24,7 @@ from tiercache.rootops import Selection, execute_plan, is_root, locked_for_purge
 from .common import array_members, fail, human_bytes, not_a_root, parse_duration, resolve_root
 
 #: purge's default threads: a million files purged in 34.7 s on 8 threads, 29.6 s on 32
-#: (CPU machine, ext4 mounted with discard; docs/performance.md)
+#: (CPU machine, ext4 mounted with discard; docs/performance/scale.md)
 PURGE_THREADS = 32
 
 
@@ -32,12 +32,31 @@ def purge(
     root: Annotated[Optional[Path], typer.Option(help="The file-tier root (default: the config's).")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Take the root from this config.")] = None,
     pool: Annotated[Optional[list[str]], typer.Option(help="Only this pool's files (repeatable).")] = None,
-    keys: Annotated[Optional[list[str]], typer.Option("--keys", help="Only these keys: decimal ints or x\\<hex> (repeatable).")] = None,
-    older_than: Annotated[Optional[str], typer.Option("--older-than", help="Only files not modified for this long (30m, 7d).")] = None,
+    keys: Annotated[
+        Optional[list[str]], typer.Option("--keys", help="Only these keys: decimal ints or x\\<hex> (repeatable).")
+    ] = None,
+    older_than: Annotated[
+        Optional[str], typer.Option("--older-than", help="Only files not modified for this long (30m, 7d).")
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted; delete nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
-    threads: Annotated[int, typer.Option(help="Threads checking headers and deleting files (unlinks wait on the file system's journal: more threads than verify's).", min=1, max=256)] = PURGE_THREADS,
-    force: Annotated[bool, typer.Option("--force", help="Purge a root that processes use in shared mode: their open files stay readable to them, the rest reads as evicted; only abandoned temporary files go.")] = False,
+    threads: Annotated[
+        int,
+        typer.Option(
+            help="Threads checking headers and deleting files (unlinks wait on the file system's journal: more "
+                 "threads than verify's).",
+            min=1,
+            max=256,
+        ),
+    ] = PURGE_THREADS,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Purge a root that processes use in shared mode: their open files stay readable to them, the "
+                 "rest reads as evicted; only abandoned temporary files go.",
+        ),
+    ] = False,
 ) -> None:
     """Delete block files (and temporary leftovers and quarantined files, when no filter is
     given) from a tiercache root: only files tiercache wrote (a block file's header must name
@@ -62,8 +81,10 @@ def purge(
         seen |= _purge_root(member, pool, wanted_keys, cutoff, dry_run, yes, threads, force)
     absent = [p for p in pool or () if p not in seen]
     if absent:
-        typer.echo(f"no block file of pool(s) {', '.join(absent)} in {root}"
-                   + (f" (its block files are of pool(s) {', '.join(sorted(seen))})" if seen else " (it holds no block file)"))
+        typer.echo(
+            f"no block file of pool(s) {', '.join(absent)} in {root}"
+            + (f" (its block files are of pool(s) {', '.join(sorted(seen))})" if seen else " (it holds no block file)")
+        )
 
 
 def _purge_root(root: Path, pool, wanted_keys, cutoff, dry_run: bool, yes: bool, threads: int, force: bool) -> set[str]:

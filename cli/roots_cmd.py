@@ -74,7 +74,9 @@ def show(
             row["leaving"] = True
         if m.present:
             sv = survey(m.path).as_dict()
-            row.update(subdirs=sum(subdir_owner(m.path).values()), blocks=sv["blocks"], bytes=sv["block_files"]["bytes"])
+            row.update(
+                subdirs=sum(subdir_owner(m.path).values()), blocks=sv["blocks"], bytes=sv["block_files"]["bytes"]
+            )
         rows.append(row)
     out = {"array": rec.array_id if rec else None, "generation": rec.generation if rec else None,
            "changing": bool(rec and rec.moving), "members": rows}
@@ -112,14 +114,24 @@ def _run(roots: list[Path], add=(), drop=(), forget=(), check_owner: bool = True
         typer.echo(f"already so: {note}")
     typer.echo(f"roots before: {', '.join(res.before)}")
     typer.echo(f"roots now:    {', '.join(res.after)}")
-    typer.echo(f"moved {res.files_moved} file(s), {human_bytes(res.bytes_moved)}, in {res.subdirs_moved} "
-               "subdirectories" + (f"; forgotten (their blocks lost): {', '.join(res.forgotten)}" if res.forgotten else ""))
+    typer.echo(
+        f"moved {res.files_moved} file(s), {human_bytes(res.bytes_moved)}, in {res.subdirs_moved} "
+        "subdirectories" + (f"; forgotten (their blocks lost): {', '.join(res.forgotten)}" if res.forgotten else "")
+    )
 
 
 @roots_app.command("add")
 def add(
-    roots: Annotated[list[Path], typer.Argument(help="The array's members (or one of them: the rest as its record names them), or one plain root to make an array of.")],
-    new: Annotated[list[Path], typer.Option("--new", help="A new root (an empty or new directory, on its own device); repeatable.")],
+    roots: Annotated[
+        list[Path],
+        typer.Argument(
+            help="The array's members (or one of them: the rest as its record names them), or one plain root to "
+                 "make an array of."
+        ),
+    ],
+    new: Annotated[
+        list[Path], typer.Option("--new", help="A new root (an empty or new directory, on its own device); repeatable.")
+    ],
     check_owner: Annotated[bool, typer.Option(help="Refuse roots another user owns or others may write.")] = True,
 ) -> None:
     """Add roots: each new root gets an even share of the 64 block subdirectories, and the
@@ -137,8 +149,16 @@ def add(
 @roots_app.command("remove")
 def remove(
     roots: Annotated[list[Path], typer.Argument(help="The array's members (or one of them).")],
-    drop: Annotated[Optional[list[Path]], typer.Option("--drop", help="A member to take out; its blocks move to the others; repeatable.")] = None,
-    forget: Annotated[Optional[list[Path]], typer.Option("--forget", help="A member whose device is gone: taken out WITHOUT its blocks (they are lost); repeatable.")] = None,
+    drop: Annotated[
+        Optional[list[Path]],
+        typer.Option("--drop", help="A member to take out; its blocks move to the others; repeatable."),
+    ] = None,
+    forget: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            "--forget", help="A member whose device is gone: taken out WITHOUT its blocks (they are lost); repeatable."
+        ),
+    ] = None,
     check_owner: Annotated[bool, typer.Option(help="Refuse roots another user owns or others may write.")] = True,
 ) -> None:
     """Take members out of a root array: the blocks of a --drop member move to the remaining

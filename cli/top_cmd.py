@@ -129,8 +129,11 @@ def frame(fams) -> dict[str, dict]:
     for labels, v in sm.get("tiercache_file_io_engine", []):
         if v:
             cache(labels)["io_engine"] = labels["engine"]
-    for metric, key in (("tiercache_transferred_blocks_total", "blocks"), ("tiercache_transferred_bytes_total", "bytes"),
-                        ("tiercache_transfer_failed_blocks_total", "failed")):
+    for metric, key in (
+        ("tiercache_transferred_blocks_total", "blocks"),
+        ("tiercache_transferred_bytes_total", "bytes"),
+        ("tiercache_transfer_failed_blocks_total", "failed"),
+    ):
         for labels, v in sm.get(metric, []):
             cache(labels)["transfers"].setdefault(f"{labels['src']}->{labels['dst']}", {})[key] = int(v)
     hist: dict[tuple[str, str], dict[float, float]] = {}
@@ -164,7 +167,9 @@ def add_rates(cur: dict, prev: dict | None, seconds: float) -> None:
     for name, c in cur.items():
         for pair, t in c["transfers"].items():
             old = (prev or {}).get(name, {}).get("transfers", {}).get(pair)
-            t["gbps"] = None if old is None or seconds <= 0 else (t.get("bytes", 0) - old.get("bytes", 0)) / seconds / 1e9
+            t["gbps"] = (
+                None if old is None or seconds <= 0 else (t.get("bytes", 0) - old.get("bytes", 0)) / seconds / 1e9
+            )
 
 
 def _pct(x: float | None) -> str:
@@ -208,9 +213,15 @@ def render(view: dict[str, dict], source: str, note: str = "") -> Group:
 
 
 def top(
-    url: Annotated[Optional[str], typer.Option("--url", help="A cache's exporter: http://HOST:PORT/metrics (default 127.0.0.1).")] = None,
-    root: Annotated[Optional[Path], typer.Option("--root", help="A file-tier root: the stats its cache saves there.")] = None,
-    interval: Annotated[float, typer.Option("--interval", "-n", help="Seconds between frames.", min=0.1, max=3600)] = 2.0,
+    url: Annotated[
+        Optional[str], typer.Option("--url", help="A cache's exporter: http://HOST:PORT/metrics (default 127.0.0.1).")
+    ] = None,
+    root: Annotated[
+        Optional[Path], typer.Option("--root", help="A file-tier root: the stats its cache saves there.")
+    ] = None,
+    interval: Annotated[
+        float, typer.Option("--interval", "-n", help="Seconds between frames.", min=0.1, max=3600)
+    ] = 2.0,
     frames: Annotated[int, typer.Option("--frames", help="Frames to show, then exit (0: until Ctrl-C).", min=0)] = 0,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Only the cache with this label.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per frame instead of tables.")] = False,

@@ -18,8 +18,15 @@ from .common import EXIT_FINDING, array_members, fail, not_a_root, resolve_root
 def verify(
     root: Annotated[Optional[Path], typer.Option(help="The file-tier root (default: the config's).")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Take the root from this config.")] = None,
-    quarantine: Annotated[bool, typer.Option("--quarantine", help="Move bad files to quarantine/ (needs the root free).")] = False,
-    threads: Annotated[int, typer.Option(help="Threads submitting chunks of files to the native I/O engine (and its C threads).", min=1, max=256)] = 8,
+    quarantine: Annotated[
+        bool, typer.Option("--quarantine", help="Move bad files to quarantine/ (needs the root free).")
+    ] = False,
+    threads: Annotated[
+        int,
+        typer.Option(
+            help="Threads submitting chunks of files to the native I/O engine (and its C threads).", min=1, max=256
+        ),
+    ] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Check every block file (a regular file, header, name, exact size, XXH3-64 checksum of the

@@ -30,7 +30,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiercache import TierCache
-from tiercache.serving import DevicePools
+from tiercache.enginetensors import DevicePools
 
 BLOCK = 16  # tokens per device block
 K = 2  # device blocks per host/file block

@@ -35,7 +35,9 @@ def main() -> None:
     if args.root:  # a host tier of 40% of the KV: most blocks live in files
         host_bytes = kv_bytes_per_token(config, torch.finfo(dtype).bits // 8) * total * 2 // 5
     with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=args.new, do_sample=False, past_key_values=DynamicCache(config=config))
+        want = model.generate(
+            ids, max_new_tokens=args.new, do_sample=False, past_key_values=DynamicCache(config=config)
+        )
         cache = TieredCache(model, max_cache_len=total, tokens_per_block=16,          # tiercache
                             host_bytes=host_bytes, root=args.root)
         out = model.generate(ids, max_new_tokens=args.new, do_sample=False, past_key_values=cache)  # tiercache

@@ -130,7 +130,10 @@ def make_config(tmp_path, rng):
     """Build a CacheConfig with two random pools under a fresh root."""
 
     def make(**kw) -> CacheConfig:
-        pools = kw.pop("pools", None) or (random_kv_pool(rng, "kv"), PoolSpec("act", (int(rng.integers(100, 3000)),), "float32"))
+        pools = kw.pop("pools", None) or (
+            random_kv_pool(rng, "kv"),
+            PoolSpec("act", (int(rng.integers(100, 3000)),), "float32"),
+        )
         base = dict(pools=pools, device_slots=0, host_slots=8, file_slots=64, root=tmp_path / "root", fsync="none")
         base.update(kw)
         return CacheConfig(**base)

@@ -58,7 +58,9 @@ class Mirror:
             tpb = self.pools[0].tokens_per_block
             num_tokens = int(self.rng.integers(0, tpb + 2))
         if self.rng.random() < 0.1:  # new data from the caller (a put)
-            data = {p.name: self.rng.integers(0, 256, size=(d.size, p.block_nbytes), dtype=np.uint8) for p in self.pools}
+            data = {
+                p.name: self.rng.integers(0, 256, size=(d.size, p.block_nbytes), dtype=np.uint8) for p in self.pools
+            }
             keys = [int(x) for x in d] if dst == "file" else None
             self.engine.copy("caller", np.arange(d.size), dst, d, keys=keys, src_arrays=data)
             for p in self.pools:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from tiercache.serving import DevicePools
+from tiercache.enginetensors import DevicePools
 
 LAYOUTS = ("vllm", "trtllm", "fastdeploy", "mla")
 

@@ -83,7 +83,9 @@ def run(root: str, logdir: str, seed: int, seconds: float, capacity: int) -> int
     with TierCache(config(root, capacity)) as cache:
         while time.monotonic() < deadline:
             ks = [keys[i] for i in rng.choice(NUM_KEYS, int(rng.integers(1, 5)), replace=False)]
-            op = rng.choice(["put", "offload", "flush", "onboard", "get", "evict"], p=[0.2, 0.15, 0.2, 0.15, 0.25, 0.05])
+            op = rng.choice(
+                ["put", "offload", "flush", "onboard", "get", "evict"], p=[0.2, 0.15, 0.2, 0.15, 0.25, 0.05]
+            )
             try:
                 if op == "put":
                     cache.put(ks, {p.name: np.stack([bytes_of(k)[p.name] for k in ks]) for p in POOLS})

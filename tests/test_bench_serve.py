@@ -74,7 +74,9 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
 def test_a_failing_engine_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_VLLM_CRASH", "TierCacheTier")
-    with pytest.raises(ConfigError, match="(?s)the tiercache engine exited 1; its log ends:.*fake engine asked to fail"):
+    with pytest.raises(
+        ConfigError, match="(?s)the tiercache engine exited 1; its log ends:.*fake engine asked to fail"
+    ):
         run_serve_bench(tmp_path, model="tiny-llama", modes=("recompute", "tiercache"), prefixes=2, prefix_tokens=64,
                         suffix_tokens=256, rounds=1, restart=False, fio=False, cpu_tier_prefixes=1.25)
     with pytest.raises(ConfigError, match=r"cpu_tier_prefixes=2.0 must be in \[0.1, 2\)"):

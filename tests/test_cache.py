@@ -99,12 +99,14 @@ def test_reopen_in_new_process_serves_same_bytes(make_config, rng, tmp_path):
 import numpy as np, sys
 from tiercache import TierCache, CacheConfig, PoolSpec
 pools = {tuple((p.name, p.block_shape, p.dtype) for p in cfg.pools)!r}
-cfg = CacheConfig(pools=tuple(PoolSpec(n, s, d) for n, s, d in pools), host_slots=4, file_slots=64, root={str(cfg.root)!r})
+cfg = CacheConfig(pools=tuple(PoolSpec(n, s, d) for n, s, d in pools), host_slots=4, file_slots=64,
+                  root={str(cfg.root)!r})
 keys = [bytes.fromhex(k) if not k.isdigit() else int(k) for k in np.load({str(keyfile)!r})]
 with TierCache(cfg) as c:
     assert len(c) == len(keys), len(c)
     for p in cfg.pools:
-        np.save({str(tmp_path)!r} + f"/out_{{p.name}}.npy", c.get(keys, pool=p.name, out=np.empty((len(keys), p.block_nbytes), np.uint8)))
+        np.save({str(tmp_path)!r} + f"/out_{{p.name}}.npy", c.get(keys, pool=p.name,
+                                                   out=np.empty((len(keys), p.block_nbytes), np.uint8)))
 """
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run([sys.executable, "-c", script], check=True, env=env)
@@ -194,10 +196,17 @@ def test_bad_inputs_leave_blocks_intact(make_config, rng):
             (UnknownPoolError, "unknown pool 'nope'", lambda: c.put([99], {**good, "nope": good["kv"]})),
             (UnknownPoolError, "kv, act", lambda: c.get([keys[0]], pool="nope")),
             (ArrayMismatchError, "has shape", lambda: c.put([99], {**good, "kv": np.ones((1, 3), np.float16)})),
-            (ArrayMismatchError, "has dtype float64", lambda: c.put([99], {**good, "kv": good["kv"].astype(np.float64)})),
+            (
+                ArrayMismatchError,
+                "has dtype float64",
+                lambda: c.put([99], {**good, "kv": good["kv"].astype(np.float64)}),
+            ),
             (ArrayMismatchError, "for 2 block(s)", lambda: c.put([98, 99], good)),
-            (ArrayMismatchError, "not C-contiguous",
-             lambda: c.put([99], {**good, "kv": np.asfortranarray(good["kv"])})),
+            (
+                ArrayMismatchError,
+                "not C-contiguous",
+                lambda: c.put([99], {**good, "kv": np.asfortranarray(good["kv"])}),
+            ),
             (ArrayMismatchError, "missing", lambda: c.put([99], {"kv": good["kv"]})),
             (ArrayMismatchError, "not an array", lambda: c.put([99], {**good, "kv": [[1, 2]]})),
             (ArrayMismatchError, "name one", lambda: c.get([keys[0]])),

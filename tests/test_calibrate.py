@@ -64,11 +64,15 @@ def test_printed_lines_are_a_valid_transfer_table():
     rep = {"tolerance": 0.97, "rows": rs, "transfer": {"batch_min_bytes": 262144, "memcpy_min_bytes": 16 * MiB},
            "reached": {"batch_min_bytes": True, "memcpy_min_bytes": False}}
     text = format_calibration(rep)
-    assert ["blocks", "256", "KiB", "h2d", "bulk", "50.0", "batch", "53.0", "106%"] in [ln.split() for ln in text.splitlines()]
+    assert ["blocks", "256", "KiB", "h2d", "bulk", "50.0", "batch", "53.0", "106%"] in [
+        ln.split() for ln in text.splitlines()
+    ]
     table = tomllib.loads(text[text.index("[transfer]"):])
     assert table == {"transfer": {"batch_min_bytes": 262144, "memcpy_min_bytes": 16 * MiB}}
     assert "never caught up" in text.splitlines()[-1]
-    cfg = config_from_dict({**table, "tiers": {"host_slots": 4}, "pools": {"a": {"block_shape": [16], "dtype": "uint8"}}})
+    cfg = config_from_dict(
+        {**table, "tiers": {"host_slots": 4}, "pools": {"a": {"block_shape": [16], "dtype": "uint8"}}}
+    )
     assert cfg.batch_min_bytes == 262144 and cfg.memcpy_min_bytes == 16 * MiB
 
 

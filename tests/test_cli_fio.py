@@ -55,7 +55,11 @@ def test_write_then_json_adds_up(root_args):
     tc = rec["tiercache"]
     assert tc["tiers"] == "host:file" and tc["verified_blocks"] == 80 and "POSIX" in tc["path"]
     b = tc["baseline"]
-    assert b["op"] == "write" and b["bw_bytes"] > 0 and b["ratio"] == pytest.approx(rec["write"]["bw_bytes"] / b["bw_bytes"], rel=0.01)
+    assert (
+        b["op"] == "write"
+        and b["bw_bytes"] > 0
+        and b["ratio"] == pytest.approx(rec["write"]["bw_bytes"] / b["bw_bytes"], rel=0.01)
+    )
     assert rec["job options"]["iodepth"] == "8" and rec["job options"]["iodepth_batch"] == "2"
     # the process's CPU over the timed phase, as fio's usr_cpu / sys_cpu, and per block
     cpu = tc["cpu_us_per_block"]
@@ -65,6 +69,29 @@ def test_write_then_json_adds_up(root_args):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU needs Linux /proc")
+def test_fio_table_reads_saved_runs(root_args, tmp_path):
+    """`bench fio-table` over a saved JSON run: one line per job with tiercache's GB/s, fio's
+    and the ratio, as the run reported them; a file that is not such a run is a clear error."""
+    res = runner.invoke(app, ["bench", "fio", "--rw", "randread", "--bs", "64k", "--nblocks", "24", "--iodepth", "4",
+                              "--tiers", "host:file", "--output-format", "json", *root_args])
+    assert res.exit_code == 0, res.output
+    saved = tmp_path / "run.json"
+    saved.write_text(res.stdout)
+    (rec,) = json.loads(res.stdout)["jobs"]
+    out = runner.invoke(app, ["bench", "fio-table", str(saved), str(saved)])
+    assert out.exit_code == 0, out.output
+    header, *rows = out.stdout.strip().splitlines()
+    assert header.split()[:3] == ["job", "tiers", "tiercache"] and len(rows) == 2
+    cols = rows[0].split()
+    assert cols[1] == "host:file" and float(cols[2]) == pytest.approx(rec["read"]["bw_bytes"] / 1e9, abs=0.006)
+    b = rec["tiercache"].get("baseline") or {}
+    assert float(cols[4]) == pytest.approx(b.get("ratio", 0.0), abs=0.006)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    out = runner.invoke(app, ["bench", "fio-table", str(bad)])
+    assert out.exit_code != 0 and "bad.json" in out.output and "not the JSON of a fio-style run" in out.output
+
+
 def test_thread_cpu_tells_python_threads_from_native_ones():
     import threading
 
@@ -99,9 +126,29 @@ def test_separate_timing_agrees(root_args, tmp_path):
     from tiercache import PoolSpec
     from tiercache.files import FileTier, IOPath
 
-    res = runner.invoke(app, ["bench", "fio", "--rw", "write", "--bs", "256k", "--nblocks", "64", "--iodepth", "32",
-                              "--iodepth_batch", "32", "--no-baseline", "--tiers", "host:file", "--output-format", "json",
-                              *root_args])
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "fio",
+            "--rw",
+            "write",
+            "--bs",
+            "256k",
+            "--nblocks",
+            "64",
+            "--iodepth",
+            "32",
+            "--iodepth_batch",
+            "32",
+            "--no-baseline",
+            "--tiers",
+            "host:file",
+            "--output-format",
+            "json",
+            *root_args,
+        ],
+    )
     assert res.exit_code == 0, res.output
     fio_bw = json.loads(res.stdout)["jobs"][0]["write"]["bw_bytes"]
     pool = PoolSpec("bench", (256 * 1024,), "uint8")
@@ -147,7 +194,11 @@ def test_job_files_ini_and_toml(tmp_path, root_args):
     check_record(jobs[2], "read", 8, 32768)
     res = runner.invoke(app, ["bench", "fio", str(ini), *root_args])  # normal output reads like fio
     assert res.exit_code == 0
-    assert "w: (g=0): rw=write, bs=32KiB" in res.output and "IOPS=" in res.output and "clat percentiles (usec)" in res.output
+    assert (
+        "w: (g=0): rw=write, bs=32KiB" in res.output
+        and "IOPS=" in res.output
+        and "clat percentiles (usec)" in res.output
+    )
     assert "tiercache/baseline =" in res.output
 
 
@@ -223,7 +274,9 @@ def test_fio_subprocess(root_args):
     assert json.loads(res.stdout)["jobs"][0]["read"]["total_ios"] == 8
 
 
-needs_fio = pytest.mark.skipif(__import__("shutil").which("fio") is None, reason="fio is not installed (apt-get install fio)")
+needs_fio = pytest.mark.skipif(
+    __import__("shutil").which("fio") is None, reason="fio is not installed (apt-get install fio)"
+)
 
 
 @needs_fio

@@ -62,7 +62,9 @@ def test_inspect_counts_a_big_root_from_its_index(populated, monkeypatch):
     assert listed == [{"subdirs": False}]  # the block subdirectories are not looked into
     r = json.loads(res.stdout)["root"]
     assert r["from_index"]["blocks"] == 6 and isinstance(r["from_index"]["clean"], bool)
-    assert {k: r[k] for k in ("blocks", "block_files", "pools")} == {k: full[k] for k in ("blocks", "block_files", "pools")}
+    assert {k: r[k] for k in ("blocks", "block_files", "pools")} == {
+        k: full[k] for k in ("blocks", "block_files", "pools")
+    }
     assert r["pools"]["act"]["bytes"] == 6 * file_size(next(p for p in cfg.pools if p.name == "act").block_nbytes)
     assert r["foreign"] == ["notes.txt"]
     res = runner.invoke(app, ["inspect", "--root", str(cfg.root)])
@@ -70,7 +72,10 @@ def test_inspect_counts_a_big_root_from_its_index(populated, monkeypatch):
     assert "from_index" not in json.loads(runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json",
                                                              "--scan"]).stdout)["root"]
     (cfg.root / ".tiercache-index").write_bytes(b"garbage")  # unusable: listed instead
-    assert "from_index" not in json.loads(runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json"]).stdout)["root"]
+    assert (
+        "from_index"
+        not in json.loads(runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json"]).stdout)["root"]
+    )
 
 
 def test_inspect_normal_shows_live_cache(make_config, rng):
@@ -143,7 +148,9 @@ def test_verify(populated, rng):
     assert res.exit_code == 1
     r = json.loads(res.stdout)
     assert r["checked"] == 12 and {b["file"] for b in r["bad"]} == {bad.name, block_filename(keys[3], "act")}
-    assert any("checksum mismatch" in b["problem"] for b in r["bad"]) and any("truncated" in b["problem"] for b in r["bad"])
+    assert any("checksum mismatch" in b["problem"] for b in r["bad"]) and any(
+        "truncated" in b["problem"] for b in r["bad"]
+    )
     lock = RootLock(cfg.root)  # as a running cache holds it (opening one would quarantine on scan)
     res = runner.invoke(app, ["verify", "--root", str(cfg.root), "--quarantine"])
     lock.release()

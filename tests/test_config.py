@@ -73,7 +73,10 @@ POOL = "[pools.kv]\nnum_layers=2\nkv_factor=2\nnum_kv_heads=1\ntokens_per_block=
         ("[tiers]\nhost_slots = 4\n[transfer]\nbatch_streams = 0\n" + POOL, "batch_streams = 0"),
         ("[tiers]\nhost_slots = 4\n[transfer]\nbulk_sms = 0\n" + POOL, "bulk_sms = 0"),
         ("[tiers]\nhost_slots = 4\n[transfer]\nstaged_min_run_bytes = -1\n" + POOL, "staged_min_run_bytes = -1"),
-        ("[tiers]\nhost_slots = 4\n[transfer]\ncarveout_sms = 2000\n" + POOL, "carveout_sms = 2000 must be an integer in [0, 1024]"),
+        (
+            "[tiers]\nhost_slots = 4\n[transfer]\ncarveout_sms = 2000\n" + POOL,
+            "carveout_sms = 2000 must be an integer in [0, 1024]",
+        ),
         ("[tiers]\nhost_slots = 4\n[transfer]\ncarveout_sms = true\n" + POOL, "carveout_sms = True"),
     ],
 )

@@ -104,7 +104,9 @@ def test_sigkill_in_checkpoints_and_evictions(tmp_path, rng):
             stored = set(cache.keys("file"))
             assert len(stored) <= CHURN_SLOTS
             newest = [k for k in acked[-30:] if k >= next_key]  # this round's, newest 30
-            assert set(newest) <= stored, f"kill {i} ({target}): acknowledged blocks lost: {sorted(set(newest) - stored)[:5]}"
+            assert set(newest) <= stored, (
+                f"kill {i} ({target}): acknowledged blocks lost: {sorted(set(newest) - stored)[:5]}"
+            )
             keys = sorted(stored)
             for p in pools if keys else ():
                 got = cache.get(keys, pool=p.name, out=np.empty((len(keys), p.block_nbytes), np.uint8))

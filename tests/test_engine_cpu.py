@@ -26,7 +26,9 @@ def make_engine(tmp_path, pools, host_slots=16, file_slots=16, ordering=True, ho
 
 @pytest.fixture
 def kvpool():
-    return PoolSpec.kv("kv", num_layers=2, kv_factor=2, num_kv_heads=3, tokens_per_block=8, head_dim=16, dtype="float16")
+    return PoolSpec.kv(
+        "kv", num_layers=2, kv_factor=2, num_kv_heads=3, tokens_per_block=8, head_dim=16, dtype="float16"
+    )
 
 
 def test_validation_before_anything_runs(tmp_path, kvpool, rng):

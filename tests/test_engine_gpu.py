@@ -32,7 +32,9 @@ def make_engine(tmp_path, pools, device_slots=16, host_slots=16, file_slots=16, 
 
 @pytest.fixture
 def pool():
-    return PoolSpec.kv("kv", num_layers=4, kv_factor=2, num_kv_heads=4, tokens_per_block=16, head_dim=64, dtype="bfloat16")
+    return PoolSpec.kv(
+        "kv", num_layers=4, kv_factor=2, num_kv_heads=4, tokens_per_block=16, head_dim=64, dtype="bfloat16"
+    )
 
 
 def fill(eng, tier, slot, rng, pool):
@@ -169,9 +171,19 @@ def test_randomized_workload_100k_ops(tmp_path, rng, staged):
     as many with every whole-block host <-> device batch forced through the staged path (its
     auxiliary streams under the same ordering), which these small blocks never reach otherwise."""
     n_ops = int(os.environ.get("TIERCACHE_STRESS_OPS", "100000")) // (5 if staged else 1)
-    pools = (PoolSpec.kv("kv", num_layers=2, kv_factor=2, num_kv_heads=2, tokens_per_block=8, head_dim=16, dtype="float16"),
-             PoolSpec.kv("mla", num_layers=2, kv_factor=1, num_kv_heads=1, tokens_per_block=8, head_dim=24,
-                         dtype="int8", layout="token_major"))
+    pools = (
+        PoolSpec.kv("kv", num_layers=2, kv_factor=2, num_kv_heads=2, tokens_per_block=8, head_dim=16, dtype="float16"),
+        PoolSpec.kv(
+            "mla",
+            num_layers=2,
+            kv_factor=1,
+            num_kv_heads=1,
+            tokens_per_block=8,
+            head_dim=24,
+            dtype="int8",
+            layout="token_major",
+        ),
+    )
     eng = make_engine(tmp_path, pools, device_slots=48, host_slots=48, file_slots=16)
     if staged:
         eng.launcher.staged_min_run_bytes = eng.launcher.offload_staged_min_run_bytes = 1

@@ -13,7 +13,7 @@ from conftest import random_keys
 from layouts import LAYOUTS, expected_partial, make_pools, scramble, snapshot
 
 from tiercache import ArrayMismatchError, ConfigError, KeyNotFoundError, SlotRangeError, TierCache, TierUnavailableError
-from tiercache.serving import DevicePools
+from tiercache.enginetensors import DevicePools
 
 
 def _positions(rng, n: int, k: int, nb: int, partial: bool) -> np.ndarray:

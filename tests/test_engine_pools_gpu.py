@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tiercache import TierCache
-from tiercache.serving import DevicePools
+from tiercache.enginetensors import DevicePools
 
 pytestmark = pytest.mark.gpu
 

@@ -221,7 +221,10 @@ def test_bench_compares_tokens_and_logits_up_to_the_first_difference():
     same = {"tokens": ref["tokens"].clone(), "logits": [x + 0.01 for x in logits]}
     got = compare_to_reference(torch, ref, same, prompt=2)
     assert got["identical"] and got["first_divergence"] is None and abs(got["max_logit_diff"] - 0.01) < 1e-5
-    late = {"tokens": torch.tensor([[5, 6, 1, 2, 7, 7]]), "logits": [logits[0], logits[1], logits[2] + 0.25, logits[3] + 9]}
+    late = {
+        "tokens": torch.tensor([[5, 6, 1, 2, 7, 7]]),
+        "logits": [logits[0], logits[1], logits[2] + 0.25, logits[3] + 9],
+    }
     got = compare_to_reference(torch, ref, late, prompt=2)
     assert not got["identical"] and got["first_divergence"] == 2 and abs(got["max_logit_diff"] - 0.25) < 1e-5
 

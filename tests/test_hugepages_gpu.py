@@ -1,7 +1,7 @@
 """Pinned host memory on huge pages (``MAP_HUGETLB`` + ``cudaHostRegister``) under every copy
 path, whole blocks and the first tokens of KV blocks, and a cache whose host tier lives there.
 
-Needs reserved huge pages (``sysctl vm.nr_hugepages``; tools/gpu-check.sh reserves them on the
+Needs reserved huge pages (``sysctl vm.nr_hugepages``; tools/lab/gpu-check.sh reserves them on the
 GPU test machine): skips without them.
 """
 

@@ -8,7 +8,7 @@ docs/architecture.md draws these layers; this file holds the code to them:
 - a unit takes another subpackage's names from the subpackage itself (its ``__init__`` says
   what it offers), never from a module inside it, and never a name starting with ``_``;
 - nothing in the library imports the benchmarks; the scripts under ``benchmarks/`` use public
-  names only and each reproduces a claim that docs/performance.md or README.md makes.
+  names only and each reproduces a claim that a page under docs/ or README.md makes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: folders of the repository and the package each one is installed as (pyproject.toml's package-dir)
-SOURCES = {"tiercache": "tiercache", "cli": "tiercache.cli", "kernels": "tiercache.kernels", "configs": "tiercache.configs"}
+SOURCES = {
+    "tiercache": "tiercache",
+    "cli": "tiercache.cli",
+    "kernels": "tiercache.kernels",
+    "configs": "tiercache.configs",
+}
 FOUNDATION = ("errors", "keys", "dtypes", "geometry", "cuda", "arrays", "settings", "resources")
 FACADE = ("__init__", "cache", "rowstore", "aio", "config", "metrics")
 #: bottom to top: a unit may import units of lower layers only (and itself)
@@ -31,7 +36,8 @@ LAYERS = [
     ["tiercache.rootops"],
     ["tiercache.transfer"],
     ["tiercache.placement"],
-    ["tiercache.serving"],
+    ["tiercache.moves"],
+    ["tiercache.enginetensors"],
     ["facade"],
     ["tiercache.integrations"],
     ["tiercache.bench"],
@@ -192,10 +198,10 @@ def test_each_face_offers_what_it_names(package):
 
 
 def test_benchmark_scripts_use_public_names_and_back_a_documented_claim():
-    docs = (REPO / "docs" / "performance.md").read_text() + (REPO / "README.md").read_text()
+    docs = "\n".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs").rglob("*.md")])
     scripts = sorted((REPO / "benchmarks").glob("*.py"))
     for path in scripts:
-        assert f"benchmarks/{path.name}" in docs, f"{path.name} backs no claim in docs/performance.md or README.md"
+        assert f"benchmarks/{path.name}" in docs, f"{path.name} backs no claim in docs/ or README.md"
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tiercache"):
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
@@ -221,7 +227,7 @@ def test_every_measured_file_backs_a_page():
 
     assert not [p.name for p in (REPO / "docs").iterdir() if p.is_file() and p.suffix != ".md"], \
         "data files belong under docs/measured/"
-    text = "\n".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
+    text = "\n".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs").rglob("*.md")])
     cited = {c.split("measured/", 1)[-1] for c in re.findall(r"[\w.*/-]+\.(?:json|txt|png)", text)}
     uncited = []
     for path in sorted((REPO / "docs" / "measured").rglob("*")):
@@ -241,3 +247,23 @@ def test_measured_files_are_named_by_subject_job_machine_and_date():
     bad = [str(p.relative_to(REPO / "docs" / "measured")) for p in (REPO / "docs" / "measured").rglob("*")
            if p.is_file() and not pattern.fullmatch(str(p.relative_to(REPO / "docs" / "measured")))]
     assert not bad, f"named outside the convention: {bad}"
+
+
+def test_pages_stay_short_and_their_links_resolve():
+    """README.md at most 300 lines and no page under docs/ over 600; every relative link of a
+    page names a file of the repository (no link outside it)."""
+    import re
+
+    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
+    long = {str(p.relative_to(REPO)): n for p in pages
+            if (n := len(p.read_text().splitlines())) > (300 if p.name == "README.md" and p.parent == REPO else 600)}
+    assert not long, f"pages too long: {long}"
+    broken = []
+    for p in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", p.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (p.parent / target.split("#", 1)[0]).resolve()
+            if not path.exists() or REPO.resolve() not in path.parents:
+                broken.append(f"{p.relative_to(REPO)} -> {target}")
+    assert not broken, f"links that resolve to nothing in the repository: {broken}"

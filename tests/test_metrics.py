@@ -289,14 +289,22 @@ def test_scrapes_while_threads_work(tmp_path, rng, exporter):
         jobs = _jobs_by_pair(c.get_finished())
         for (src, dst), j in jobs.items():
             assert _get(s, "tiercache_transferred_blocks_total", cache="busy", src=src, dst=dst) == j["blocks"]
-            assert sum(_select(s, "tiercache_transfer_seconds_count", cache="busy", src=src, dst=dst).values()) == j["jobs"]
+            assert (
+                sum(_select(s, "tiercache_transfer_seconds_count", cache="busy", src=src, dst=dst).values())
+                == j["jobs"]
+            )
 
 
 def test_metrics_config(tmp_path):
     base = {"pools": {"p": {"block_shape": [16], "dtype": "uint8"}}, "tiers": {"host_slots": 2}}
     cfg = config_from_dict({**base, "metrics": {"enabled": False, "name": "eng-0.a:b", "registry": "none",
                                                 "snapshot_interval_s": 0.5}})
-    assert (cfg.metrics, cfg.metrics_name, cfg.metrics_registry, cfg.metrics_snapshot_s) == (False, "eng-0.a:b", "none", 0.5)
+    assert (cfg.metrics, cfg.metrics_name, cfg.metrics_registry, cfg.metrics_snapshot_s) == (
+        False,
+        "eng-0.a:b",
+        "none",
+        0.5,
+    )
     for table, match in (({"name": "a b"}, "metrics_name"), ({"name": "x" * 65}, "metrics_name"),
                          ({"registry": "mine"}, "metrics_registry"), ({"enabled": "yes"}, "metrics"),
                          ({"snapshot_interval_s": -1}, "metrics_snapshot_s"), ({"port": 9000}, "unknown key")):
@@ -307,7 +315,7 @@ def test_metrics_config(tmp_path):
 def test_engine_onboards_walk_host_then_file(tmp_path, rng):
     """onboard_slots counts each key's walk: a hit in the host tier, or a miss there and a hit
     in the file tier."""
-    from tiercache.serving import DevicePools
+    from tiercache.enginetensors import DevicePools
 
     layers = [rng.standard_normal((16, 2, 4, 2, 8)).astype(np.float16) for _ in range(2)]
     pools = DevicePools.vllm(layers, host_ok=True)

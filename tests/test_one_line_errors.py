@@ -51,7 +51,7 @@ except TierCacheError as exc:
 
 
 def _config_file(cfg, tmp_path) -> str:
-    pools = "\n".join(f"[pools.{p.name}]\nblock_shape = {list(p.block_shape)}\ndtype = \"{p.dtype}\"" for p in cfg.pools)
+    pools = "\n".join(f'[pools.{p.name}]\nblock_shape = {list(p.block_shape)}\ndtype = "{p.dtype}"' for p in cfg.pools)
     path = tmp_path / "c.toml"
     path.write_text(f'[tiers]\ndevice_slots = 0\nhost_slots = 8\nfile_slots = 64\n[file]\nroot = "{cfg.root}"\n'
                     f'fsync = "none"\n{pools}\n')
@@ -84,7 +84,11 @@ def test_verify_and_purge_name_an_unreadable_subdirectory(root):
     for r in (v, q, pg):
         assert "Traceback" not in r.stderr + r.stdout, r.stderr
     assert v.returncode == 1 and "BAD" in v.stdout and "00: permission denied" in v.stdout
-    assert pg.returncode == 0 and "left alone" in pg.stdout + pg.stderr and "00: permission denied" in pg.stdout + pg.stderr
+    assert (
+        pg.returncode == 0
+        and "left alone" in pg.stdout + pg.stderr
+        and "00: permission denied" in pg.stdout + pg.stderr
+    )
     assert list(sub.iterdir())  # what was inside stays (it could not be read)
 
 

@@ -232,7 +232,7 @@ def test_rows_for_the_batched_copy_launch_as_one_kernel(tmp_path, rng):
     driver's batched copy, a prepared one to the bulk kernel (one launch, its table on the
     device); both land the same bytes."""
     torch = pytest.importorskip("torch")
-    from tiercache.serving import DevicePools
+    from tiercache.enginetensors import DevicePools
 
     nb, tpb, d = 24, 1024, 64
     ring = {n: torch.from_numpy(rng.integers(0, 1 << 15, size=(nb, tpb, d), dtype=np.int16)).cuda().view(torch.bfloat16)
@@ -266,7 +266,7 @@ def test_strided_runs_of_large_rows_go_to_2d_copies(tmp_path, rng, tpb, path):
     its rows are at least 16 KiB and its runs 128 KiB, else with the bulk kernel; the bytes
     are exact on every launch; scattered destinations keep the bulk kernel."""
     torch = pytest.importorskip("torch")
-    from tiercache.serving import DevicePools
+    from tiercache.enginetensors import DevicePools
 
     nb, d, k, n = 48, 64, 2, 6
     ring = {name: torch.from_numpy(rng.integers(0, 1 << 15, size=(nb, tpb, d), dtype=np.int16)).cuda().view(

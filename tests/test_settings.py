@@ -123,3 +123,25 @@ def test_copy_launcher_defaults_are_the_transfer_settings():
             "offload_staged_min_run_bytes"} <= set(shared)
     for k in shared:
         assert sig.parameters[k].default == getattr(t, k), k
+
+
+def test_copy_launcher_takes_the_transfer_settings():
+    """CopyLauncher.from_settings (what the transfer engine builds) maps every [transfer] setting
+    the launcher has onto its own argument, and bulk_shape "off" turns the bulk kernel off."""
+    import inspect
+
+    from tiercache.copypaths.copykernels import CopyLauncher, launcher_kwargs
+    from tiercache.settings import TransferSettings
+
+    t = TransferSettings(memcpy_min_bytes=3 << 20, batch_min_bytes=96 << 10, copy_kernel_sms=12, carveout_sms=6,
+                         bulk_shape="small", batch_streams=3)
+    kw = launcher_kwargs(t)
+    params = inspect.signature(CopyLauncher.__init__).parameters
+    assert set(kw) <= set(params), set(kw) - set(params)
+    assert kw["memcpy_min_bytes"] == 3 << 20 and kw["batch_min_bytes"] == 96 << 10 and kw["max_sms"] == 12
+    assert kw["carveout_sms"] == 6 and kw["bulk"] and kw["bulk_shape"] == "small" and kw["batch_streams"] == 3
+    off = launcher_kwargs(TransferSettings(bulk_shape="off"))
+    assert off["bulk"] is False and off["bulk_shape"] == "small"
+    for k in ("memcpy_min_bytes", "batch_min_bytes", "staged_min_run_bytes", "batch_streams", "carveout_sms",
+              "offload_staged_min_run_bytes", "bulk_sms"):
+        assert kw[k] == getattr(t, k), k

@@ -57,8 +57,9 @@ def storage_config(kind: str, layout: str, extra: dict, tp_rank: int = 0, tp_siz
 
 def backend(root, pool, kind, layout, **extra):
     """Built as SGLang builds it: the factory, then the host pool registered."""
-    be = StorageBackendFactory.create_backend("dynamic", storage_config(kind, layout, {"root": str(root), "fsync": "none",
-                                                                                      **extra}), pool)
+    be = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(kind, layout, {"root": str(root), "fsync": "none", **extra}), pool
+    )
     be.register_mem_pool_host(pool)
     return be
 

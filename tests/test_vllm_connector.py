@@ -423,3 +423,16 @@ def test_the_documented_config_lines_parse():
             assert cfg["kv_load_failure_policy"] == "recompute"
             parse_config(cfg["kv_connector_extra_config"])
     assert found >= 2
+
+
+def test_a_call_for_the_other_side_is_a_clear_error(tmp_path):
+    """vLLM builds one connector per role; a worker-side call on the scheduler's (or the reverse)
+    names the mix-up instead of failing on None."""
+    cfg = _config(tmp_path)
+    kvc = SimpleNamespace(num_blocks=NB)
+    sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+    with pytest.raises(ConfigError, match="worker-side call on a scheduler-side connector"):
+        sched.get_block_ids_with_load_errors()
+    worker = TierCacheConnector(cfg, KVConnectorRole.WORKER, kvc)
+    with pytest.raises(ConfigError, match="scheduler-side call on a worker-side connector"):
+        worker.request_finished(SimpleNamespace(request_id="r"), [])

@@ -87,8 +87,12 @@ def test_vllm_loads_the_tier_from_its_config_line(tmp_path, route):
         # the root is named by vLLM's own FileMapper: <root>/<model>_<digest>_r<rank>
         assert tier.root.parent == tmp_path and tier.root.name.startswith("org_tiny-model_")
         assert tier.root.name.endswith("_r0") and (tier.root / ".tiercache-root").is_file()
-        assert json.loads((tmp_path / tier.root.name[:-3] / "config.json").read_text())["model_name"] == "org/tiny-model"
-        assert tier.store.row_bytes == 64 << 10 and tier.store.sharing == "exclusive" and tier.store.fsync == "data"  # the cache's default
+        assert (
+            json.loads((tmp_path / tier.root.name[:-3] / "config.json").read_text())["model_name"] == "org/tiny-model"
+        )
+        assert (
+            tier.store.row_bytes == 64 << 10 and tier.store.sharing == "exclusive" and tier.store.fsync == "data"
+        )  # the cache's default
     finally:
         m.shutdown()
 

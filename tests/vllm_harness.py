@@ -72,9 +72,16 @@ def offloading_config(tier: dict, row_bytes: int = 64 << 10, primary_chunks: int
     else:
         extra.update(spec_name="TieringOffloadingSpec")
         extra["secondary_tiers"][0]["module_path"] = MODULE
-    return compat.offloading_config(row_bytes=row_bytes, extra_config=extra, engine_id=f"tc-test-{RUN}-{uuid.uuid4().hex[:12]}",
-                                    model=model, layer_names=("model.layers.0.attn",), events=events, rank=rank,
-                                    world_size=world_size)
+    return compat.offloading_config(
+        row_bytes=row_bytes,
+        extra_config=extra,
+        engine_id=f"tc-test-{RUN}-{uuid.uuid4().hex[:12]}",
+        model=model,
+        layer_names=("model.layers.0.attn",),
+        events=events,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 def build(tier: dict, **kw):

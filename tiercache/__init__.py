@@ -18,6 +18,7 @@ Quick start::
 from tiercache.aio import AsyncTierCache
 from tiercache.cache import TierCache
 from tiercache.config import CacheConfig, load_config
+from tiercache.enginetensors import DevicePools
 from tiercache.errors import (
     ArrayMismatchError,
     ClosedError,
@@ -40,7 +41,6 @@ from tiercache.errors import (
 )
 from tiercache.geometry import PoolSpec
 from tiercache.rowstore import KeyState, RowJobResult, RowStore
-from tiercache.serving import DevicePools
 from tiercache.transfer import sm_carveout
 
 try:  # the one version: pyproject.toml's, as installed

@@ -7,7 +7,7 @@ is always left consistent: a cancelled onboard either completed (the blocks are 
 never started; it is never half done. Callers that must know can look the keys up afterwards.
 
 File I/O on the hot paths uses tiercache's worker pool, not ``aiofiles``: reading block files
-through aiofiles was measured slower (``tiercache bench file``, docs/performance.md),
+through aiofiles was measured slower (``tiercache bench file``, docs/performance/files.md),
 since aiofiles hands every open/read/close to a thread of its own.
 """
 
@@ -70,7 +70,7 @@ class AsyncTierCache:
 
     async def onboard_slots(self, keys, device_slots, *, layerwise=False, num_tokens=None, stream=None):
         """Await :meth:`TierCache.onboard_slots`; returns its
-        :class:`~tiercache.serving.layerwise.OnboardHandle` once every layer has landed (use
+        :class:`~tiercache.enginetensors.layerwise.OnboardHandle` once every layer has landed (use
         :meth:`wait_layer` on a handle from the cache itself to await layers one by one)."""
         stream = self.cache.engine_stream(stream)
         handle = await self._run(self.cache.onboard_slots, keys, device_slots, layerwise=layerwise,
@@ -81,7 +81,7 @@ class AsyncTierCache:
     async def prepare_onboard(self, keys, device_slots, *, layerwise=False, num_tokens=None, stream=None,
                               exclusive=False):
         """Await :meth:`TierCache.prepare_onboard` (it may read file-only keys into the host
-        tier); returns the :class:`~tiercache.serving.prepared.PreparedOnboard`, whose
+        tier); returns the :class:`~tiercache.enginetensors.prepared.PreparedOnboard`, whose
         ``launch`` never blocks. ``stream`` defaults to the engine's current stream in the
         calling thread."""
         stream = self.cache.engine_stream(stream)
@@ -89,7 +89,7 @@ class AsyncTierCache:
                                num_tokens=num_tokens, stream=stream, exclusive=exclusive)
 
     async def wait_layer(self, handle, layer: int) -> None:
-        """Await layer ``layer`` of an :class:`~tiercache.serving.layerwise.OnboardHandle` (host-side;
+        """Await layer ``layer`` of an :class:`~tiercache.enginetensors.layerwise.OnboardHandle` (host-side;
         the engine's stream can instead wait on the device with ``handle.wait_layer``)."""
         await self._run(handle.synchronize_layer, layer)
 

@@ -32,7 +32,9 @@ def raw_view(arr, pool: PoolSpec, n: int, device_id: int | None, what: str = "ar
     where = f"{what} for pool {pool.name!r}"
     if _is_torch(arr):
         return _torch_raw(arr, pool, n, device_id, where)
-    if isinstance(arr, np.ndarray) or (hasattr(arr, "__array_interface__") and not hasattr(arr, "__cuda_array_interface__")):
+    if isinstance(arr, np.ndarray) or (
+        hasattr(arr, "__array_interface__") and not hasattr(arr, "__cuda_array_interface__")
+    ):
         a = np.asarray(arr)
     elif hasattr(arr, "__cuda_array_interface__"):
         import cupy

@@ -13,14 +13,16 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
 from tiercache.arrays import host_output, raw_view
 from tiercache.config import CacheConfig, load_config
 from tiercache.cuda import cuda_status
+from tiercache.enginetensors import EngineSlots, OnboardHandle, PreparedOnboard
 from tiercache.errors import (
     ArrayMismatchError,
     ClosedError,
@@ -34,8 +36,8 @@ from tiercache.errors import (
 from tiercache.files import FileTier, IOPath, block_subdir_index, select_io_path, write_stats
 from tiercache.keys import Key, format_keys, normalize_keys
 from tiercache.memory import MemoryTier, make_device_tier, make_host_tier, recycled_empty
-from tiercache.placement import TIER_ORDER, BlockMover, FileIndex, Placement
-from tiercache.serving import EngineSlots, OnboardHandle, PreparedOnboard
+from tiercache.moves import BlockMover
+from tiercache.placement import TIER_ORDER, FileIndex, Placement
 from tiercache.transfer import LATENCY_BUCKETS_S, Job, TransferEngine
 
 log = logging.getLogger("tiercache")
@@ -64,10 +66,10 @@ class TierCache:
     engine's block ids.
 
     The class is a facade over its parts: :class:`~tiercache.placement.Placement` (which key
-    is where), :class:`~tiercache.placement.BlockMover` (copies between tiers, spills),
+    is where), :class:`~tiercache.moves.BlockMover` (copies between tiers, spills),
     :class:`~tiercache.placement.FileIndex` (the file tier's index, partial host blocks),
     :class:`~tiercache.transfer.TransferEngine` (ordered asynchronous copies) and, with the
-    engine's tensors, :class:`~tiercache.serving.EngineSlots`.
+    engine's tensors, :class:`~tiercache.enginetensors.EngineSlots`.
 
     Args:
         config: the configuration.
@@ -91,7 +93,9 @@ class TierCache:
         self._snapshot_at: float | None = None  # when the next periodic stats snapshot is due
         self.counters: Counter[str] = Counter()
         cuda = cuda_status()
-        self.io_path: IOPath = select_io_path(config.io_mode, cuda) if config.file_slots else IOPath("posix", "no file tier")
+        self.io_path: IOPath = (
+            select_io_path(config.io_mode, cuda) if config.file_slots else IOPath("posix", "no file tier")
+        )
         self._log_no_cuda(cuda)
         self.tiers: dict[str, MemoryTier | FileTier] = {}
         if device_pools is not None:
@@ -112,11 +116,18 @@ class TierCache:
         self.engine = TransferEngine(self.tiers, config.pools, config.device_id, settings=config.transfer_settings,
                                      record_stats=config.metrics)
         # the index makes room through the mover, the mover tells the index what it wrote and read
-        self.file_index = FileIndex(self.tiers.get("file"), self.placement, blocks_per_host_block, self.counters,
+        self.file_index = FileIndex(self._file_tier, self.placement, blocks_per_host_block, self.counters,
                                     config.sharing_settings, config.index_checkpoint_s,
                                     make_room=lambda n, protect: self.mover.make_room("file", n, protect))
-        self.mover = BlockMover(self.tiers, self.placement, self.engine, config.pools, self.counters,
-                                after_file_write=self.file_index.after_write, after_file_read=self.file_index.after_read)
+        self.mover = BlockMover(
+            self.tiers,
+            self.placement,
+            self.engine,
+            config.pools,
+            self.counters,
+            after_file_write=self.file_index.after_write,
+            after_file_read=self.file_index.after_read,
+        )
         self._engine_slots = None if device_pools is None else EngineSlots(
             device_pools, blocks_per_host_block, self.tiers, self.placement, self.mover, self.file_index,
             self.engine, self.counters, self._guarded, self._tier_name)
@@ -134,7 +145,7 @@ class TierCache:
     @classmethod
     def for_engine(cls, device_pools, *, host_slots: int = 0, file_slots: int = 0, blocks_per_host_block: int = 1,
                    **options) -> TierCache:
-        """A cache over the engine's own tensors (:class:`~tiercache.serving.devicepools.DevicePools`)
+        """A cache over the engine's own tensors (:class:`~tiercache.enginetensors.devicepools.DevicePools`)
         with ``host_slots`` host blocks and ``file_slots`` file blocks of
         ``blocks_per_host_block`` device blocks each; ``options`` are other
         :class:`CacheConfig` fields (``root``, ``fsync``, ``io_threads``...).
@@ -194,6 +205,12 @@ class TierCache:
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return self._closed
+
+    @property
+    def _file_tier(self) -> FileTier | None:
+        """The file tier, where the cache has one."""
+        t = self.tiers.get("file")
+        return t if isinstance(t, FileTier) else None
 
     def _check_open(self) -> None:
         """Raise ClosedError after close; save the stats snapshot when it is due."""
@@ -476,6 +493,7 @@ class TierCache:
             ks = normalize_keys(keys)
             self.file_index.discover(ks)
             found = self._highest_copies(ks)
+            result: Any
             if isinstance(out, dict):
                 outs = self._as_pool_arrays(out, len(ks), "out")
                 result = out
@@ -501,7 +519,7 @@ class TierCache:
             KeyNotFoundError: naming the keys no tier holds.
         """
         found: dict[str, tuple[list[int], list[Key], list[int]]] = {}
-        left = range(len(ks))
+        left: Sequence[int] = range(len(ks))
         for tier in self.placement.order:
             slot_of = self.placement.tiers[tier].slot_of
             rest: list[int] = []
@@ -629,7 +647,7 @@ class TierCache:
             for t in tiers:
                 self.placement.tiers[t].remove(ks)
                 if t == "file":
-                    self.tiers["file"].delete(ks)
+                    cast(FileTier, self.tiers["file"]).delete(ks)
             self.counters["evict_calls"] += 1
 
     # -- the engine's own tensors (TierCache.for_engine) ------------------------------------
@@ -704,7 +722,7 @@ class TierCache:
     def prepare_onboard(self, keys, device_slots, *, layerwise: bool = False, num_tokens: int | None = None,
                         stream=None, exclusive: bool = False) -> PreparedOnboard:
         """Plan an onboard of ``keys`` into ``device_slots`` once, for many launches
-        (:meth:`PreparedOnboard.launch <tiercache.serving.prepared.PreparedOnboard.launch>`):
+        (:meth:`PreparedOnboard.launch <tiercache.enginetensors.prepared.PreparedOnboard.launch>`):
         for engines that bring the same blocks into the same device blocks again and again,
         such as a decoder streaming each layer's KV from host memory every step.
 
@@ -715,17 +733,17 @@ class TierCache:
                 the caller orders every other access to them through the launch stream; then
                 launches after the first replay it outside the slot ledger, for a few driver
                 calls of host time each (the contract is in
-                :class:`~tiercache.serving.prepared.PreparedOnboard`'s docstring).
+                :class:`~tiercache.enginetensors.prepared.PreparedOnboard`'s docstring).
 
         Keys only in the file tier are read into the host tier now. Every key is then pinned
-        there until :meth:`PreparedOnboard.release <tiercache.serving.prepared.PreparedOnboard.release>`:
+        there until :meth:`PreparedOnboard.release <tiercache.enginetensors.prepared.PreparedOnboard.release>`:
         its host slot, and so the plan, stay valid; meanwhile the keys cannot be spilled,
         evicted or replaced. Each launch copies the host blocks' contents at that time, ordered
         after conflicting transfers like any onboard; on the host it costs the launch calls
         (no per-key work).
 
         Returns:
-            A :class:`~tiercache.serving.prepared.PreparedOnboard`.
+            A :class:`~tiercache.enginetensors.prepared.PreparedOnboard`.
 
         Raises:
             KeyNotFoundError: a key not stored, or a position its host block never held.
@@ -809,23 +827,36 @@ class TierCache:
         tiers = {}
         for name in self.placement.order:
             ts = self.placement.tiers[name]
-            t = self.tiers[name]
+            t: Any = self.tiers[name]  # a MemoryTier (device, host) or the FileTier (file)
             tiers[name] = {
                 "slots": ts.num_slots,
                 "used": len(ts),
                 "free": ts.free_count,
                 "bytes_used": len(ts) * per_block,
                 "bytes_capacity": ts.num_slots * per_block,
-                **({"pinned_memory": t.pinned, "page_bytes": sorted({m["page_bytes"] for m in t.memory()})}
-                   if name == "host" else {}),
-                **({"root": str(t.root), "roots": [str(r) for r in t.roots], "bytes_on_disk": len(ts) * self.config.block_file_bytes,
-                    "capacity_bytes": self.config.capacity_bytes, "direct_io": self.config.direct_io,
-                    "bytes_capacity_on_disk": ts.num_slots * self.config.block_file_bytes,
-                    "io_engine": t.engine, "io_engine_reason": t.engine_reason,
-                    # shared roots: the index (used) is this process's knowledge; on_disk_blocks
-                    # counts the root's complete blocks at the last sweep (None before one)
-                    "sharing": self.config.sharing, "on_disk_blocks": self.file_index.on_disk_blocks}
-                   if name == "file" else {}),
+                **(
+                    {"pinned_memory": t.pinned, "page_bytes": sorted({m["page_bytes"] for m in t.memory()})}
+                    if name == "host"
+                    else {}
+                ),
+                **(
+                    {
+                        "root": str(t.root),
+                        "roots": [str(r) for r in t.roots],
+                        "bytes_on_disk": len(ts) * self.config.block_file_bytes,
+                        "capacity_bytes": self.config.capacity_bytes,
+                        "direct_io": self.config.direct_io,
+                        "bytes_capacity_on_disk": ts.num_slots * self.config.block_file_bytes,
+                        "io_engine": t.engine,
+                        "io_engine_reason": t.engine_reason,
+                        # shared roots: the index (used) is this process's knowledge; on_disk_blocks
+                        # counts the root's complete blocks at the last sweep (None before one)
+                        "sharing": self.config.sharing,
+                        "on_disk_blocks": self.file_index.on_disk_blocks,
+                    }
+                    if name == "file"
+                    else {}
+                ),
             }
         return {
             "io_path": {"name": self.io_path.name, "label": self.io_path.label, "reason": self.io_path.reason},
@@ -853,7 +884,7 @@ class TierCache:
 
             unregister(self)
             self.engine.shutdown()
-            ft = self.tiers.get("file")
+            ft = self._file_tier
             if ft is not None:
                 self.file_index.stop()
                 ft.close(before_unlock=lambda: self.file_index.checkpoint(closing=True))
@@ -862,7 +893,7 @@ class TierCache:
     def _write_stats_snapshot(self) -> None:
         """The latest stats in the root, for ``tiercache inspect`` and ``tiercache top --root``
         (on flush, on close, and every ``metrics_snapshot_s`` seconds at the next call)."""
-        ft = self.tiers.get("file")
+        ft = self._file_tier
         if self._snapshot_at is not None:
             self._snapshot_at = time.monotonic() + self.config.metrics_snapshot_s
         if ft is not None:

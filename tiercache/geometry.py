@@ -6,6 +6,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -134,7 +135,7 @@ class PoolSpec:
         return cls(
             name=name,
             block_shape=tuple(dims[a] for a in axes),
-            dtype=dtype,
+            dtype=cast(str, dtype),  # canonicalized by __post_init__
             token_axis=axes.index("tokens_per_block"),
             layout=layout,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
+from typing import cast
 
 import xxhash
 
@@ -50,13 +51,13 @@ def normalize_keys(keys: object) -> list[Key]:
         items: Iterable = [keys]
     else:
         try:
-            items = list(keys)  # type: ignore[arg-type]
+            items = list(cast(Iterable, keys))
         except TypeError:
             raise InvalidKeyError(f"keys {keys!r} are neither a key nor an iterable of keys") from None
     out = [normalize_key(k) for k in items]
     if len(set(out)) != len(out):
         seen: set = set()
-        dup = next(k for k in out if k in seen or seen.add(k))
+        dup = next(k for k in out if k in seen or _added(seen, k))
         raise InvalidKeyError(f"key {key_text(dup)} appears twice in one batch")
     return out
 
@@ -109,3 +110,9 @@ def key_hash(key: Key) -> int:
     if isinstance(key, int):
         return (key * KEY_HASH_GOLDEN) & _MASK64
     return xxhash.xxh3_64_intdigest(key)
+
+
+def _added(seen: set, k: Key) -> bool:
+    """Add ``k`` to ``seen``; False (for a search that stops at the first key seen twice)."""
+    seen.add(k)
+    return False

@@ -38,9 +38,10 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -67,14 +68,17 @@ from tiercache.files import (
 )
 from tiercache.geometry import PoolSpec
 from tiercache.keys import MAX_BYTES_KEY
-from tiercache.placement import CompactSlots, NegativeCache, RootIndex, TouchThrottle, lru_victims
+from tiercache.placement import LRU, CompactSlots, EvictionPolicy, NegativeCache, RootIndex, TouchThrottle
 from tiercache.settings import FileSettings, SharingSettings, sections
 from tiercache.transfer import LATENCY_BUCKETS_S, TransferStats
 
 log = logging.getLogger("tiercache")
 
 #: single settings RowStore takes by name: the [file] and [sharing] sections' (tiercache.settings)
-_ROWSTORE_KEYS = frozenset(f.name for c in (FileSettings, SharingSettings) for f in dataclasses.fields(c)) - {"root", "roots"}
+_ROWSTORE_KEYS = frozenset(f.name for c in (FileSettings, SharingSettings) for f in dataclasses.fields(c)) - {
+    "root",
+    "roots",
+}
 #: the one pool of a row store's files (``block_x<key>_pool_kv.bin``)
 POOL = "kv"
 
@@ -190,7 +194,8 @@ class RowStore:
             another mode, a root that is not tiercache's, ...).
     """
 
-    def __init__(self, rows, root: str | os.PathLike, *, capacity_blocks: int | None = None,
+    def __init__(self, rows, root: str | os.PathLike | Sequence[str | os.PathLike], *,
+                 capacity_blocks: int | None = None,
                  file_settings: FileSettings | None = None, sharing_settings: SharingSettings | None = None,
                  on_finish: Callable[[Hashable], None] | None = None, **settings) -> None:
         self.on_finish = on_finish
@@ -198,12 +203,14 @@ class RowStore:
         self.num_rows, self.row_bytes = self.rows.shape
         bad = sorted(set(settings) - _ROWSTORE_KEYS)
         if bad:
-            raise ConfigError(f"RowStore: unknown setting(s) {', '.join(bad)}; valid: {', '.join(sorted(_ROWSTORE_KEYS))}")
+            raise ConfigError(
+                f"RowStore: unknown setting(s) {', '.join(bad)}; valid: {', '.join(sorted(_ROWSTORE_KEYS))}"
+            )
         got = sections({"file": file_settings, "sharing": sharing_settings}, **settings)
         if isinstance(root, (list, tuple)):
             fs: FileSettings = got["file"].replace(roots=tuple(root), root=None)
         else:
-            fs = got["file"].replace(root=Path(root), roots=None)
+            fs = got["file"].replace(root=Path(cast("str | os.PathLike[str]", root)), roots=None)
         ss: SharingSettings = got["sharing"]
         self.file_settings, self.sharing_settings = fs, ss
         #: the home root (a root array's first member); :attr:`roots`: every root
@@ -225,6 +232,8 @@ class RowStore:
         self._cv = threading.Condition(threading.Lock())  # completions -> drain()
         self._done: collections.deque = collections.deque()  # filled by I/O threads
         self.index = CompactSlots("file", self.capacity_blocks, group=block_subdir_index)
+        #: which keys make room when the store is full (:class:`~tiercache.placement.EvictionPolicy`)
+        self.eviction: EvictionPolicy = LRU()
         self._storing: dict[bytes, _Job] = {}
         self._pins: collections.Counter = collections.Counter()
         self._evicting: dict[bytes, _Eviction] = {}
@@ -519,7 +528,9 @@ class RowStore:
             self.on_finish(res.job_id)
 
     def _victims(self, count: int, protect: set[bytes]) -> list[bytes]:
-        return lru_victims(self.index.lru, count, lambda k: k in protect or k in self._storing or bool(self._pins.get(k)))
+        return self.eviction.victims(  # type: ignore[return-value]  # a row store's keys are bytes
+            self.index.lru, count, lambda k: k in protect or k in self._storing or bool(self._pins.get(k))
+        )
 
     def _evict(self, keys: list[bytes]) -> _Eviction | None:
         """Drop ``keys`` from the index now; their files go on an I/O thread (exclusive roots;
@@ -664,7 +675,7 @@ class RowStore:
                     return
             try:
                 if self._probe_q:
-                    todo = []
+                    todo: list[bytes] = []
                     while self._probe_q and len(todo) < 4096:
                         todo.append(self._probe_q.popleft())
                     found = self.ft.probe(todo)
@@ -783,7 +794,7 @@ class RowStore:
             self._bg.join()
         self.root_index.stop()
         self.ft.close(before_unlock=lambda: self.root_index.checkpoint(closing=True))
-        self.rows = None  # the engine may release its buffer now (no export of it is left here)
+        self.rows = None  # type: ignore[assignment]  # the engine may release its buffer now (no export of it is left here)
 
     def __enter__(self) -> RowStore:
         return self

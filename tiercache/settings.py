@@ -31,7 +31,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tiercache.errors import ConfigError
 
@@ -82,8 +82,10 @@ def _check(section: str, f: dataclasses.Field, value: Any) -> None:
             raise ConfigError(f"{name} = {value!r} must be up to 64 characters of A-Z a-z 0-9 _ . : -")
 
 
+@dataclass(frozen=True)
 class _Section:
-    """Validation of every field from its metadata, once, at construction."""
+    """Validation of every field from its metadata, once, at construction (a dataclass without
+    fields of its own: the sections add them)."""
 
     #: the TOML section's name
     SECTION = ""
@@ -205,7 +207,7 @@ class FileSettings(_Section):
     @property
     def all_roots(self) -> tuple[Path, ...]:
         """The directories of the file tier: ``roots``, or ``(root,)``."""
-        return self.roots if self.roots else (self.root,)
+        return self.roots if self.roots else (cast(Path, self.root),)  # root is set by __post_init__
 
 
 @dataclass(frozen=True)
@@ -279,8 +281,8 @@ class DeviceSettings(_Section):
 
 
 #: the sections, by TOML name
-SECTIONS: dict[str, type] = {c.SECTION: c for c in (TierSettings, FileSettings, SharingSettings, TransferSettings,
-                                                     MetricsSettings, DeviceSettings)}
+SECTIONS: dict[str, type[_Section]] = {c.SECTION: c for c in (TierSettings, FileSettings, SharingSettings,
+                                                               TransferSettings, MetricsSettings, DeviceSettings)}
 #: [metrics] fields under the flat names CacheConfig and the command line use
 METRICS_FLAT = {"metrics": "enabled", "metrics_name": "name", "metrics_registry": "registry",
                 "metrics_snapshot_s": "snapshot_interval_s"}

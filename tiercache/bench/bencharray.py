@@ -24,7 +24,8 @@ Per block size (16 KiB to 2 MiB by default), in directories ``<Di>/array-bench-<
    that ``get``s them in random order: what an engine calling the API gets without tuning.
 
 Each tiercache figure is reported as GB/s and as its ratio to fio's best of the same direction
-in the same run (and to the format's limit); the cache's paths also give the process's CPU time per block (user and system,
+in the same run (and to the format's limit); the cache's paths also give the process's CPU time per block (user
+and system,
 all threads) over the timed phase, and the cores its Python threads (one GIL) and its native
 threads kept busy. Writes use ``fsync`` (default ``none``, as fio's ``end_fsync=1``: one flush
 at the end). ``repeat`` alternated passes give the median and range of each ratio.
@@ -99,11 +100,27 @@ def _rowstore(dirs: list[Path], bs: int, total_bytes: int, per_job: int, io_thre
     return out
 
 
-def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:file",), total_bytes: int = 1 << 30,
-                    iodepth: int = 128, batch: int = 32, numjobs: int = 1, io_threads: int | None = None, per_job: int = 32,
-                    fsync: str = "none", io_engine: str = "auto",
-                    rowstore: bool = True, limit: bool = True, plain: bool = True, fio: bool = True, fio_runtime: float = 2.0, repeat: int = 1,
-                    seed: int | None = None, log=print) -> dict:
+def run_array_bench(
+    roots: list[Path],
+    block_sizes=DEFAULT_SIZES,
+    tiers=("host:file",),
+    total_bytes: int = 1 << 30,
+    iodepth: int = 128,
+    batch: int = 32,
+    numjobs: int = 1,
+    io_threads: int | None = None,
+    per_job: int = 32,
+    fsync: str = "none",
+    io_engine: str = "auto",
+    rowstore: bool = True,
+    limit: bool = True,
+    plain: bool = True,
+    fio: bool = True,
+    fio_runtime: float = 2.0,
+    repeat: int = 1,
+    seed: int | None = None,
+    log=print,
+) -> dict:
     """Run the job (module docstring) over ``roots`` (one directory per device); returns a
     JSON-ready report: per block size, fio's best (read and write, GB/s and its grid point),
     and per tiercache path its GB/s and ratio to fio's best (median and range over passes).
@@ -126,68 +143,98 @@ def run_array_bench(roots: list[Path], block_sizes=DEFAULT_SIZES, tiers=("host:f
     if io_threads is None:  # one per request in flight (each runs its files on its thread's ring)
         io_threads = max(1, numjobs * -(-iodepth // batch))
     dirs = [Path(r) / f"array-bench-{os.getpid()}" for r in roots]
-    report: dict = {"job": "array", "roots": [str(r) for r in roots], "total_bytes": total_bytes, "iodepth": iodepth,
-                    "batch": batch, "rows_per_job": per_job,
-                    "numjobs": numjobs, "io_threads": io_threads, "io_engine": io_engine, "fsync": fsync, "repeat": repeat, "seed": seed,
-                    "host": os.uname().nodename, "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M"),
-                    "sizes": []}
+    report: dict = {
+        "job": "array",
+        "roots": [str(r) for r in roots],
+        "total_bytes": total_bytes,
+        "iodepth": iodepth,
+        "batch": batch,
+        "rows_per_job": per_job,
+        "numjobs": numjobs,
+        "io_threads": io_threads,
+        "io_engine": io_engine,
+        "fsync": fsync,
+        "repeat": repeat,
+        "seed": seed,
+        "host": os.uname().nodename,
+        "cores": os.cpu_count(),
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "sizes": [],
+    }
+    knobs = dict(tiers=tiers, total_bytes=total_bytes, iodepth=iodepth, batch=batch, numjobs=numjobs,
+                 io_threads=io_threads, per_job=per_job, fsync=fsync, io_engine=io_engine, rowstore=rowstore,
+                 limit=limit and fio, plain=plain, fio=fio, fio_runtime=fio_runtime, log=log)
     try:
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
         for bs in block_sizes:
             row: dict = {"block_bytes": bs, "fio": [], "limit": [], "paths": {}}
             for p in range(repeat):
-                best = best_fio(dirs, bs, total_bytes, fio_runtime) if fio else {}
-                row["fio"].append(best)
-                lim = format_limit(dirs, bs, total_bytes, seed=seed + p) if limit and fio else {}
-                row["limit"].append(lim)
-                if lim:
-                    row["fs"] = lim["fs"]
-                    for op in ("write", "read"):
-                        row["paths"].setdefault(f"format limit {op}", []).append(
-                            {"gbps": lim[f"{op}_gbps"], "fio_gbps": best.get(f"{op}_gbps"),
-                             "inflight": lim[f"{op}_inflight"], "cpu_us_per_block": lim["cpu_us_per_block"][op]})
-                for pair in tiers:
-                    for rw, op in (("write", "write"), ("randread", "read")):
-                        job = FioJob(name=f"arr{bs >> 10}k{rw}", rw=rw, bs=bs, size=max(bs, total_bytes // numjobs),
-                                     iodepth=iodepth, iodepth_batch=min(batch, iodepth), numjobs=numjobs, tiers=pair,
-                                     baseline="none", verify=True, ioengine=io_engine)
-                        rec = run_job(job, dirs, io_threads=io_threads, log=log, fsync=fsync)
-                        gbps = rec[op]["bw_bytes"] / 1e9
-                        row["paths"].setdefault(f"{pair} {op}", []).append(
-                            {"gbps": gbps, "fio_gbps": best.get(f"{op}_gbps"), "limit_gbps": lim.get(f"{op}_gbps"),
-                             "path": rec["tiercache"]["path"], "verified": rec["tiercache"].get("verified_blocks"),
-                             "cpu_us_per_block": rec["tiercache"].get("cpu_us_per_block"),
-                             "cores_by_thread": rec["tiercache"].get("cores_by_thread")})
-                if rowstore:
-                    rs = _rowstore(dirs, bs, total_bytes, per_job, io_threads, fsync, seed + p, io_engine)
-                    for op, fio_op in (("store", "write"), ("load", "read")):
-                        row["paths"].setdefault(f"rowstore {op}", []).append(
-                            {"gbps": rs[f"{op}_gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"),
-                             "limit_gbps": lim.get(f"{fio_op}_gbps"), "verified": rs["verified_rows"],
-                             "cpu_us_per_block": rs[f"{op}_cpu_us_per_block"]})
-                if plain:
-                    pc = plain_caller(dirs, bs, total_bytes, batch=batch, seed=seed + p)
-                    for op, fio_op in (("offload", "write"), ("get", "read")):
-                        r = pc[fio_op]
-                        row["paths"].setdefault(f"plain {op}", []).append(
-                            {"gbps": r["gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"),
-                             "limit_gbps": lim.get(f"{fio_op}_gbps"), "verified": r["blocks"],
-                             "cpu_us_per_block": r["cpu_us_per_block"]})
+                _pass(row, dirs, bs, seed + p, **knobs)
                 log(format_size(row, partial=True))
-            for name, runs in row["paths"].items():
-                ratios = [r["gbps"] / r["fio_gbps"] for r in runs if r.get("fio_gbps")]
-                of_limit = [r["gbps"] / r["limit_gbps"] for r in runs if r.get("limit_gbps")]
-                row["paths"][name] = {"runs": runs, "gbps_median": _median([r["gbps"] for r in runs]),
-                                      **({"ratio_median": _median(ratios), "ratio_range": [min(ratios), max(ratios)]}
-                                         if ratios else {}),
-                                      **({"limit_ratio_median": _median(of_limit)} if of_limit else {})}
+            _summarize(row)
             report["sizes"].append(row)
         report["ok"] = True  # every phase verified its bytes (a mismatch raises)
     finally:
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
     return report
+
+
+def _pass(row: dict, dirs: list[Path], bs: int, seed: int, *, tiers, total_bytes: int, iodepth: int, batch: int,
+          numjobs: int, io_threads: int, per_job: int, fsync: str, io_engine: str, rowstore: bool, limit: bool,
+          plain: bool, fio: bool, fio_runtime: float, log) -> None:
+    """One pass of block size ``bs``: fio's best, the format's limit, each tiercache path (the
+    tuned engine's tier pairs, the row store, a plain caller), appended to ``row``'s lists."""
+    best = best_fio(dirs, bs, total_bytes, fio_runtime) if fio else {}
+    row["fio"].append(best)
+    lim = format_limit(dirs, bs, total_bytes, seed=seed) if limit else {}
+    row["limit"].append(lim)
+    paths = row["paths"]
+    if lim:
+        row["fs"] = lim["fs"]
+        for op in ("write", "read"):
+            paths.setdefault(f"format limit {op}", []).append(
+                {"gbps": lim[f"{op}_gbps"], "fio_gbps": best.get(f"{op}_gbps"),
+                 "inflight": lim[f"{op}_inflight"], "cpu_us_per_block": lim["cpu_us_per_block"][op]})
+    for pair in tiers:
+        for rw, op in (("write", "write"), ("randread", "read")):
+            job = FioJob(name=f"arr{bs >> 10}k{rw}", rw=rw, bs=bs, size=max(bs, total_bytes // numjobs),
+                         iodepth=iodepth, iodepth_batch=min(batch, iodepth), numjobs=numjobs, tiers=pair,
+                         baseline="none", verify=True, ioengine=io_engine)
+            rec = run_job(job, dirs, io_threads=io_threads, log=log, fsync=fsync)
+            paths.setdefault(f"{pair} {op}", []).append(
+                {"gbps": rec[op]["bw_bytes"] / 1e9, "fio_gbps": best.get(f"{op}_gbps"),
+                 "limit_gbps": lim.get(f"{op}_gbps"), "path": rec["tiercache"]["path"],
+                 "verified": rec["tiercache"].get("verified_blocks"),
+                 "cpu_us_per_block": rec["tiercache"].get("cpu_us_per_block"),
+                 "cores_by_thread": rec["tiercache"].get("cores_by_thread")})
+    if rowstore:
+        rs = _rowstore(dirs, bs, total_bytes, per_job, io_threads, fsync, seed, io_engine)
+        for op, fio_op in (("store", "write"), ("load", "read")):
+            paths.setdefault(f"rowstore {op}", []).append(
+                {"gbps": rs[f"{op}_gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"),
+                 "limit_gbps": lim.get(f"{fio_op}_gbps"), "verified": rs["verified_rows"],
+                 "cpu_us_per_block": rs[f"{op}_cpu_us_per_block"]})
+    if plain:
+        pc = plain_caller(dirs, bs, total_bytes, batch=batch, seed=seed)
+        for op, fio_op in (("offload", "write"), ("get", "read")):
+            r = pc[fio_op]
+            paths.setdefault(f"plain {op}", []).append(
+                {"gbps": r["gbps"], "fio_gbps": best.get(f"{fio_op}_gbps"), "limit_gbps": lim.get(f"{fio_op}_gbps"),
+                 "verified": r["blocks"], "cpu_us_per_block": r["cpu_us_per_block"]})
+
+
+def _summarize(row: dict) -> None:
+    """Each path's passes: median GB/s, its ratio to fio's best (median and range) and to the
+    format's limit."""
+    for name, runs in row["paths"].items():
+        ratios = [r["gbps"] / r["fio_gbps"] for r in runs if r.get("fio_gbps")]
+        of_limit = [r["gbps"] / r["limit_gbps"] for r in runs if r.get("limit_gbps")]
+        row["paths"][name] = {"runs": runs, "gbps_median": _median([r["gbps"] for r in runs]),
+                              **({"ratio_median": _median(ratios), "ratio_range": [min(ratios), max(ratios)]}
+                                 if ratios else {}),
+                              **({"limit_ratio_median": _median(of_limit)} if of_limit else {})}
 
 
 def format_size(row: dict, partial: bool = False) -> str:
@@ -199,8 +246,10 @@ def format_size(row: dict, partial: bool = False) -> str:
         if best.get("error"):
             lines.append(f"{bs >> 10:>6} KiB  fio: {best['error']}")
         elif best:
-            lines.append(f"{bs >> 10:>6} KiB{fs}  fio's best: read {best.get('read_gbps', 0):.2f} GB/s "
-                         f"({best.get('read_config')}), write {best.get('write_gbps', 0):.2f} GB/s ({best.get('write_config')})")
+            lines.append(
+                f"{bs >> 10:>6} KiB{fs}  fio's best: read {best.get('read_gbps', 0):.2f} GB/s "
+                f"({best.get('read_config')}), write {best.get('write_gbps', 0):.2f} GB/s ({best.get('write_config')})"
+            )
     for name, v in row["paths"].items():
         runs = v["runs"] if isinstance(v, dict) else v
         last = runs[-1] if partial else None
@@ -229,10 +278,13 @@ def _cpu_text(run: dict) -> str:
 
 
 def format_array(report: dict) -> str:
-    head = (f"tiercache array benchmark: {len(report['roots'])} root(s) ({', '.join(report['roots'])}), "
-            f"{report['total_bytes'] >> 20} MiB per phase, iodepth {report['iodepth']} in requests of "
-            f"{report.get('batch', report['iodepth'] // 4)}, row store jobs of {report.get('rows_per_job', 32)}, "
-            f"numjobs {report['numjobs']}, "
-            f"{report['io_threads']} I/O threads, io_engine {report.get('io_engine', 'auto')}, fsync {report['fsync']}, {report['repeat']} pass(es), "
-            f"{report['cores']} cores, {report['when']}")
+    head = (
+        f"tiercache array benchmark: {len(report['roots'])} root(s) ({', '.join(report['roots'])}), "
+        f"{report['total_bytes'] >> 20} MiB per phase, iodepth {report['iodepth']} in requests of "
+        f"{report.get('batch', report['iodepth'] // 4)}, row store jobs of {report.get('rows_per_job', 32)}, "
+        f"numjobs {report['numjobs']}, "
+        f"{report['io_threads']} I/O threads, io_engine {report.get('io_engine', 'auto')}, fsync "
+        f"{report['fsync']}, {report['repeat']} pass(es), "
+        f"{report['cores']} cores, {report['when']}"
+    )
     return "\n".join([head] + [format_size(row) for row in report["sizes"]])

@@ -54,12 +54,17 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
             nbytes = n * block
             for direction, layout in (("h2d", "scattered"), ("d2h", "scattered"), ("h2d", "host-runs"),
                                       ("d2h", "host-runs")):
-                # scattered: random slots on both sides (a random half of the host slots); host-runs: the host side in runs of 64
+                # scattered: random slots on both sides (a random half of the host slots); host-runs: the host
+                # side in runs of 64
                 # consecutive slots (what the cache's allocator produces), the device side scattered
                 if layout == "scattered":  # n of the 2n host slots, at random: runs average ~2 blocks
                     hs_ = rng.permutation(np.sort(rng.choice(2 * n, size=n, replace=False)))
                 else:
-                    hs_ = (rng.permutation(n // 64)[:, None] * 64 + np.arange(64)).reshape(-1) if n >= 64 else np.arange(n)
+                    hs_ = (
+                        (rng.permutation(n // 64)[:, None] * 64 + np.arange(64)).reshape(-1)
+                        if n >= 64
+                        else np.arange(n)
+                    )
                 s, d = (hs_, dev_scat) if direction == "h2d" else (dev_scat, hs_)
                 src, dst = (host, dev) if direction == "h2d" else (dev, host)
                 sp, dp = (src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr,
@@ -117,9 +122,12 @@ def bench_scattered(sizes=(16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB), total: int =
                     if f"{k}_gbps" in res:
                         res[f"{k}_ratio"] = res[f"{k}_gbps"] / res["contiguous_gbps"]
                 rows.append(res)
-                log(f"  {layout} {block // KiB:>5} KiB {direction}: contiguous {res['contiguous_gbps']:.1f} GB/s, "
-                    f"tiercache {res['tiercache_gbps']:.1f} ({res['tiercache_ratio']:.0%}, {res['tiercache_path']}), naive "
-                    f"{res['naive_gbps']:.1f}, batch {res.get('batch_gbps', float('nan')):.1f}")
+                log(
+                    f"  {layout} {block // KiB:>5} KiB {direction}: contiguous {res['contiguous_gbps']:.1f} GB/s, "
+                    f"tiercache {res['tiercache_gbps']:.1f} ({res['tiercache_ratio']:.0%}, "
+                    f"{res['tiercache_path']}), naive "
+                    f"{res['naive_gbps']:.1f}, batch {res.get('batch_gbps', float('nan')):.1f}"
+                )
             del host, dev
     return rows
 
@@ -151,9 +159,15 @@ def bench_partial(tokens=(1, 4, 8), blocks: int = 512, reps: int = 7, device_id:
                     src, dst = (host, dev) if direction == "h2d" else (dev, host)
                     sp = src.ctypes.data if isinstance(src, np.ndarray) else src.data.ptr
                     dp = dst.ctypes.data if isinstance(dst, np.ndarray) else dst.data.ptr
-                    t = time_many({"c": lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, moved, MEMCPY_DEFAULT, stream.ptr),
-                                    "p": lambda: launcher.launch(src, s, dst, d, seg, stream)}, stream, reps,
-                                   back_to_back=4)
+                    t = time_many(
+                        {
+                            "c": lambda: cupy.cuda.runtime.memcpyAsync(dp, sp, moved, MEMCPY_DEFAULT, stream.ptr),
+                            "p": lambda: launcher.launch(src, s, dst, d, seg, stream),
+                        },
+                        stream,
+                        reps,
+                        back_to_back=4,
+                    )
                     t_c, t_p = t["c"], t["p"]
                     rows.append({"layout": layout, "num_tokens": n_tok, "direction": direction, "blocks": blocks,
                                  "bytes": moved, "host_page_bytes": _owner.page_bytes,
@@ -214,7 +228,9 @@ def run_copy_bench(quick: bool = False, device_id: int = 0, copy_kernel_sms: int
     total = 64 * MiB if quick else 256 * MiB
     rep = {"job": "copy", "device": st.reason, "copy_kernel_sms": copy_kernel_sms}
     rep["scattered"] = bench_scattered(total=total, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
-    rep["partial"] = bench_partial(blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log)
+    rep["partial"] = bench_partial(
+        blocks=128 if quick else 512, device_id=device_id, copy_kernel_sms=copy_kernel_sms, log=log
+    )
     rep["planning"] = bench_planning(device_id=device_id, log=log)
     from tiercache.bench.benchoverlap import bench_overlap
 
@@ -232,24 +248,34 @@ def _pages(nbytes: int) -> str:
 def format_copy_report(rep: dict) -> str:
     """The copy benchmark as tables."""
     pages = _pages(rep["scattered"][0].get("host_page_bytes", 4 * KiB)) if rep["scattered"] else "?"
-    out = [f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'}; "
-           f"host memory on {pages} pages)", "",
-           f"  {'block':>8} {'dir':>4} {'host side':>10} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} {'path':>7} {'kernel':>7} "
-           f"{'ratio':>6} {'bulk':>7} {'ratio':>6} {'staged':>7} {'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} "
-           f"{'ratio':>6}"]
+    out = [
+        f"tiercache copy benchmark on {rep['device']} (copy kernel SMs: {rep['copy_kernel_sms'] or 'all'}; "
+        f"host memory on {pages} pages)",
+        "",
+        f"  {'block':>8} {'dir':>4} {'host side':>10} {'contig GB/s':>12} {'tiercache':>10} {'ratio':>6} "
+        f"{'path':>7} {'kernel':>7} "
+        f"{'ratio':>6} {'bulk':>7} {'ratio':>6} {'staged':>7} {'ratio':>6} {'naive':>7} {'ratio':>6} {'batch':>7} "
+        f"{'ratio':>6}",
+    ]
     for r in rep["scattered"]:
-        out.append(f"  {r['block_bytes'] // KiB:>5} KiB {r['direction']:>4} {r['layout']:>10} {r['contiguous_gbps']:>12.1f} "
-                   f"{r['tiercache_gbps']:>10.1f} {r['tiercache_ratio']:>6.0%} {r['tiercache_path']:>7} "
-                   f"{r['kernel_gbps']:>7.1f} {r['kernel_ratio']:>6.0%} {r.get('bulk_gbps', float('nan')):>7.1f} "
-                   f"{r.get('bulk_ratio', float('nan')):>6.0%} {r.get('staged_gbps', float('nan')):>7.1f} "
-                   f"{r.get('staged_ratio', float('nan')):>6.0%} {r['naive_gbps']:>7.1f} "
-                   f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} {r.get('batch_ratio', float('nan')):>6.0%}")
+        out.append(
+            f"  {r['block_bytes'] // KiB:>5} KiB {r['direction']:>4} {r['layout']:>10} {r['contiguous_gbps']:>12.1f} "
+            f"{r['tiercache_gbps']:>10.1f} {r['tiercache_ratio']:>6.0%} {r['tiercache_path']:>7} "
+            f"{r['kernel_gbps']:>7.1f} {r['kernel_ratio']:>6.0%} {r.get('bulk_gbps', float('nan')):>7.1f} "
+            f"{r.get('bulk_ratio', float('nan')):>6.0%} {r.get('staged_gbps', float('nan')):>7.1f} "
+            f"{r.get('staged_ratio', float('nan')):>6.0%} {r['naive_gbps']:>7.1f} "
+            f"{r['naive_ratio']:>6.0%} {r.get('batch_gbps', float('nan')):>7.1f} "
+            f"{r.get('batch_ratio', float('nan')):>6.0%}"
+        )
     out += ["", f"  {'partial':>12} {'layout':>11} {'dir':>4} {'segment B':>10} {'host pages':>10} {'GB/s':>7} "
                 f"{'contig':>7} {'ratio':>6}"]
     for r in rep["partial"]:
-        out.append(f"  {r['num_tokens']:>5}/16 tok {r.get('layout', 'layer_major'):>11} {r['direction']:>4} {r['segment_bytes']:>10} "
-                   f"{_pages(r.get('host_page_bytes', 4 * KiB)):>10} {r['partial_gbps']:>7.1f} "
-                   f"{r['contiguous_gbps']:>7.1f} {r['ratio']:>6.0%}")
+        out.append(
+            f"  {r['num_tokens']:>5}/16 tok {r.get('layout', 'layer_major'):>11} {r['direction']:>4} "
+            f"{r['segment_bytes']:>10} "
+            f"{_pages(r.get('host_page_bytes', 4 * KiB)):>10} {r['partial_gbps']:>7.1f} "
+            f"{r['contiguous_gbps']:>7.1f} {r['ratio']:>6.0%}"
+        )
     p = rep["planning"]
     out += ["", f"  planning a {p['blocks']}-block batch: {p['submit_us_per_block']:.2f} us/block submit "
                 f"({p['plan_us_per_block']:.3f} us/block run planning)"]

@@ -5,7 +5,8 @@ Raw baselines: ``dd`` with O_DIRECT (write with ``conv=fsync``, read to /dev/nul
 own O_DIRECT pwrite/pread of one big file in 8 MiB requests, fio where installed (the same block
 size and ``io_threads`` in flight on one file: writes durable per block with ``fdatasync=1`` like
 the block files' policy, and as fio usually runs them with ``end_fsync=1``; reads with
-``direct=1``; :mod:`tiercache.bench.fiobase`), plus (with a GPU) one big kvikio read into VRAM. Per-block files: durable writes (fsync policy ``data``, buffered and O_DIRECT),
+``direct=1``; :mod:`tiercache.bench.fiobase`), plus (with a GPU) one big kvikio read into VRAM. Per-block files:
+durable writes (fsync policy ``data``, buffered and O_DIRECT),
 cold reads (page cache dropped with ``posix_fadvise(DONTNEED)`` after fsync) with and without
 checksum verification, warm reads, reads through ``aiofiles`` against tiercache's worker pool,
 and (with a GPU) VRAM <-> file through kvikio. Ratios are per-block over the best raw figure.
@@ -108,7 +109,9 @@ def run_file_bench(root: Path, pool: PoolSpec, blocks: int = 256, io_threads: in
     def add(name, path, seconds, extra=None):
         if seconds is None:
             return
-        rows.append({"stage": name, "path": path, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9, **(extra or {})})
+        rows.append(
+            {"stage": name, "path": path, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9, **(extra or {})}
+        )
         log(f"  {name:<34} {path:<16} {nbytes / seconds / 1e9:6.2f} GB/s")
 
     try:

@@ -469,9 +469,15 @@ def format_hf_report(rep: dict) -> str:
                         else ""))
         if "file_read_gbps" in r:
             disk = r.get("disk")
-            lines.append(f"  files: KV {r['kv_over_host']:.1f}x the host tier; read {r['file_read_gbps']:.2f} GB/s "
-                         "from files" + (f" vs fio {disk['read_gbps']:.2f} GB/s ({r['file_read_gbps'] / disk['read_gbps']:.2f})"
-                                         if disk else ""))
+            lines.append(
+                f"  files: KV {r['kv_over_host']:.1f}x the host tier; read {r['file_read_gbps']:.2f} GB/s "
+                "from files"
+                + (
+                    f" vs fio {disk['read_gbps']:.2f} GB/s ({r['file_read_gbps'] / disk['read_gbps']:.2f})"
+                    if disk
+                    else ""
+                )
+            )
     lines.append("tiercache's tokens: " + ("identical to the plain cache, or logits within "
                                            f"{LOGIT_TOLERANCE} up to the first differing token" if rep["ok"]
                                            else "DIFFER beyond the tolerance")

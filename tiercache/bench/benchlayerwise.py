@@ -1,7 +1,7 @@
 """``tiercache bench layerwise``: layer-wise onboarding against onboarding everything first.
 
 A vLLM-style KV cache (``num_layers`` tensors ``[num_blocks, 2, block_size, num_kv_heads,
-head_dim]``, bf16) is registered with :class:`~tiercache.serving.devicepools.DevicePools`; ``blocks``
+head_dim]``, bf16) is registered with :class:`~tiercache.enginetensors.devicepools.DevicePools`; ``blocks``
 random blocks are offloaded to the host tier and onboarded back into scattered block ids
 while a stand-in for attention (one bf16 matrix product per layer) runs on the engine's
 stream:
@@ -30,7 +30,7 @@ def run_layerwise_bench(num_layers: int = 32, blocks: int = 256, num_blocks: int
     import cupy
 
     from tiercache.cache import TierCache
-    from tiercache.serving import DevicePools
+    from tiercache.enginetensors import DevicePools
 
     rng = np.random.default_rng(11)
     shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)

@@ -150,8 +150,13 @@ def run_metrics_bench(root: Path, *, block_bytes: int = 64 << 10, blocks: int = 
             res = _paired_pass(w, Path(root) / f"metrics-{w}-{r}", pool, blocks, batch, rng, swap=r % 2 == 1)
             rep["ok"] &= res["bytes_ok"]
             passes.append(res)
-            log(f"  {w} pass {r + 1}: " + ", ".join(
-                f"{ph} off {res[ph]['off']['gbps']:.3f} on {res[ph]['on']['gbps']:.3f} GB/s" for ph in ("offload", "onboard")))
+            log(
+                f"  {w} pass {r + 1}: "
+                + ", ".join(
+                    f"{ph} off {res[ph]['off']['gbps']:.3f} on {res[ph]['on']['gbps']:.3f} GB/s"
+                    for ph in ("offload", "onboard")
+                )
+            )
         summary: dict = {"passes": passes, "scrape_ms": statistics.median(p["scrape_ms"] for p in passes)}
         for ph in ("offload", "onboard"):
             ratios = [p[ph]["ratio"] for p in passes]

@@ -176,13 +176,23 @@ def bench_overlap(block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
             f"TFLOP/s); contiguous {contig['h2d']:.1f} GB/s h2d, {contig['d2h']:.1f} d2h")
         default = CopyLauncher(device_id, max_sms=copy_kernel_sms)
         # (name, direction, host layout, carve-out, launcher, force); launcher None: contiguous
-        methods = [("contiguous", "h2d", "-", 0, None, None), ("contiguous", "d2h", "-", 0, None, None),
-                   ("tiercache", "h2d", "scattered", 0, default, None), ("tiercache", "d2h", "scattered", 0, default, None),
-                   ("tiercache", "h2d", "host-runs", 0, default, None),
-                   ("tiercache", "d2h", "host-runs", 0, default, None),
-                   ("batch", "h2d", "scattered", 0, default, "batch"),
-                   ("bulk_small_all_sms", "h2d", "scattered", 0,
-                    CopyLauncher(device_id, bulk_shape="small", bulk_sms=1024), "bulk")]
+        methods = [
+            ("contiguous", "h2d", "-", 0, None, None),
+            ("contiguous", "d2h", "-", 0, None, None),
+            ("tiercache", "h2d", "scattered", 0, default, None),
+            ("tiercache", "d2h", "scattered", 0, default, None),
+            ("tiercache", "h2d", "host-runs", 0, default, None),
+            ("tiercache", "d2h", "host-runs", 0, default, None),
+            ("batch", "h2d", "scattered", 0, default, "batch"),
+            (
+                "bulk_small_all_sms",
+                "h2d",
+                "scattered",
+                0,
+                CopyLauncher(device_id, bulk_shape="small", bulk_sms=1024),
+                "bulk",
+            ),
+        ]
         if res["carveout"]:
             carved = CopyLauncher(device_id, carveout_sms=carveout)
             methods += [("tiercache", dr, lay, carveout, carved, None) for dr in ("h2d", "d2h")
@@ -207,9 +217,12 @@ def bench_overlap(block: int = 16 * KiB, blocks: int = 8192, matmul: int = 8192,
                    "alone_ratio": nbytes / t_x / 1e9 / contig[direction], "beside_gbps": nbytes / r["beside_s"] / 1e9,
                    "beside_ratio": nbytes / r["beside_s"] / 1e9 / contig[direction], **r}
             res["runs"].append(row)
-            log(f"  overlap {name:>18} {direction} {layout:>9} carve-out {k}: {row['path']}, alone {row['alone_ratio']:.0%}, "
+            log(
+                f"  overlap {name:>18} {direction} {layout:>9} carve-out {k}: {row['path']}, alone "
+                f"{row['alone_ratio']:.0%}, "
                 f"beside {row['beside_ratio']:.0%} of contiguous; product {row['vs_full']:+.1%} "
-                f"(carve-out {row['carveout_cost']:+.1%}, transfers {row['vs_carved']:+.1%})")
+                f"(carve-out {row['carveout_cost']:+.1%}, transfers {row['vs_carved']:+.1%})"
+            )
         sampler.close()
     return res
 

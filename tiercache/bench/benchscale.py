@@ -264,11 +264,15 @@ def format_scale_report(rep: dict) -> str:
         if "error" in r:
             lines.append(f"{what:<26}ERROR {r['error']}")
             continue
-        lines.append(f"{what:<26}{r['open_s']:.2f} s, {mib(r['rss_bytes'])} resident ({r['rss_per_block']:.0f} B/block)")
+        lines.append(
+            f"{what:<26}{r['open_s']:.2f} s, {mib(r['rss_bytes'])} resident ({r['rss_per_block']:.0f} B/block)"
+        )
     ix = rep["index"]
     if "lookup" in ix:
-        lines.append(f"lookup (present / absent)  p50 {ix['lookup']['p50_us']:.1f} / {ix['lookup_absent']['p50_us']:.1f} us, "
-                     f"p99 {ix['lookup']['p99_us']:.1f} / {ix['lookup_absent']['p99_us']:.1f} us")
+        lines.append(
+            f"lookup (present / absent)  p50 {ix['lookup']['p50_us']:.1f} / {ix['lookup_absent']['p50_us']:.1f} us, "
+            f"p99 {ix['lookup']['p99_us']:.1f} / {ix['lookup_absent']['p99_us']:.1f} us"
+        )
         lines.append(f"get (one file-only block)  p50 {ix['get']['p50_us']:.0f} us, p99 {ix['get']['p99_us']:.0f} us")
     lines.append(f"inspect                   {rep['inspect_s']:.2f} s")
     v = rep["verify"]
@@ -279,11 +283,15 @@ def format_scale_report(rep: dict) -> str:
                      f"listing done after {v['survey_s']:.1f} s)")
     f = rep.get("fio") or {}
     if f.get("read_gbps"):
-        lines.append(f"fio best random read      {f['read_gbps']:.2f} GB/s ({f['read_config']}); "
-                     f"verify / fio = {rep['verify_vs_fio']:.2f}"
-                     + (f", inside the process / fio = {rep['in_process_vs_fio']:.2f}" if "in_process_vs_fio" in rep else ""))
+        lines.append(
+            f"fio best random read      {f['read_gbps']:.2f} GB/s ({f['read_config']}); "
+            f"verify / fio = {rep['verify_vs_fio']:.2f}"
+            + (f", inside the process / fio = {rep['in_process_vs_fio']:.2f}" if "in_process_vs_fio" in rep else "")
+        )
     elif f:
         lines.append(f"fio                       {f.get('error') or f.get('errors')}")
     lines.append(f"purge                     {rep['purge_s']:.1f} s, {rep['purge_left']} block files left")
-    lines.append("bytes: " + ("every block found and equal" if rep["ok"] else "MISMATCH, missing blocks or a failed tool"))
+    lines.append(
+        "bytes: " + ("every block found and equal" if rep["ok"] else "MISMATCH, missing blocks or a failed tool")
+    )
     return "\n".join(lines)

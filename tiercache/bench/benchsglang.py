@@ -132,7 +132,9 @@ class ControllerCalls:
     def get(self, keys: list[str], slots) -> int:
         """Pages read (the leading run the controller counts)."""
         tokens: list[int] = []
-        op = SimpleNamespace(request_id="bench", is_terminated=lambda: False, increment=lambda n: tokens.append(n) or True)
+        op = SimpleNamespace(
+            request_id="bench", is_terminated=lambda: False, increment=lambda n: tokens.append(n) or True
+        )
         fn = self.c._page_get_zero_copy if self.zero_copy else self.c._generic_page_get
         n = fn(self.stub, op, keys, slots)
         return int(n) if n is not None else sum(tokens) // self.stub.page_size
@@ -175,7 +177,9 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
     directories, SGLang's ``file`` backend on the first; see the module's doc)."""
     import torch
 
-    pool = sglang_host_pool(cfg, pages, page_tokens, seed=seed, pin=torch.cuda.is_available())  # the host pool holds twice: sources, destinations
+    pool = sglang_host_pool(
+        cfg, pages, page_tokens, seed=seed, pin=torch.cuda.is_available()
+    )  # the host pool holds twice: sources, destinations
     pb = len(page_bytes_at(pool, 0))
     rng = np.random.default_rng(seed)
     keys = [rng.bytes(32).hex() for _ in range(pages)]
@@ -292,7 +296,9 @@ def format_sglang_report(rep: dict) -> str:
     for r in rep["runs"]:
         lines.append(f"{r['model']}: {r['pages']} pages of {r['page_tokens']} tokens ({r['page_bytes']} B), "
                      f"batches of {r['batch']}")
-        lines.append(f"  {'backend':10} {'op':4} {'pages/s':>9} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'/fio':>6}  wrong")
+        lines.append(
+            f"  {'backend':10} {'op':4} {'pages/s':>9} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'/fio':>6}  wrong"
+        )
         for b, res in r["backends"].items():
             for op in ("set", "get"):
                 o = res[op]

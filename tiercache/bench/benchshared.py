@@ -171,9 +171,11 @@ def run_shared_bench(root: Path, procs: int = 4, blocks: int = 512, block_bytes:
 def format_shared_report(rep: dict) -> str:
     """A text table of :func:`run_shared_bench`'s report."""
     kib = rep["block_bytes"] >> 10
-    lines = [f"shared root: {rep['procs']} processes vs 1, {kib} KiB blocks, {rep['batch']} per call, "
-             f"{rep['blocks_per_proc']} blocks per process, seed {rep['seed']}",
-             f"{'pass':>4}  {'write 1p':>9}  {'write Np':>9}  {'ratio':>6}  {'read 1p':>9}  {'read Np':>9}  {'ratio':>6}"]
+    lines = [
+        f"shared root: {rep['procs']} processes vs 1, {kib} KiB blocks, {rep['batch']} per call, "
+        f"{rep['blocks_per_proc']} blocks per process, seed {rep['seed']}",
+        f"{'pass':>4}  {'write 1p':>9}  {'write Np':>9}  {'ratio':>6}  {'read 1p':>9}  {'read Np':>9}  {'ratio':>6}",
+    ]
     for i, r in enumerate(rep["passes"]):
         lines.append(f"{i + 1:>4}  {r['single']['write']['gbps']:>9.3f}  {r['shared']['write']['gbps']:>9.3f}  "
                      f"{r['write_ratio']:>6.2f}  {r['single']['read']['gbps']:>9.3f}  "

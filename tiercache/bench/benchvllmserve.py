@@ -146,11 +146,19 @@ def kv_transfer(mode: str, root: Path | None, cpu_bytes: int, connector_settings
     if mode == "recompute":
         return None
     if mode.startswith("connector"):  # tiercache's own path: files <-> vLLM's GPU blocks, no CPU tier
-        return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.integrations.vllmconnector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"root": str(root), "fsync": "none", "io_threads": 16,
-                                              **({"sharing": "shared"} if mode.startswith("connector-shared") else {}),
-                                              **(connector_settings or {})}}
+        return {
+            "kv_connector": "TierCacheConnector",
+            "kv_connector_module_path": "tiercache.integrations.vllmconnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "root": str(root),
+                "fsync": "none",
+                "io_threads": 16,
+                **({"sharing": "shared"} if mode.startswith("connector-shared") else {}),
+                **(connector_settings or {}),
+            },
+        }
     extra: dict = {"cpu_bytes_to_use": int(cpu_bytes)}
     if mode == "fs":  # vLLM's fs tier, under the spec that guards vLLM 0.26's store after a request's end
         extra.update(spec_name="TierCacheTieringSpec", spec_module_path="tiercache.integrations.vllm",
@@ -449,7 +457,13 @@ class _Run:
     """The files and processes of one ``run_serve_bench``."""
 
     def __init__(self, work: Path, model_dir: Path, workload_path: Path, common: dict, log) -> None:
-        self.work, self.model_dir, self.workload_path, self.common, self.log = work, model_dir, workload_path, common, log
+        self.work, self.model_dir, self.workload_path, self.common, self.log = (
+            work,
+            model_dir,
+            workload_path,
+            common,
+            log,
+        )
         self.n = 0
 
     def spec(self, mode: str, requests: list[int], root: Path | None, **kw) -> dict:
@@ -596,8 +610,10 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     probe = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                            text=True, env={**os.environ, **_ENV})
     if probe.returncode != 0:
-        raise MissingDependencyError("tiercache bench vllm-serve needs vLLM with a GPU build (0.26 or later) importable: "
-                                     + (probe.stderr.strip().splitlines() or ["?"])[-1])
+        raise MissingDependencyError(
+            "tiercache bench vllm-serve needs vLLM with a GPU build (0.26 or later) importable: "
+            + (probe.stderr.strip().splitlines() or ["?"])[-1]
+        )
     name, cfg = model_config(model)
     seed = random.randrange(1 << 31) if seed is None else seed
     kv_tok = kv_bytes_per_token(cfg)
@@ -666,7 +682,10 @@ def _fio_read(work: Path, connector_settings: dict | None, file_bytes: int, tota
 
     array = (connector_settings or {}).get("root")
     where = [Path(r) for r in array] if isinstance(array, list) and len(array) > 1 else work
-    log(f"  fio: best random read at the chunk's file size on {'the array' if where is not work else 'the same directory'}")
+    log(
+        f"  fio: best random read at the chunk's file size on "
+        f"{'the array' if where is not work else 'the same directory'}"
+    )
     out = best_fio(where, file_bytes, total_bytes, 5.0, ops=("read",))
     out["directories"] = [str(d) for d in (where if isinstance(where, list) else [where])]
     return out
@@ -879,7 +898,9 @@ def format_serve_report(rep: dict) -> str:
                      f"{ms(rep.get('gpu_hit_ttft_s')).strip()} ms")
     if rep.get("file_hit_bound_s"):
         ratios = ", ".join(f"{k} {m['bound_over_ttft']:.2f}" for k, m in rep["modes"].items() if "bound_over_ttft" in m)
-        lines.append(f"bound for a repeat from files: {rep['file_hit_bound_s'] * 1e3:.1f} ms; bound / repeat p50: {ratios}")
+        lines.append(
+            f"bound for a repeat from files: {rep['file_hit_bound_s'] * 1e3:.1f} ms; bound / repeat p50: {ratios}"
+        )
     if rep.get("connector_over_fs_speed"):
         lines.append(f"connector (tiercache's own path) vs fs tier, repeat TTFT p50 (speed ratio): "
                      f"{rep['connector_over_fs_speed']:.2f}")
@@ -892,9 +913,11 @@ def format_serve_report(rep: dict) -> str:
             f"({m['served_repeats']})" for k, m in rep["modes"].items() if m.get("served_repeats"))
             + f"; tiercache vs fs speed p50 {sv['p50']:.2f}, p99 {sv['p99']:.2f}")
     if rep.get("break_even_gbps"):
-        lines.append(f"recompute: {rep['prefill_s_per_token'] * 1e6:.1f} us/token ({rep['prefill_tflops']:.0f} TFLOP/s); "
-                     f"reading the KV beats it above {rep['break_even_gbps']:.2f} GB/s; read/recompute time: "
-                     + ", ".join(f"{k} {v:.2f}" for k, v in rep["read_over_recompute"].items()))
+        lines.append(
+            f"recompute: {rep['prefill_s_per_token'] * 1e6:.1f} us/token ({rep['prefill_tflops']:.0f} TFLOP/s); "
+            f"reading the KV beats it above {rep['break_even_gbps']:.2f} GB/s; read/recompute time: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in rep["read_over_recompute"].items())
+        )
     lines.append("ok" if rep["ok"] else "NOT OK (a verify found bad files or failed)")
     return "\n".join(lines)
 

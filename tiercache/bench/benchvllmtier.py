@@ -295,11 +295,20 @@ def run_vllm_tier_bench(root: Path, row_sizes=(256 << 10, 2 << 20), total_bytes:
                 res["fio"] = best_fio(work, rb, total_bytes, fio_runtime) if fio else {}
                 passes.append(res)
                 ok &= all(res[s]["ok"] for s in SYSTEMS)
-                log(f"  row {rb >> 10} KiB pass {p + 1}/{repeat}: " + ", ".join(
-                    f"{s} store {res[s]['store_gbps']:.2f}" + (f" load {res[s]['load_gbps']:.2f}" if "load_gbps" in res[s]
-                                                                else "") for s in SYSTEMS)
-                    + (f"; fio read {res['fio'].get('read_gbps', 0):.2f} write {res['fio'].get('write_gbps', 0):.2f}"
-                       if fio else "") + " GB/s")
+                log(
+                    f"  row {rb >> 10} KiB pass {p + 1}/{repeat}: "
+                    + ", ".join(
+                        f"{s} store {res[s]['store_gbps']:.2f}"
+                        + (f" load {res[s]['load_gbps']:.2f}" if "load_gbps" in res[s] else "")
+                        for s in SYSTEMS
+                    )
+                    + (
+                        f"; fio read {res['fio'].get('read_gbps', 0):.2f} write {res['fio'].get('write_gbps', 0):.2f}"
+                        if fio
+                        else ""
+                    )
+                    + " GB/s"
+                )
             del view, rows, mm  # freed when the tiers' last references go
             report["rows"].append(_summary(rb, passes))
     finally:
@@ -355,8 +364,10 @@ def format_vllm_tier_report(rep: dict) -> str:
             lines.append(f"  {r['row_bytes'] >> 10:>6}Ki  {s:<18} {r[s]['store_gbps']:>10.2f} "
                          f"{'' if ld is None else f'{ld:.2f}':>10} {'' if s2 is None else f'{s2:.2f}':>10}")
         if r.get("fio_read_gbps"):
-            lines.append(f"  {'':>8}  {'fio (best of grid)':<18} {r['fio_write_gbps']:>10.2f} {r['fio_read_gbps']:>10.2f}"
-                         f"   (write {r['fio_best'].get('write_config')}, read {r['fio_best'].get('read_config')})")
+            lines.append(
+                f"  {'':>8}  {'fio (best of grid)':<18} {r['fio_write_gbps']:>10.2f} {r['fio_read_gbps']:>10.2f}"
+                f"   (write {r['fio_best'].get('write_config')}, read {r['fio_best'].get('read_config')})"
+            )
         lines.append(f"  {'':>8}  tiercache / fs: store {r['store_vs_fs']}, load {r['load_vs_fs']}, second store "
                      f"{r['store2_vs_fs']}; durable store "
                      f"{r['durable_store_vs_fs']}" + (f"; vs fio: tiercache load {r['tiercache_load_vs_fio']}, "

@@ -4,7 +4,7 @@ The engine picks a path per batch by size: scattered blocks of at least ``batch_
 to the copy engines (``cuMemcpyBatchAsync``), smaller ones to an SM kernel (the bulk kernel on
 sm_90+, else the gather/scatter kernel); runs of consecutive slots of at least
 ``memcpy_min_bytes`` go to one ``cudaMemcpyAsync`` each. The defaults come from an H100 test machine on
-PCIe Gen5 (docs/performance.md). The crossovers move with the GPU, the link and the driver, so
+PCIe Gen5 (docs/performance/copies.md). The crossovers move with the GPU, the link and the driver, so
 :func:`calibrate` measures both paths on this machine and picks each threshold where the copy
 engines reach the SM kernel.
 

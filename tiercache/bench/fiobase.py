@@ -151,8 +151,11 @@ def best_fio(work: Path | list[Path], bs: int, total_bytes: int, runtime: float,
                 continue
             gbps = r["bw_bytes"] / 1e9
             if gbps > best.get(f"{op}_gbps", 0.0):
-                best[f"{op}_gbps"], best[f"{op}_config"] = gbps, f"numjobs={numjobs} iodepth={iodepth} {r['engine']}" + (
-                    f" x {len(dirs)} directories" if len(dirs) > 1 else "")
+                best[f"{op}_gbps"], best[f"{op}_config"] = (
+                    gbps,
+                    f"numjobs={numjobs} iodepth={iodepth} {r['engine']}"
+                    + (f" x {len(dirs)} directories" if len(dirs) > 1 else ""),
+                )
         for d in dirs:
             shutil.rmtree(d / "fio", ignore_errors=True)
     return best

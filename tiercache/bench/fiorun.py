@@ -94,7 +94,7 @@ def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None =
         # one Python task per block: as many threads as blocks in flight (fio's iodepth)
         io_threads = min(MAX_IO_THREADS, max(io_threads, job.iodepth * job.numjobs))
     # the native engines run a request's files on one thread's ring: ``io_threads`` as given
-    # (threads beyond the requests in flight only fight over the GIL: docs/performance.md)
+    # (threads beyond the requests in flight only fight over the GIL: docs/performance/files.md)
     try:
         for t in (job.upper, job.lower):
             if t == "device":
@@ -124,7 +124,9 @@ def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None =
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         errors: list[BaseException] = []
-        threads = [threading.Thread(target=_worker, args=(job, eng, w, n, stats, t0, errors)) for w in range(job.numjobs)]
+        threads = [
+            threading.Thread(target=_worker, args=(job, eng, w, n, stats, t0, errors)) for w in range(job.numjobs)
+        ]
         for th in threads:
             th.start()
         for th in threads:
@@ -138,8 +140,9 @@ def run_job(job: FioJob, root: Path | list[Path], config_pool: PoolSpec | None =
         record = _record(job, pool, stats, wall, io_path, engine)
         _cpu(record, cpu1.ru_utime - cpu0.ru_utime, cpu1.ru_stime - cpu0.ru_stime, wall, stats)
         if by_thread0 and by_thread1:
-            record["tiercache"]["cores_by_thread"] = {k: round((by_thread1.get(k, 0.0) - by_thread0.get(k, 0.0)) / wall, 3)
-                                                      for k in sorted(by_thread1)}
+            record["tiercache"]["cores_by_thread"] = {
+                k: round((by_thread1.get(k, 0.0) - by_thread0.get(k, 0.0)) / wall, 3) for k in sorted(by_thread1)
+            }
         if job.verify:
             record["tiercache"]["verified_blocks"] = _verify(eng, tiers, pool, src_rows, keys)
         kind = _baseline_kind(job)
@@ -182,7 +185,9 @@ def merge_passes(records: list[dict]) -> dict:
     for key in ("baseline", "baseline_durable"):
         vals = sorted(p[f"{key}_ratio"] for p in passes if f"{key}_ratio" in p)
         if vals:
-            tc[key]["ratio_median"] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            tc[key]["ratio_median"] = (
+                vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            )
             tc[key]["ratio_range"] = [vals[0], vals[-1]]
     return rec
 
@@ -247,9 +252,13 @@ def _record(job: FioJob, pool: PoolSpec, stats: dict, wall: float, io_path, engi
                    "runtime": max(1, int(wall * 1000)) if d.ios else 0,  # ms, as fio; a job with I/O took some
                    "bw_bytes": int(io_bytes / wall) if d.ios else 0, "bw": int(io_bytes / wall / 1024) if d.ios else 0,
                    "iops": d.ios / wall if d.ios else 0.0, "clat_ns": _clat(lat)}
-    path = "cudaMemcpyAsync/kernel" if job.tiers == "device:host" else (
-        io_path.label if job.upper == "device" else "POSIX") + (" + O_DIRECT" if job.direct and job.lower == "file" else "") + (
-        f", {engine} engine" if engine else "")
+    path = (
+        "cudaMemcpyAsync/kernel"
+        if job.tiers == "device:host"
+        else (io_path.label if job.upper == "device" else "POSIX")
+        + (" + O_DIRECT" if job.direct and job.lower == "file" else "")
+        + (f", {engine} engine" if engine else "")
+    )
     rec["tiercache"] = {"tiers": job.tiers, "path": path, "block_bytes": pool.block_nbytes,
                         "io_path_reason": io_path.reason if io_path else None, "io_engine": engine}
     return rec
@@ -410,13 +419,20 @@ def format_fio(records: list[dict]) -> str:
             if not d["total_ios"]:
                 continue
             c = d["clat_ns"]
-            out.append(f"  {op}: IOPS={_k(d['iops'])}, BW={d['bw_bytes'] / 2**20:.1f}MiB/s ({d['bw_bytes'] / 1e9:.2f}GB/s)"
-                       f"({d['io_bytes'] / 2**20:.0f}MiB/{d['runtime']}msec)")
-            out.append(f"    clat (usec): min={c['min'] / 1e3:.0f}, max={c['max'] / 1e3:.0f}, avg={c['mean'] / 1e3:.1f}, "
-                       f"stdev={c['stddev'] / 1e3:.1f}")
+            out.append(
+                f"  {op}: IOPS={_k(d['iops'])}, BW={d['bw_bytes'] / 2**20:.1f}MiB/s ({d['bw_bytes'] / 1e9:.2f}GB/s)"
+                f"({d['io_bytes'] / 2**20:.0f}MiB/{d['runtime']}msec)"
+            )
+            out.append(
+                f"    clat (usec): min={c['min'] / 1e3:.0f}, max={c['max'] / 1e3:.0f}, avg={c['mean'] / 1e3:.1f}, "
+                f"stdev={c['stddev'] / 1e3:.1f}"
+            )
             p = c["percentile"]
             keys = ["1.000000", "5.000000", "50.000000", "90.000000", "95.000000", "99.000000", "99.900000"]
-            out.append("    clat percentiles (usec): " + ", ".join(f"{float(k):.2f}th=[{p[k] / 1e3:.0f}]" for k in keys if k in p))
+            out.append(
+                "    clat percentiles (usec): "
+                + ", ".join(f"{float(k):.2f}th=[{p[k] / 1e3:.0f}]" for k in keys if k in p)
+            )
         if "verified_blocks" in tc:
             out.append(f"  verify: {tc['verified_blocks']} blocks byte-exact")
         for key, label in (("baseline", "baseline"), ("baseline_durable", "durable baseline")):
@@ -433,6 +449,26 @@ def format_fio(records: list[dict]) -> str:
                            f"(p99 x{b['p99_ratio']:.2f})")
         out.append("")
     return "\n".join(out).rstrip()
+
+
+def format_fio_table(records: list[dict]) -> str:
+    """One line per job of saved ``tiercache bench fio --output-format json`` records (the
+    ``jobs`` lists of one or more runs, host:file and device:file side by side): tiercache's GB/s
+    in the job's main direction, fio's on the same directory and the ratio (with its range over
+    alternated passes), fio with ``fdatasync=1`` and that ratio, and p99 completion latency in
+    microseconds, tiercache / fio. A baseline a job lacks prints as 0."""
+    out = [f"{'job':<22}{'tiers':<13}{'tiercache GB/s':>15}{'fio GB/s':>10}{'ratio':>7}{'range':>12}"
+           f"{'durable fio':>12}{'ratio':>7}{'p99 us tc/fio':>16}"]
+    for r in records:
+        tc = r["tiercache"]
+        op = "read" if r["read"]["total_ios"] >= r["write"]["total_ios"] else "write"
+        b, d = tc.get("baseline") or {}, tc.get("baseline_durable") or {}
+        lo, hi = b.get("ratio_range", [b.get("ratio", 0.0)] * 2)
+        out.append(f"{r['jobname']:<22}{tc['tiers']:<13}{r[op]['bw_bytes'] / 1e9:>15.2f}"
+                   f"{b.get('bw_bytes', 0) / 1e9:>10.2f}{b.get('ratio', 0.0):>7.2f}{f'{lo:.2f}-{hi:.2f}':>12}"
+                   f"{d.get('bw_bytes', 0) / 1e9:>12.2f}{d.get('ratio', 0.0):>7.2f}"
+                   f"{b.get('tiercache_clat_p99_ns', 0) / 1e3:>9.0f}/{b.get('clat_p99_ns', 0) / 1e3:.0f}")
+    return "\n".join(out)
 
 
 def _k(x: float) -> str:

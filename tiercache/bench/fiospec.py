@@ -104,7 +104,9 @@ class FioJob:
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ConfigError(f"job {self.name!r}: {key} = {v!r} must be an integer in [{lo}, {hi}]")
         if not 0 <= self.iodepth_batch <= self.iodepth:
-            raise ConfigError(f"job {self.name!r}: iodepth_batch = {self.iodepth_batch} must be in [0, iodepth={self.iodepth}]")
+            raise ConfigError(
+                f"job {self.name!r}: iodepth_batch = {self.iodepth_batch} must be in [0, iodepth={self.iodepth}]"
+            )
         if self.runtime < 0 or (self.time_based and self.runtime <= 0):
             raise ConfigError(f"job {self.name!r}: time_based needs runtime > 0 (got {self.runtime})")
         if self.nblocks < 0:
@@ -133,12 +135,25 @@ class FioJob:
 
 
 _CONVERT = {
-    "bs": lambda v: parse_size(v, "bs"), "size": lambda v: parse_size(v, "size"), "nblocks": int, "iodepth": int,
-    "iodepth_batch": int, "iodepth_batch_submit": int, "numjobs": int, "rwmixread": int,
-    "runtime": lambda v: float(str(v).rstrip("s") or 0), "time_based": lambda v: parse_bool(v, "time_based"),
-    "direct": lambda v: parse_bool(v, "direct"), "verify": lambda v: parse_bool(v, "verify"),
-    "baseline": lambda v: str(v).strip().lower() if str(v).strip().lower() in BASELINES else parse_bool(v, "baseline"), "rw": str, "readwrite": str, "tiers": str, "io": str,
-    "ioengine": str, "blocksize": lambda v: parse_size(v, "bs"),
+    "bs": lambda v: parse_size(v, "bs"),
+    "size": lambda v: parse_size(v, "size"),
+    "nblocks": int,
+    "iodepth": int,
+    "iodepth_batch": int,
+    "iodepth_batch_submit": int,
+    "numjobs": int,
+    "rwmixread": int,
+    "runtime": lambda v: float(str(v).rstrip("s") or 0),
+    "time_based": lambda v: parse_bool(v, "time_based"),
+    "direct": lambda v: parse_bool(v, "direct"),
+    "verify": lambda v: parse_bool(v, "verify"),
+    "baseline": lambda v: str(v).strip().lower() if str(v).strip().lower() in BASELINES else parse_bool(v, "baseline"),
+    "rw": str,
+    "readwrite": str,
+    "tiers": str,
+    "io": str,
+    "ioengine": str,
+    "blocksize": lambda v: parse_size(v, "bs"),
 }
 _ALIASES = {"readwrite": "rw", "iodepth_batch_submit": "iodepth_batch", "blocksize": "bs"}
 
@@ -188,7 +203,10 @@ def load_job_file(path: Path, overrides: dict | None = None) -> list[FioJob]:
             raise ConfigError(f"job file {p}: not valid TOML: {exc}") from None
         glob, sections = doc.get("global", {}), doc.get("jobs", {})
         if set(doc) - {"global", "jobs"}:
-            raise ConfigError(f"job file {p}: unknown table(s) {sorted(set(doc) - {'global', 'jobs'})}; use [global] and [jobs.<name>]")
+            raise ConfigError(
+                f"job file {p}: unknown table(s) {sorted(set(doc) - {'global', 'jobs'})}; use [global] and "
+                f"[jobs.<name>]"
+            )
     else:
         cp = configparser.ConfigParser(interpolation=None, allow_no_value=True)
         try:

@@ -4,7 +4,8 @@
 threads (``kernels/formatlimit.c``) do, per block, only what the format asks of the file
 system:
 
-- write: open an existing temporary file (written once before, as a recycled free file is) with O_DIRECT, write the header page and
+- write: open an existing temporary file (written once before, as a recycled free file is) with O_DIRECT, write
+the header page and
   the data, close it, rename it over its final name (atomic publication);
 - read: open the final file with O_DIRECT, read it whole, close it.
 

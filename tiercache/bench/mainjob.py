@@ -198,7 +198,11 @@ def format_report(rep: dict) -> str:
         )
     lines.append("")
     for v in rep["verify"]:
-        status = "OK" if not v["mismatched"] else f"FAILED: {v['mismatched']} block(s) differ, e.g. {v['mismatched_keys'][:5]}"
+        status = (
+            "OK"
+            if not v["mismatched"]
+            else f"FAILED: {v['mismatched']} block(s) differ, e.g. {v['mismatched_keys'][:5]}"
+        )
         lines.append(f"  verify ({v['round']}): {v['verified_blocks']}/{rep['blocks']} blocks byte-exact: {status}")
     lines.append(f"  result: {'OK' if rep['ok'] else 'FAILED'}")
     return "\n".join(lines)

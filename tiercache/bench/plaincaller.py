@@ -97,8 +97,21 @@ def plain_caller(dirs: list[Path], bs: int, total_bytes: int, batch: int = 32, s
     out: dict = {}
     try:
         for op in ("write", "read"):
-            cmd = [sys.executable, "-m", "tiercache.bench.plaincaller", op, "--bs", str(bs), "--size",
-                   str(total_bytes), "--batch", str(batch), "--seed", str(seed), *[a for r in roots for a in ("--root", r)]]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tiercache.bench.plaincaller",
+                op,
+                "--bs",
+                str(bs),
+                "--size",
+                str(total_bytes),
+                "--batch",
+                str(batch),
+                "--seed",
+                str(seed),
+                *[a for r in roots for a in ("--root", r)],
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
             if proc.returncode != 0:
                 raise RuntimeError(f"plain caller {op}: {proc.stderr.strip()[-2000:]}")

@@ -24,6 +24,15 @@ from .tokenappend import TokenAppend
 from .uploadring import UploadRing
 
 __all__ = [
-    "BatchCopy", "CopyLauncher", "PreparedLaunch", "Segments", "StagedCopier", "TokenAppend", "UploadRing", "contiguous_runs",
-    "memcpy_runs", "run_starts", "segments_for",
+    "BatchCopy",
+    "CopyLauncher",
+    "PreparedLaunch",
+    "Segments",
+    "StagedCopier",
+    "TokenAppend",
+    "UploadRing",
+    "contiguous_runs",
+    "memcpy_runs",
+    "run_starts",
+    "segments_for",
 ]

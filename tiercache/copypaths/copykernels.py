@@ -29,7 +29,7 @@ Per pool, a batch is planned into runs of consecutive slots on both sides
 
 The gather/scatter kernel's grid is capped at ``max_sms * ctas_per_sm`` thread blocks, the bulk
 kernel's at ``bulk_sms * bulk_ctas_per_sm``, so a copy occupies a bounded share of the GPU while
-the engine computes. Measured on an H100 (docs/performance.md): scattered 16 and 64 KiB blocks
+the engine computes. Measured on an H100 (docs/performance/copies.md): scattered 16 and 64 KiB blocks
 at 88-96% of a contiguous copy, 256 KiB and up at 94-99%.
 """
 
@@ -50,6 +50,16 @@ from tiercache.settings import TransferSettings
 _DEFAULTS = TransferSettings()
 
 
+def launcher_kwargs(t: TransferSettings) -> dict:
+    """:class:`CopyLauncher`'s keyword arguments from the ``[transfer]`` settings (``bulk_shape =
+    "off"``: no bulk kernel)."""
+    return {"max_sms": t.copy_kernel_sms, "memcpy_min_bytes": t.memcpy_min_bytes, "batch_min_bytes": t.batch_min_bytes,
+            "batch_streams": t.batch_streams, "bulk": t.bulk_shape != "off",
+            "bulk_shape": "small" if t.bulk_shape == "off" else t.bulk_shape, "bulk_sms": t.bulk_sms,
+            "staged_min_run_bytes": t.staged_min_run_bytes, "carveout_sms": t.carveout_sms,
+            "offload_staged_min_run_bytes": t.offload_staged_min_run_bytes}
+
+
 class CopyLauncher:
     """Enqueues block copies on a stream (see the module docstring).
 
@@ -65,7 +75,7 @@ class CopyLauncher:
         staged_min_run_bytes: host <-> device batches whose host-side runs average at least
             this many bytes take the staged path; 0 (the default) turns it off (alone it matches the
             bulk kernel, 90-98% of contiguous; beside a GEMM it needs deep staging, see
-            docs/performance.md).
+            docs/performance/copies.md).
         offload_staged_min_run_bytes: device -> host batches whose host-side runs average at
             least this many bytes take the staged path (default 256 KiB; 0: off): its copy engines
             write host memory, where the bulk kernel's SMs writing it slowed a bf16 GEMM on the
@@ -75,7 +85,7 @@ class CopyLauncher:
         bulk_shape: ``large`` (64 KiB of shared memory per CTA, one CTA on each of ``bulk_sms``
             SMs: it does not share SMs with compute kernels) or ``small`` (one warp, 4 KiB of
             shared memory and 32 registers per thread per CTA: it fits beside a compute kernel's
-            CTAs, which it then slows); see ``kernels/copy_bulk.cu`` and docs/performance.md.
+            CTAs, which it then slows); see ``kernels/copy_bulk.cu`` and docs/performance/copies.md.
         bulk_sms: SMs the bulk kernel may use (None: ``max_sms``); its grid is ``bulk_sms *
             bulk_ctas_per_sm`` and the kernel holds at most ``bulk_ctas_per_sm`` CTAs per SM.
         batch_streams: streams one ``cuMemcpyBatchAsync`` batch is split over (see
@@ -87,7 +97,7 @@ class CopyLauncher:
             CTAs, on each); device -> host batches of whole blocks under ``batch_min_bytes`` take
             the staged path, whose PCIe hop is on the copy engines and whose VRAM hop stays on
             those SMs: SMs that write host memory slowed a GEMM on the other SMs by 40-60% on an
-            H100, copy engines do not (docs/performance.md). Host -> device copies keep the bulk
+            H100, copy engines do not (docs/performance/copies.md). Host -> device copies keep the bulk
             kernel (SMs reading host memory cost the GEMM a few percent).
 
     Raises:
@@ -106,6 +116,12 @@ class CopyLauncher:
     #: bytes (else the bulk kernel)
     MEMCPY2D_MIN_ROWS = 4
     MEMCPY2D_MIN_ROW_BYTES = 16 << 10
+
+    @classmethod
+    def from_settings(cls, device_id: int, settings: TransferSettings) -> CopyLauncher:
+        """A launcher on CUDA device ``device_id`` as the ``[transfer]`` settings configure it
+        (:func:`launcher_kwargs`); what the transfer engine builds."""
+        return cls(device_id, **launcher_kwargs(settings))
 
     def __init__(self, device_id: int = 0, max_sms: int | None = None, ctas_per_sm: int = 2, threads: int = 256,
                  unroll: int = 8, memcpy_min_bytes: int = _DEFAULTS.memcpy_min_bytes,
@@ -261,13 +277,20 @@ class CopyLauncher:
             # a prepared launch of rows that line up in long strided runs (a host block's rows
             # going to consecutive device rows, as a layer-streaming cache's ring is laid out):
             # one 2-D copy per run on the copy engines, which keep ~95% of a contiguous copy
-            # beside compute where the bulk kernel shares the SMs with it (docs/performance.md)
+            # beside compute where the bulk kernel shares the SMs with it (docs/performance/copies.md)
             runs, sp2, dp2 = strided_runs(sp + src_off, dp + dst_off, row)
             k = runs.length.size
             if k * self.MEMCPY2D_MIN_ROWS <= n and n * row >= k * self.batch_min_bytes:
-                self._recording.append(Memcpy2DBatch([
-                    (b, pd, a, ps, row, m) for a, b, m, ps, pd in zip(runs.src.tolist(), runs.dst.tolist(),
-                                                                      runs.length.tolist(), sp2.tolist(), dp2.tolist())]))
+                self._recording.append(
+                    Memcpy2DBatch(
+                        [
+                            (b, pd, a, ps, row, m)
+                            for a, b, m, ps, pd in zip(
+                                runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), sp2.tolist(), dp2.tolist()
+                            )
+                        ]
+                    )
+                )
                 used.add("memcpy2d")
                 return
         # a prepared launch takes a kernel where one can copy the rows: its host cost per run is

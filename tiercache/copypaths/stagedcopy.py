@@ -5,7 +5,7 @@ SMs that copy over PCIe slow the compute kernels: on an H100, one small copy CTA
 cuBLAS's bf16 GEMM slowed the product by about 45%; copies by SMs the GEMM does not use (an SM
 carve-out) still slowed it by 40-85% when they wrote host memory (a few percent when they read
 it). The copy engines take no SMs: beside the GEMM a contiguous copy keeps 97-98% of its speed
-and costs the GEMM about 1% (docs/performance.md). When the host side of a batch is made of runs
+and costs the GEMM about 1% (docs/performance/copies.md). When the host side of a batch is made of runs
 of consecutive slots (the cache allocates host slots lowest-free-first, so an offloaded batch
 lands in runs and is onboarded from them), the PCIe hop is one batched driver copy per chunk
 (``cuMemcpyBatchAsync``; ``cudaMemcpyAsync`` per run without it) of the runs into (or out of) a

@@ -420,7 +420,7 @@ class BlockBatches:
         the tier's O_DIRECT setting). Cutting a 32-block request into quarters, as
         before, doubled the Python work per block around the native calls: on an H100 machine
         with four RAM-backed devices, 256 KiB blocks in 32-block requests read at 12.5 GB/s as
-        one chunk against 6.2 as four (docs/performance.md, "Several devices: root arrays")."""
+        one chunk against 6.2 as four (docs/performance/root-arrays.md, "Several devices: root arrays")."""
         n_files = sum(len(bufs) for _, bufs in items)
         parts = max(1, -(-n_files // MAX_CHUNK_FILES))
         target = -(-n_files // parts)
@@ -656,7 +656,9 @@ class BlockBatches:
             exc = error_for(code, where)
             raise (CorruptBlockError(str(exc)) if code == NOT_REGULAR else exc)
         if ops.got[j] < DATA_OFFSET + pool.block_nbytes:
-            raise CorruptBlockError(f"{where}: truncated ({int(ops.got[j])} bytes, expected {file_size(pool.block_nbytes)})")
+            raise CorruptBlockError(
+                f"{where}: truncated ({int(ops.got[j])} bytes, expected {file_size(pool.block_nbytes)})"
+            )
         want = header_checksum(ops.heads[j], key, pool, where)
         if self.verify and (int(ops.hash[j]) if ops.flags[j] & HASH else checksum(host)) != want:
             raise CorruptBlockError(f"{where}: data checksum mismatch")

@@ -5,7 +5,8 @@ is two lower-case hex digits of the XXH3-64 of its key's text (:func:`block_subd
 pool's file of a block is in the same one). One directory for every file serialized the
 file system's work on it: creating, renaming and removing files in one ext4 directory
 measured 0.8-1.05 GB/s for 256 KiB files from 32 threads where 8 or more directories gave
-1.4-1.6 (docs/performance.md, "Block files in subdirectories"). 64 leaves a file system's
+1.4-1.6 (a probe on the CPU machine when the subdirectories came in, 2026-11-24; their effect
+on the file tier against fio: docs/performance/files.md). 64 leaves a file system's
 free-space and directory work spread over as many directories while each still holds
 recycled files to reuse (:mod:`tiercache.files.openfiles`: a free file is reused only in
 its own directory, since a rename between directories takes the file system's

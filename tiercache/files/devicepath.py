@@ -102,5 +102,5 @@ def select_io_path(mode: str, cuda: CudaStatus | None = None) -> IOPath:
         return IOPath("gds", why)
     # without GDS, kvikio's compat mode bounces through its own buffers after we already
     # staged the block on the host for its checksum; tiercache's O_DIRECT path from that pinned
-    # staging buffer measured faster (docs/performance.md); io_mode = "compat" still picks kvikio
+    # staging buffer measured faster (docs/performance/files.md); io_mode = "compat" still picks kvikio
     return IOPath("posix", f"no GDS ({why}): O_DIRECT through pinned staging buffers")

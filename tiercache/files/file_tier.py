@@ -16,7 +16,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from tiercache.errors import CorruptBlockError
-from tiercache.files import kvikio_io, posix_io
+from tiercache.files import posix_io
 from tiercache.files.blockbatch import BlockBatches, GroupCommit, before_io, python_rename_all, settle_futures
 from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, file_size, parse_filename
+from tiercache.files.blockio import BlockIO, block_io
 from tiercache.files.devicepath import IOPath
 from tiercache.files.iothreads import IOThreads
 from tiercache.files.nativeio import NativeIO, choose_engine, native_threads
@@ -36,7 +37,6 @@ from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, Ro
 from tiercache.files.sharing import published, tmp_abandoned, tmp_name, tmp_owner
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
-from tiercache.memory import copy_sync
 from tiercache.settings import FileSettings, SharingSettings
 
 log = logging.getLogger("tiercache")
@@ -155,8 +155,9 @@ class FileTier:
         self._executor = IOThreads(io_threads)
         #: per key, extra header metadata for its next write (set by the cache)
         self.block_meta: dict[Key, dict] = {}
-        if io_path.kvikio:
-            kvikio_io.configure(io_threads, settings.kvikio_task_size, settings.kvikio_gds_threshold)
+        #: how a single block's file moves (POSIX, or kvikio for device buffers), chosen once
+        self.block_io: BlockIO = block_io(io_path, fsync, direct_io, verify, self._staging, device_id, io_threads,
+                                          settings.kvikio_task_size, settings.kvikio_gds_threshold)
         self._native = self._batches = None
         #: the native engine's held descriptors and free files (None with the python engine)
         self.open_files: OpenFiles | None = None
@@ -391,7 +392,7 @@ class FileTier:
         finally:
             os.close(fd)
 
-    def evict(self, keys: list[Key]) -> list[Key]:
+    def evict(self, keys: Sequence[Key]) -> list[Key]:
         """Policy eviction of ``keys`` from the bottom tier; returns the keys whose files were
         deleted. Exclusive mode deletes them; shared mode deletes none: the process only
         forgets them, and the root as a whole is held to capacity by :meth:`sweep` (oldest
@@ -410,7 +411,7 @@ class FileTier:
         self.delete(keys)
         return list(keys)
 
-    def probe(self, keys: list[Key]) -> list[Key]:
+    def probe(self, keys: Sequence[Key]) -> list[Key]:
         """The ``keys`` whose every pool file is published in the root now (another process
         may have written them): :func:`~tiercache.files.sharing.published`."""
         return [k for k in keys if published(self.dir, k, self.pools) is not None]
@@ -492,33 +493,10 @@ class FileTier:
         extra = self.block_meta.get(key)
         if publish:
             self._forget([final.name])
-        if isinstance(buf, memoryview) or hasattr(buf, "ctypes"):  # host memory
-            return posix_io.write_block(final, key, pool, buf, self.fsync, self.direct_io, extra, publish)
-        import cupy
-
-        with cupy.cuda.Device(self.device_id):
-            staging = self._staging()
-            if self.io_path.kvikio:
-                return kvikio_io.write_block(final, key, pool, buf, staging, self.fsync, extra, publish)
-            host = staging[: pool.block_nbytes]  # forced POSIX: bounce through pinned staging
-            copy_sync(host, buf)
-            return posix_io.write_block(final, key, pool, host, self.fsync, self.direct_io, extra, publish)
+        return self.block_io.write(final, key, pool, buf, extra, publish)
 
     def _read_one(self, key: Key, pool: PoolSpec, buf) -> None:
-        path = self.path(key, pool.name)
-        if hasattr(buf, "ctypes"):
-            posix_io.read_block(path, key, pool, buf, self.verify, self.direct_io)
-            return
-        import cupy
-
-        with cupy.cuda.Device(self.device_id):
-            staging = self._staging()
-            if self.io_path.kvikio:
-                kvikio_io.read_block(path, key, pool, buf, staging, self.verify)
-            else:
-                host = staging[: pool.block_nbytes]
-                posix_io.read_block(path, key, pool, host, self.verify, self.direct_io)
-                copy_sync(buf, host)
+        self.block_io.read(self.path(key, pool.name), key, pool, buf)
 
     def _write_key(self, key: Key, bufs: dict) -> None:
         try:
@@ -548,7 +526,7 @@ class FileTier:
         for pool, buf in bufs.items():
             self._read_one(key, self.pools[pool], buf)
 
-    def submit(self, kind: str, items: list[tuple[Key, dict]], deps: list = (), delay_s: float = 0.0,
+    def submit(self, kind: str, items: Sequence[tuple[Key, dict]], deps: Sequence = (), delay_s: float = 0.0,
                skip: Callable[[int], str | None] | None = None) -> list[tuple[Key, Future]]:
         """Start reading or writing blocks on the I/O threads; returns ``[(key, future)]``.
 
@@ -569,7 +547,7 @@ class FileTier:
         are written as temporary files without a flush of their own, then one ``syncfs``
         makes the batch durable and the files are renamed into place; each block's future
         resolves only then (the same guarantee per block as a flush per file, one device
-        flush per batch instead of one per file: docs/performance.md).
+        flush per batch instead of one per file: docs/performance/files.md).
 
         With the native engine (:attr:`engine`), host buffers, and device buffers on the
         POSIX path, go through :class:`~tiercache.files.blockbatch.BlockBatches`: one C call

@@ -56,7 +56,8 @@ class IndexUnusable(Exception):
 @dataclass
 class SavedIndex:
     """A root's saved index: per block its key (``klen``, ``kval``, ``arena``), hash, tick
-    and subdirectory number (``group``), in arrays of one length ``n``; ``clock`` the next tick; ``positions`` per key text
+    and subdirectory number (``group``), in arrays of one length ``n``; ``clock`` the next tick; ``positions`` per
+    key text
     the positions mask of a partial host block; ``dir_times`` per subdirectory its
     modification time (ns) when the index was taken, ``None`` where it cannot be trusted."""
 
@@ -131,7 +132,8 @@ def index_summary(rd: RootDir) -> dict | None:
     """What the root's saved index says without reading its body (a few KB however many
     blocks): ``{"blocks", "pools": [[name, dtype, shape, file bytes], ...], "written"
     (seconds since the epoch), "clean" (every subdirectory's time trusted: saved by the close
-    of an exclusive root that had not written in its last :data:`TIME_MARGIN_NS`)}``; None when there is no index, or it is
+    of an exclusive root that had not written in its last :data:`TIME_MARGIN_NS`)}``; None when there is no index,
+    or it is
     unreadable, corrupt, or another root's."""
     p = rd.child(INDEX)
     try:
@@ -269,8 +271,13 @@ def _load_index(rd: RootDir, pools: tuple[PoolSpec, ...]) -> SavedIndex | None:
                        np.frombuffer(body, np.uint64, n, 17 * n), np.frombuffer(body, np.uint8, n, 25 * n),
                        bytes(body[26 * n:]), clock, positions, times)
     byt = klen != 255
-    if ((klen == 0) | (klen > 64) & byt).any() or (index.group >= len(SUBDIRS)).any() or (byt.any() and int((kval[byt] + klen[byt]).max()) > arena_len) \
-            or (byt.any() and int(kval[byt].min()) < 0) or ((~byt).any() and int(kval[~byt].min()) < 0):
+    if (
+        ((klen == 0) | (klen > 64) & byt).any()
+        or (index.group >= len(SUBDIRS)).any()
+        or (byt.any() and int((kval[byt] + klen[byt]).max()) > arena_len)
+        or (byt.any() and int(kval[byt].min()) < 0)
+        or ((~byt).any() and int(kval[~byt].min()) < 0)
+    ):
         raise IndexUnusable("entries out of range")
     if n and int(index.tick.max()) >= clock:
         raise IndexUnusable("an entry's tick is not below the index's clock")

@@ -8,7 +8,7 @@ per file only what it must (the header's bytes and the XXH3-64 checksum).
 
 Why: with one Python thread per file (the ``python`` engine), 64 KiB random reads stopped at
 about a fifth of fio on the same disk; the same open/preadv/close loop in C threads reaches
-fio (docs/performance.md, "File tier against fio").
+fio (docs/experiments/files.md, "File tier against fio").
 
 Engines (``[file] io_engine``; fio's ``ioengine`` names where they match):
 

@@ -3,7 +3,7 @@
 A file per block (``block_{key}_pool_{pool}.bin``) costs what one big file does not: a path
 lookup, an inode and an ``open``/``fstat``/``close`` per read, and per write the creation of an
 inode, the allocation of its extents, a rename and the release of the file it replaced. fio
-shows the cost on the same disk (docs/performance.md, "Open files and recycled files"): 16 KiB
+shows the cost on the same disk (docs/experiments/files.md, "Open files and recycled files"): 16 KiB
 random reads over 16384 files run at 0.9 of one file's speed when fio keeps every file open,
 0.2 when it opens and closes them. This module keeps the first and removes most of the second:
 
@@ -51,7 +51,7 @@ log = logging.getLogger("tiercache")
 FREE_FILES = 256
 #: free files of at least this many bytes move (one rename) to a subdirectory that has none of
 #: their size; smaller ones stay where they are and the write makes a new file. Measured on the
-#: H100 machines (docs/performance.md, "The file tier against fio after the subdirectories"):
+#: H100 machines (docs/performance/files.md, "The file tier against fio after the subdirectories"):
 #: 2 MiB overwrites spread over 64 subdirectories reached a median 0.71-0.87 of fio without
 #: moves and 1.06-1.20 with them; 64 KiB random overwrites 0.23-0.30 of fio with moves, where a
 #: cross-directory rename costs about what allocating a small file does.

@@ -402,9 +402,11 @@ def _assemble(dirs: list[RootDir], recs: list[ArrayRecord | None]) -> RootDir | 
     missing = [p for mid, p in some.members if mid not in by_id]
     if missing:
         raise RootError(
-            f"root(s) {', '.join(missing)} of the root array are missing from the roots given ({_cmd(d.path for d in dirs)}):"
+            f"root(s) {', '.join(missing)} of the root array are missing from the roots given "
+            f"({_cmd(d.path for d in dirs)}):"
             f" their blocks would be lost. List every member, or take a member out with `tiercache roots remove "
-            f"{_cmd(some.paths())} --drop ROOT` (its blocks move to the others; --forget for a device that is gone)")
+            f"{_cmd(some.paths())} --drop ROOT` (its blocks move to the others; --forget for a device that is gone)"
+        )
     if len(some.members) == 1:
         return by_id[some.members[0][0]]
     return RootArray([by_id[mid] for mid, _ in some.members], some)

@@ -33,6 +33,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from tiercache.errors import RootError
 from tiercache.files.blockfile import (
@@ -58,6 +59,15 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 class NotRegularFileError(OSError):
     """A name in the root that is not a regular file (a symlink, directory, device or FIFO)."""
+
+
+class RootLike(Protocol):
+    """What own files are written into: a :class:`RootDir`, or a root array (its home
+    member's)."""
+
+    def child(self, name: str) -> RootPath:
+        """``name`` inside the root."""
+        ...
 
 
 class RootPath(os.PathLike):
@@ -159,7 +169,9 @@ class RootPath(os.PathLike):
         except (IsADirectoryError, PermissionError) as exc:
             st = self.lstat()
             if st is not None and stat.S_ISDIR(st.st_mode):
-                raise NotRegularFileError(errno.EISDIR, f"{self}: a directory, not a block file; left in place") from None
+                raise NotRegularFileError(
+                    errno.EISDIR, f"{self}: a directory, not a block file; left in place"
+                ) from None
             raise exc
         return True
 
@@ -325,8 +337,10 @@ def check_owner_and_mode(st: os.stat_result, where: str) -> None:
         raise RootError(f"file-tier root {where!r} belongs to uid {st.st_uid}, not this user (uid {uid}): anyone who "
                         "can write a root can plant blocks; use a root of your own, or set check_root_owner = false")
     if st.st_mode & 0o022:
-        raise RootError(f"file-tier root {where!r} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}):"
-                        f" anyone who can write a root can plant blocks; chmod 700 it, or set check_root_owner = false")
+        raise RootError(
+            f"file-tier root {where!r} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}):"
+            f" anyone who can write a root can plant blocks; chmod 700 it, or set check_root_owner = false"
+        )
 
 
 def _read_small(p: RootPath, limit: int = 4096) -> bytes:
@@ -360,7 +374,7 @@ def check_marker(root: RootDir) -> None:
         raise RootError(f"file-tier root {str(root.path)!r} has format {fmt!r}; this tiercache reads {FORMAT_VERSION}")
 
 
-def write_atomic(root: RootDir, name: str, data: bytes, fsync: bool = False) -> None:
+def write_atomic(root: RootLike, name: str, data: bytes, fsync: bool = False) -> None:
     """Create or replace ``name`` in ``root`` with ``data``: a new temporary file (``O_EXCL``,
     no symlink followed; with ``fsync`` flushed to the device), then a rename over ``name``.
 
@@ -495,9 +509,10 @@ class RootLock:
                 raise RootError(f"file-tier root {where!r} is in use by processes in shared mode; open it with "
                                 "[file] sharing = \"shared\" too, or give this process its own root") from None
             if holder == str(os.getpid()):
-                raise RootError(f"file-tier root {where!r} is in use: already open in this process (exclusive mode): close "
-                                "that cache first, use one cache for it, or open both with [file] sharing = \"shared\""
-                                ) from None
+                raise RootError(
+                    f"file-tier root {where!r} is in use: already open in this process (exclusive mode): close "
+                    'that cache first, use one cache for it, or open both with [file] sharing = "shared"'
+                ) from None
             raise RootError(
                 f"file-tier root {where!r} is in use by another process (pid {holder}); one process writes a root "
                 "at a time in exclusive mode: give each process (rank) its own root, e.g. root/rank0, or open "
@@ -552,7 +567,7 @@ def classify(name: str) -> str:
     return "block" if parse_filename(name) is not None else "foreign"
 
 
-def write_stats(root: RootDir, stats: dict) -> None:
+def write_stats(root: RootLike, stats: dict) -> None:
     """Save a cache's ``stats`` (with this pid and the time) as ``<root>/`` :data:`STATS`,
     atomically; best effort: an OSError leaves the old file."""
     snap = {**stats, "pid": os.getpid(), "time": time.time()}

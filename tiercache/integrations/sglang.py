@@ -132,10 +132,17 @@ class PageLayout:
     def describe(self) -> dict:
         """What makes a page's bytes mean the same thing: the digest of the file names."""
         p = self.pool
-        return {"pool": type(p).__name__, "layout": str(getattr(p, "layout", "")), "dtype": str(getattr(p, "dtype", "")),
-                "page_size": self.page_size, "layers": int(getattr(p, "layer_num", 0) or 0),
-                "heads": int(getattr(p, "head_num", 0) or 0), "head_dim": int(getattr(p, "head_dim", 0) or 0),
-                "pieces": self.pieces, "piece_bytes": self.piece_bytes}
+        return {
+            "pool": type(p).__name__,
+            "layout": str(getattr(p, "layout", "")),
+            "dtype": str(getattr(p, "dtype", "")),
+            "page_size": self.page_size,
+            "layers": int(getattr(p, "layer_num", 0) or 0),
+            "heads": int(getattr(p, "head_num", 0) or 0),
+            "head_dim": int(getattr(p, "head_dim", 0) or 0),
+            "pieces": self.pieces,
+            "piece_bytes": self.piece_bytes,
+        }
 
     def rows(self, host_indices, pages: int):
         """The host memory of ``pages`` pages starting at token slots ``host_indices[i *
@@ -202,8 +209,12 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
     def __init__(self, storage_config, kwargs: dict | None = None) -> None:
         self.storage_config = storage_config
         self.settings = parse_config(getattr(storage_config, "extra_config", None))
-        self.store: RowStore | None = None
-        self.layout: PageLayout | None = None
+        # both made by register_mem_pool_host (SGLang calls it before any page moves)
+        self.store: RowStore = None  # type: ignore[assignment]
+        self.layout: PageLayout = None  # type: ignore[assignment]
+        self.staging: torch.Tensor = None  # type: ignore[assignment]  # [slabs * slab_rows, page_bytes] uint8
+        self.slab_rows = 0  # pages per staging slab
+        self._slabs = 0
         self.jobs = RowJobs()
         self.writer = bool(compat.is_storage_writer(storage_config))
         self.counters: dict[str, int] = {"get_pages": 0, "get_failed_pages": 0, "set_pages": 0, "set_skipped_pages": 0,
@@ -554,7 +565,7 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
             if self.store.metrics_name:
                 metrics.unregister(self.store)
             self.store.close()
-            self.store = None
+            self.store = None  # type: ignore[assignment]
 
 
 __all__ = ["DEFAULTS", "PageLayout", "TierCacheHiCacheStorage", "page_key", "parse_config", "rank_dir"]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -197,11 +198,11 @@ class TieredCache(Cache):
         self.host_bytes = host_bytes
         self.root = root
         self.options = {"fsync": "none", **options}
-        self.tiers = None  # the TierCache, from the first update
+        self.tiers: Any = None  # the TierCache, from the first update
         self._lengths = [0] * self.num_layers
-        self._finalizer = None
+        self._finalizer: weakref.finalize | None = None
         self.update_seconds = 0.0  # host time spent in update() (all layers, all steps)
-        self._after = None  # (update, layer) whose buffer's next onboard is still to queue
+        self._after: tuple[int, int] | None = None  # (update, layer) whose buffer's next onboard is still to queue
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
         hooks = _attention_hooks(model, self) if model is not None else []
         self.attention_hooks = len(hooks)
@@ -219,7 +220,7 @@ class TieredCache(Cache):
         if self.tiers is not None:
             return
         from tiercache.cache import TierCache
-        from tiercache.serving import DevicePools
+        from tiercache.enginetensors import DevicePools
 
         B, H, _, D = key_states.shape
         self.batch, self.heads, self.head_dim = B, H, D
@@ -274,7 +275,7 @@ class TieredCache(Cache):
                                           blocks_per_host_block=k, root=self.root, **opts)
         if file_slots:  # the root is scratch space: a previous run's blocks go
             self.tiers.evict(self.tiers.keys("file"))
-        self._plans: dict[tuple[int, int], tuple[int, object]] = {}
+        self._plans: dict[tuple[int, int], tuple[int, Any]] = {}
         self._finalizer = weakref.finalize(self, _close, self.tiers, self._plans,
                                            (self.device, self._tail_owner) if self._tail_owner else None)
         self.block_bytes = block_bytes
@@ -456,6 +457,7 @@ class TieredCache(Cache):
         ``g + ring_layers``, wrapping into the next forward pass), after the compute queued
         so far on ``stream``: right after that attention (from the ``o_proj`` hook) or, when
         no hook ran, at the end of the next update."""
+        assert self._after is not None  # callers check
         g, layer_idx = self._after
         self._after = None
         R = self.ring_layers

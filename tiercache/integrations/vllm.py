@@ -110,7 +110,7 @@ from tiercache import KeyState, RowStore
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.integrations import vllmcompat as compat
 from tiercache.integrations.engineconfig import with_defaults
-from tiercache.integrations.vllmcompat import SecondaryTierManager, TransferJob
+from tiercache.integrations.vllmcompat import SecondaryTierManager
 from tiercache.settings import default as settings_default
 from tiercache.settings import sections
 
@@ -272,15 +272,15 @@ class TierCacheTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     # -- jobs ----------------------------------------------------------------------------------
-    def submit_store(self, job_metadata: TransferJob) -> None:
+    def submit_store(self, job_metadata: Any) -> None:  # the release's TransferJob (vllmcompat)
         """Write the job's primary rows (``chunk_ids``) as block files; returns at once."""
         self._submit(self.store.submit_store, job_metadata)
 
-    def submit_load(self, job_metadata: TransferJob) -> None:
+    def submit_load(self, job_metadata: Any) -> None:  # the release's TransferJob (vllmcompat)
         """Read the job's chunks into its primary rows (``chunk_ids``); returns at once."""
         self._submit(self.store.submit_load, job_metadata)
 
-    def _submit(self, submit, job: TransferJob) -> None:
+    def _submit(self, submit, job: Any) -> None:
         try:
             submit(list(job.keys), compat.job_rows(job), job_id=job.job_id)
         except TierCacheError as exc:  # a key or row vLLM should never send: fail the job, not the step

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Collection
+from collections.abc import Collection, Hashable
 from typing import Any
 
 import numpy as np
@@ -79,7 +79,7 @@ def make_job(job_id: int, keys: Collection[bytes], rows, is_promotion: bool, req
                        **{_JOB_ROWS: np.asarray(rows, dtype=np.int64)})
 
 
-def job_result(job_id: int, success: bool, successful_keys: Collection[bytes] | None = None,
+def job_result(job_id: Hashable, success: bool, successful_keys: Collection[bytes] | None = None,
                transfer_time: float | None = None, transfer_bytes: int | None = None) -> Any:
     """A ``JobResult`` with the fields this release has (the others are dropped).
 

@@ -124,7 +124,9 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"TierCacheConnector: 'load_policy' = {out['load_policy']!r}; valid: "
                           f"{', '.join(LOAD_POLICIES)}")
     if out["copy_kernel"] not in COPY_KERNELS:
-        raise ConfigError(f"TierCacheConnector: 'copy_kernel' = {out['copy_kernel']!r}; valid: {', '.join(COPY_KERNELS)}")
+        raise ConfigError(
+            f"TierCacheConnector: 'copy_kernel' = {out['copy_kernel']!r}; valid: {', '.join(COPY_KERNELS)}"
+        )
     check_positive("TierCacheConnector", out, "capacity_blocks", optional=True)
     return out
 
@@ -451,8 +453,9 @@ class ConnectorWorker:
         self.settings = settings
         self.roots = roots
         self.views: list[torch.Tensor] = []
-        self.store: RowStore | None = None
-        self.launcher = None
+        self.store: RowStore = None  # type: ignore[assignment]  # made by register()
+        self.launcher: Any = None
+        self.copy_path = ""  # how pages move between the device slabs and the blocks (register)
         self.counters: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self.jobs = RowJobs()
@@ -541,9 +544,13 @@ class ConnectorWorker:
         else:
             self.copy_path = "torch (CPU)"
         s = self.settings
-        self.store = RowStore(self.staging.numpy(), [str(r) for r in self.roots] if len(self.roots) > 1 else
-                              str(self.roots[0]), capacity_blocks=s["capacity_blocks"], on_finish=self.jobs.finished_hook,
-                              **{name: s[k] for k, name in SETTING_KEYS.items()})
+        self.store = RowStore(
+            self.staging.numpy(),
+            [str(r) for r in self.roots] if len(self.roots) > 1 else str(self.roots[0]),
+            capacity_blocks=s["capacity_blocks"],
+            on_finish=self.jobs.finished_hook,
+            **{name: s[k] for k, name in SETTING_KEYS.items()},
+        )
         self.jobs.attach(self.store)
         self._writer = threading.Thread(target=self._write_loop, name="tiercache-vllm-connector-writer", daemon=True)
         self._writer.start()
@@ -1040,6 +1047,14 @@ def _launcher(device: torch.device):
         return None, f"torch ({type(exc).__name__}: {exc})"
 
 
+def _side(obj, wanted: str, role: str):
+    """``obj``, this connector's side for a ``wanted``-side call; a ConfigError naming the mix-up
+    where it is None (the connector was built for ``role``)."""
+    if obj is None:
+        raise ConfigError(f"TierCacheConnector: a {wanted}-side call on a {role}-side connector")
+    return obj
+
+
 class TierCacheConnector(KVConnectorBase_V1):
     """vLLM's KV connector for tiercache's direct path (see the module's doc).
 
@@ -1074,39 +1089,49 @@ class TierCacheConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank() if tp > 1 else 0
             self._worker = ConnectorWorker(self.settings, rank_roots(self.settings["root"], digest, model, rank))
 
+    @property
+    def sched(self) -> ConnectorScheduler:
+        """The scheduler side. Raises ConfigError on a worker-side connector."""
+        return _side(self._sched, "scheduler", "worker")
+
+    @property
+    def worker(self) -> ConnectorWorker:
+        """The worker side. Raises ConfigError on a scheduler-side connector."""
+        return _side(self._worker, "worker", "scheduler")
+
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        return self.sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self._sched.update_connector_output(connector_output)
+        self.sched.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
-        return self._sched.request_finished(request, block_ids)
+        return self.sched.request_finished(request, block_ids)
 
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks if self.kv_cache_config is not None else None
         if num_blocks is None:
             num_blocks = next(iter(kv_caches.values())).shape[0]
-        self._worker.register(kv_caches, int(num_blocks))
+        self.worker.register(kv_caches, int(num_blocks))
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, TierCacheConnectorMetadata):
-            self._worker.before_forward(kv_connector_metadata.preempted)
+            self.worker.before_forward(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierCacheConnectorMetadata)
-        self._worker.before_forward(meta.preempted)  # again: a release without handle_preemptions
-        self._worker.plan_stores(meta.stores)
-        self._worker.load(meta.loads)
+        self.worker.before_forward(meta.preempted)  # again: a release without handle_preemptions
+        self.worker.plan_stores(meta.stores)
+        self.worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are done before vLLM schedules their requests (one step)
@@ -1115,18 +1140,28 @@ class TierCacheConnector(KVConnectorBase_V1):
         return  # stores gather whole blocks after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
-        self._worker.after_forward()
+        self.worker.after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(finished_req_ids)
+        return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors()
+        return self.worker.load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
 
 
-__all__ = ["BlockTransfer", "ConnectorScheduler", "ConnectorWorker", "DEFAULTS", "TierCacheConnector", "TierCacheConnectorMetadata", "block_key", "block_views",
-           "parse_config", "rank_roots"]
+__all__ = [
+    "BlockTransfer",
+    "ConnectorScheduler",
+    "ConnectorWorker",
+    "DEFAULTS",
+    "TierCacheConnector",
+    "TierCacheConnectorMetadata",
+    "block_key",
+    "block_views",
+    "parse_config",
+    "rank_roots",
+]

@@ -7,7 +7,7 @@ asynchronously, and copy kernels reach it through unified addressing. It comes f
   registered with CUDA (``cudaHostRegister``), where the administrator reserved them
   (``sysctl vm.nr_hugepages=N``). Pinning them is faster: on an H100 test machine, 16 GiB took
   6.2 s against 10.6 s from ``cudaHostAlloc`` (4 GiB: 0.7-1.3 s against 3.3 s). Copies run at
-  the same speed from either (benchmarks/host_alloc.py; docs/performance.md, "Host memory").
+  the same speed from either (benchmarks/host_alloc.py; docs/performance/copies.md, "Host memory").
 - CuPy's ``alloc_pinned_memory`` (``cudaHostAlloc``, 4 KiB pages) otherwise.
 
 Without CUDA: an anonymous ``mmap`` (huge pages where asked for and reserved), page-aligned,

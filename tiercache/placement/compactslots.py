@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -258,7 +258,7 @@ class CompactSlots:
         self._base = (h[order], used[order])
         self._delta = {}
 
-    def add(self, keys: list[Key]) -> list[int]:
+    def add(self, keys: Sequence[Key]) -> list[int]:
         """Give each key (not yet in this tier) a free slot; the caller made room.
 
         Raises:

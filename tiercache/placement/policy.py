@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from tiercache.errors import KeyNotFoundError, PinnedBlockError, TierFullError
 from tiercache.keys import Key, format_keys, key_text
 from tiercache.placement.compactslots import CompactSlots, check_claim
-from tiercache.placement.victims import lru_victims
+from tiercache.placement.victims import LRU, EvictionPolicy
 
 TIER_ORDER = ("device", "host", "file")
 
@@ -100,6 +100,8 @@ class Placement:
     """
 
     def __init__(self, capacities: dict[str, int], file_group=None) -> None:
+        #: which keys leave a full tier (:class:`~tiercache.placement.victims.EvictionPolicy`)
+        self.eviction: EvictionPolicy = LRU()
         self.tiers = {name: CompactSlots(name, n, file_group) if name == "file" else TierSlots(name, n)
                       for name, n in capacities.items()}
         self.pins: dict[Key, int] = {}
@@ -182,14 +184,15 @@ class Placement:
             raise PinnedBlockError(f"cannot {action} pinned block(s) {format_keys(pinned)}; unpin them first")
 
     def victims(self, tier: str, count: int, protect: set[Key]) -> list[Key]:
-        """The ``count`` least recently used keys of ``tier`` that may leave it: not pinned
-        and not in ``protect`` (the keys of the operation in progress).
+        """The ``count`` keys of ``tier`` that :attr:`eviction` picks (the least recently used,
+        by default) among those that may leave it: not pinned and not in ``protect`` (the keys
+        of the operation in progress).
 
         Raises:
             TierFullError: fewer than ``count`` such keys.
         """
         ts = self.tiers[tier]
-        out = lru_victims(ts.lru, count, lambda k: k in protect or self.is_pinned(k))
+        out = self.eviction.victims(ts.lru, count, lambda k: k in protect or self.is_pinned(k))
         if len(out) == max(count, 0):
             return out
         pinned = [k for k in ts.lru if self.is_pinned(k)]

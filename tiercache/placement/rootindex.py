@@ -242,7 +242,9 @@ class RootIndex:
                     # an incomplete block (a file of one pool gone: an eviction a crash cut short)
                     # cannot be served: dropped like a block whose files are all gone
                     here = {key_hash(k) for k in res.known} | {key_hash(k) for k, _ in res.blocks}
-                    gone += [(s, t) for s, t, h in zip(slots.tolist(), ticks.tolist(), hashes.tolist()) if h not in here]
+                    gone += [
+                        (s, t) for s, t, h in zip(slots.tolist(), ticks.tolist(), hashes.tolist()) if h not in here
+                    ]
                     total.blocks += res.blocks
                     total.known += res.known
                     total.incomplete += res.incomplete

@@ -3,7 +3,7 @@
 A block file is checked against itself (:func:`~tiercache.rootops.inventory.verify_file` says
 what that means: a regular file, its header naming its key and pool, its exact size, the
 XXH3-64 of its data). Checking them one Python call at a time stops far below the disk for
-small blocks (measured in docs/performance.md, "Opening a root of a million blocks"), so here
+small blocks (measured in docs/performance/scale.md, "Opening a root of a million blocks"), so here
 chunks of files go to the native engine (``kernels/blockio.c``) in one call each: open without
 following a symlink, ``fstat`` (regular files only; a file whose size changed since the survey
 is checked again on its own), one vectored read of header page and data,
@@ -282,7 +282,7 @@ def quick_gil_handoff(interval: float = CHECK_SWITCH_S):
     """Python's thread switch interval set to ``interval`` seconds for the block (then put
     back; it is the process's): a :class:`RootCheck`'s threads need the GIL for a moment per
     chunk while the survey's listing holds it, and at Python's default 5 ms they left the disk
-    idle meanwhile (verify of a million files: 17.3 s against 13.8-15.4 s, docs/performance.md)."""
+    idle meanwhile (verify of a million files: 17.3 s against 13.8-15.4 s, docs/performance/scale.md)."""
     was = sys.getswitchinterval()
     sys.setswitchinterval(interval)
     try:
@@ -302,7 +302,7 @@ class RootCheck:
     is listed (``survey(..., on_blocks=check.add)``), so that the listing of the next
     subdirectory (Python) overlaps the checks of those listed (the disk and the C threads). At
     a million files of a root the listing took as long as a third of the checks
-    (docs/performance.md, "Opening a root of a million blocks").
+    (docs/performance/scale.md, "Opening a root of a million blocks").
 
     Files go in inode order within each :meth:`add` (a subdirectory's files in inode order
     checked as fast, measured, as the whole root's). Per mode, :meth:`results` returns

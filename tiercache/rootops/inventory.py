@@ -153,7 +153,7 @@ def _add(sv: RootSurvey, e: os.DirEntry, regular: bool, size: int, mtime: float,
 def gc_paused():
     """Python's cyclic garbage collector off for the block (back on after, if it was): a
     survey of a million files makes as many objects, and the collections they set off took a
-    third of its time (docs/performance.md). Nothing made meanwhile is cyclic garbage."""
+    third of its time (docs/performance/scale.md). Nothing made meanwhile is cyclic garbage."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -170,7 +170,7 @@ def survey(root: Path, sizes: bool = True, subdirs: bool = True,
     Args:
         sizes: stat every block file for its size and mtime. False lists names and file
             types only (``FileEntry.size`` -1, ``mtime`` 0): a root of a million blocks
-            lists in about a quarter of the time (docs/performance.md); ``verify`` and
+            lists in about a quarter of the time (docs/performance/scale.md); ``verify`` and
             ``purge`` learn sizes as they open the files.
         subdirs: list the block subdirectories; False lists the root itself and quarantine/
             only (``inspect`` of a root of millions, whose blocks its saved index counts).

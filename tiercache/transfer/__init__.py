@@ -20,6 +20,14 @@ from .rowcopy import RowCopy, row_view
 from .transferstats import LATENCY_BUCKETS_S, PathTotals, TransferStats
 
 __all__ = [
-    "Job", "JobResult", "LATENCY_BUCKETS_S", "PathTotals", "PreparedRows", "RowCopy", "TransferEngine", "TransferStats", "row_view",
+    "Job",
+    "JobResult",
+    "LATENCY_BUCKETS_S",
+    "PathTotals",
+    "PreparedRows",
+    "RowCopy",
+    "TransferEngine",
+    "TransferStats",
+    "row_view",
     "sm_carveout",
 ]

@@ -3,14 +3,14 @@
 A large GEMM (cuBLAS's persistent kernels on Hopper) puts one CTA on every SM for its whole
 run. A copy kernel launched beside it then either waits for SMs (and, once it holds some, makes
 the next GEMM wait for them) or shares SMs with the GEMM's CTAs, which slows the GEMM far more
-than its share (40-60% on an H100, docs/performance.md). Serving engines solve the same
+than its share (40-60% on an H100, docs/performance/copies.md). Serving engines solve the same
 problem for communication kernels by asking cuBLASLt to size its GEMMs for fewer SMs
 (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``, PyTorch's experimental "SM carve-out"); copy
 kernels confined to the SMs left over (tiercache's ``carveout_sms``) then run beside them.
 Measured on an H100 with 4-8 SMs carved out of an 8192^3 bf16 GEMM: scattered 16 KiB host ->
 device transfers at 86-92% of a contiguous copy beside it, the GEMM 0.4-5.5% slower than its
 carved time alone; the carve-out itself cost the GEMM 0-10% depending on the machine
-(docs/performance.md).
+(docs/performance/copies.md).
 """
 
 from __future__ import annotations

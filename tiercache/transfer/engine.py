@@ -103,13 +103,7 @@ class TransferEngine:
 
             with cupy.cuda.Device(device_id):
                 self._after_event = cupy.cuda.Event(disable_timing=True)  # wait_for_stream, run_prepared(after=)
-            self.launcher = CopyLauncher(device_id, max_sms=t.copy_kernel_sms, memcpy_min_bytes=t.memcpy_min_bytes,
-                                         batch_min_bytes=t.batch_min_bytes, batch_streams=t.batch_streams,
-                                         bulk=t.bulk_shape != "off",
-                                         bulk_shape="small" if t.bulk_shape == "off" else t.bulk_shape,
-                                         bulk_sms=t.bulk_sms, staged_min_run_bytes=t.staged_min_run_bytes,
-                                         carveout_sms=t.carveout_sms,
-                                         offload_staged_min_run_bytes=t.offload_staged_min_run_bytes)
+            self.launcher = CopyLauncher.from_settings(device_id, t)
         else:
             self._streams = self._events = self.launcher = None
 
@@ -298,7 +292,7 @@ class TransferEngine:
         For copies whose ordering the caller guarantees: every other access to the
         destination slots, and every write of the source slots, is ordered before or after it
         through ``after`` (see :meth:`PreparedOnboard.launch
-        <tiercache.serving.prepared.PreparedOnboard.launch>`'s ``exclusive`` plans, whose
+        <tiercache.enginetensors.prepared.PreparedOnboard.launch>`'s ``exclusive`` plans, whose
         first run goes through :meth:`run_prepared` and whose replays follow it on its
         stream).
 
@@ -438,8 +432,11 @@ class TransferEngine:
         valid block. Failures already known are read now (under the engine lock); those of
         writers still pending are read from the jobs after the task waited for them, so the I/O
         threads never take the engine lock."""
-        known = set(np.asarray(rows, dtype=np.int64)[self._ledger.invalid(src, np.asarray(rows, dtype=np.int64))].tolist()) \
-            if src in self.tiers else set()
+        known = (
+            set(np.asarray(rows, dtype=np.int64)[self._ledger.invalid(src, np.asarray(rows, dtype=np.int64))].tolist())
+            if src in self.tiers
+            else set()
+        )
         if not known and not raw_deps:
             return None
 

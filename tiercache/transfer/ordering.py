@@ -85,7 +85,9 @@ class SlotLedger:
             return []
         return self._block_ids(*self._take(tier, slots), (0, 1, 2))
 
-    def dependencies(self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray) -> tuple[list[int], list[int]]:
+    def dependencies(
+        self, src: str, src_slots: np.ndarray, dst: str, dst_slots: np.ndarray
+    ) -> tuple[list[int], list[int]]:
         """Job ids to wait for: ``(writers of the source, readers and writers of the
         destination)``; tiers the ledger does not track (``caller``) contribute none."""
         raw = self._ids(self._w[src], src_slots) if src in self._w else []

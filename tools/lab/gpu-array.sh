@@ -1,7 +1,7 @@
 #!/bin/bash
 # Run ON the GPU test machine from the project root (root; .whl and .tools carried): N RAM-backed
 # loop devices (tools/loop-array.sh) and `tiercache bench array` over them, JSON and log in $OUT.
-#   bash tools/gpu-array.sh NAME N [tiercache bench array options...]
+#   bash tools/lab/gpu-array.sh NAME N [tiercache bench array options...]
 # LOOP_FS=xfs: XFS instead of ext4 (mkfs.xfs from the machine, else .tools/xfs/ with its two
 # libraries), mounted under /mnt/tc$LOOP_FS so both can be up at once.
 set -uo pipefail

@@ -2,7 +2,7 @@
 spilling least recently used blocks down.
 
 :class:`BlockMover` is the part of :class:`~tiercache.TierCache` that turns placement
-decisions (:class:`~tiercache.placement.policy.Placement`) into copies. It keeps the rules
+decisions (:class:`~tiercache.placement.Placement`) into copies. It keeps the rules
 docs/architecture.md states: a block leaves a tier only after its copy below is complete; a
 failed copy registers nothing at the destination and leaves the source registered; a block file
 that fails to verify is quarantined and dropped from the file tier.
@@ -19,7 +19,7 @@ from tiercache.errors import CorruptBlockError, KeyNotFoundError, SpillError, To
 from tiercache.files import FileTier
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, format_keys
-from tiercache.placement.policy import Placement
+from tiercache.placement import Placement
 from tiercache.transfer import TransferEngine
 
 

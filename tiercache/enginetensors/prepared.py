@@ -8,16 +8,16 @@ host-side work on every call: key checks, position checks, the row plan, the cop
 planning and its argument uploads. A :class:`PreparedOnboard` does all of that once, pins the
 blocks in the host tier so that their slots stay where the plan points, and per
 :meth:`~PreparedOnboard.launch` only orders the copy after conflicting jobs (the slot ledger)
-and issues the driver calls or kernel launches. Measured on an H100 (docs/performance.md,
+and issues the driver calls or kernel launches. Measured on an H100 (docs/performance/engines.md,
 "transformers' generate"): the host cost of one layer's onboard fell from milliseconds to tens
 of microseconds.
 """
 
 from __future__ import annotations
 
+from tiercache.enginetensors.layerwise import OnboardHandle
 from tiercache.errors import ClosedError
 from tiercache.memory import as_cupy_stream
-from tiercache.serving.layerwise import OnboardHandle
 
 
 class PreparedOnboard:
@@ -73,7 +73,7 @@ class PreparedOnboard:
         never waits.
 
         Returns:
-            An :class:`~tiercache.serving.layerwise.OnboardHandle` for this launch.
+            An :class:`~tiercache.enginetensors.layerwise.OnboardHandle` for this launch.
 
         Raises:
             ClosedError: after :meth:`release` or the cache's ``close``.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from tiercache.copypaths import segments_for
+from tiercache.enginetensors.devicepools import DevicePools, LayerPart
 from tiercache.errors import SlotRangeError
-from tiercache.serving.devicepools import DevicePools, LayerPart
 from tiercache.transfer import RowCopy, row_view
 
 

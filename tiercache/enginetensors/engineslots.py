@@ -1,6 +1,6 @@
 """Moving blocks between the engine's own device blocks and tiercache's keyed host/file blocks.
 
-With :class:`~tiercache.serving.devicepools.DevicePools` registered, the device tier is the engine's
+With :class:`~tiercache.enginetensors.devicepools.DevicePools` registered, the device tier is the engine's
 memory and the engine allocates it: tiercache never picks a device block itself. The engine
 names, per call, the keys (host/file blocks) and the device block ids they map to:
 
@@ -8,7 +8,7 @@ names, per call, the keys (host/file blocks) and the device block ids they map t
   the offload stream, after the work already queued on the engine's stream (so a block
   written by the engine's last kernel is offloaded complete);
 - :meth:`EngineSlots.onboard_slots`: host/file blocks -> device blocks, whole or layer by layer,
-  returning an :class:`~tiercache.serving.layerwise.OnboardHandle` the engine's stream waits on.
+  returning an :class:`~tiercache.enginetensors.layerwise.OnboardHandle` the engine's stream waits on.
 
 A host block may hold ``k`` device blocks (``blocks_per_host_block``), so small GPU pages
 spill as larger, disk-friendly units; which positions of a host block were filled is kept per
@@ -24,14 +24,15 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
+from tiercache.enginetensors.devicepools import DevicePools
+from tiercache.enginetensors.layerwise import OnboardHandle
+from tiercache.enginetensors.prepared import PreparedOnboard
+from tiercache.enginetensors.slotplan import device_slot_matrix, masks_of, plan_device_host
 from tiercache.errors import SlotRangeError, TierUnavailableError
 from tiercache.keys import normalize_keys
 from tiercache.memory import as_cupy_stream
-from tiercache.placement import BlockMover, FileIndex, Placement
-from tiercache.serving.devicepools import DevicePools
-from tiercache.serving.layerwise import OnboardHandle
-from tiercache.serving.prepared import PreparedOnboard
-from tiercache.serving.slotplan import device_slot_matrix, masks_of, plan_device_host
+from tiercache.moves import BlockMover
+from tiercache.placement import FileIndex, Placement
 
 
 class EngineSlots:

@@ -2,9 +2,9 @@
 # Run ON the GPU machine from the project root: vLLM 0.26 end to end (tiercache bench
 # vllm-serve). Copied over: .vllm-gpu/p2 (vLLM 0.26.0's wheel, split in two pieces; the first,
 # .vllm-gpu/p1/part.00, copied to /tmp/stage beforehand), .whl (tools/fetch-wheels.sh), .tools/fio.
-#   bash tools/gpu-serve.sh setup               install vLLM, kvikio and the project (idempotent)
-#   bash tools/gpu-serve.sh tests [PYTEST ARGS] the vLLM tests there (default: serve GPU test, tier tests)
-#   bash tools/gpu-serve.sh bench NAME ARGS...  tiercache bench vllm-serve ARGS (JSON in $OUT/NAME.json)
+#   bash tools/lab/gpu-serve.sh setup               install vLLM, kvikio and the project (idempotent)
+#   bash tools/lab/gpu-serve.sh tests [PYTEST ARGS] the vLLM tests there (default: serve GPU test, tier tests)
+#   bash tools/lab/gpu-serve.sh bench NAME ARGS...  tiercache bench vllm-serve ARGS (JSON in $OUT/NAME.json)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

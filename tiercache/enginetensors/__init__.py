@@ -13,7 +13,7 @@
 (Rows of an engine's host KV buffer <-> block files: :class:`tiercache.RowStore`, the second
 facade beside :class:`~tiercache.TierCache`.)
 
-Depends on :mod:`tiercache.placement`, :mod:`tiercache.transfer`, :mod:`tiercache.files`,
+Depends on :mod:`tiercache.moves`, :mod:`tiercache.placement`, :mod:`tiercache.transfer`, :mod:`tiercache.files`,
 :mod:`tiercache.memory`.
 """
 

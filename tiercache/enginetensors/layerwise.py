@@ -83,4 +83,6 @@ class OnboardHandle:
         return None if self.job is None else self.job.wait()
 
     def __repr__(self) -> str:
-        return f"<OnboardHandle {len(self.keys)} keys, {self.num_layers} layers, {'done' if self.done() else 'pending'}>"
+        return (
+            f"<OnboardHandle {len(self.keys)} keys, {self.num_layers} layers, {'done' if self.done() else 'pending'}>"
+        )
