@@ -51,6 +51,11 @@ QuickOpt = Annotated[bool, typer.Option(help="Smaller sizes.")]
 NoBaselineOpt = Annotated[bool, typer.Option("--no-baseline", help="Skip the baseline (fio, the full scan).")]
 
 
+def _strings_opt(flag: str, text: str):
+    """A repeatable string option ``flag`` (None when not given)."""
+    return Annotated[Optional[list[str]], typer.Option(flag, help=text)]
+
+
 def _repeat_opt(default: int, what: str):
     return Annotated[int, typer.Option(help=f"Alternated passes ({what}; default {default}).", min=1, max=20)]
 
@@ -370,15 +375,11 @@ def vllm_serve_cmd(
     config: ConfigOpt = None,
     output_format: FormatOpt = OutputFormat.normal,
     root: RootOpt = None,
-    model: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--model",
-            help="Model geometries (configs/models names, or "
-            "config.json paths; repeat; default llama-3.1-8b and "
-            "qwen2.5-32b; --quick: tiny-llama).",
-        ),
-    ] = None,
+    model: _strings_opt(
+        "--model",
+        "Model geometries (configs/models names, or config.json paths; repeat; default llama-3.1-8b and "
+        "qwen2.5-32b; --quick: tiny-llama).",
+    ) = None,
     prefixes: Annotated[int, typer.Option(help="Shared prefixes.", min=2, max=64)] = 4,
     prefix_tokens: Annotated[int, typer.Option(help="Tokens per prefix.", min=16, max=131072)] = 8192,
     suffix_tokens: Annotated[int, typer.Option(help="Tokens of each request after its prefix.", min=1, max=8192)] = 256,
@@ -412,13 +413,10 @@ def vllm_serve_cmd(
         Optional[str],
         typer.Option(help="'A,B': the shared pair's engines on GPUs A and B (default: halves of one GPU)."),
     ] = None,
-    connector_set: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--connector-set",
-            help="KEY=VALUE of the connector mode's kv_connector_extra_config (repeat; e.g. io_engine=threads).",
-        ),
-    ] = None,
+    connector_set: _strings_opt(
+        "--connector-set",
+        "KEY=VALUE of the connector mode's kv_connector_extra_config (repeat; e.g. io_engine=threads).",
+    ) = None,
     seed: SeedOpt = None,
     keep: KeepOpt = False,
     no_baseline: NoBaselineOpt = False,
@@ -605,13 +603,9 @@ def hf_cmd(
             "default host."
         ),
     ] = None,
-    hf_mode: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--hf-mode",
-            help="Modes to run (repeat; default all: plain, plain-h2d, offloaded, tiercache-host, tiercache-files).",
-        ),
-    ] = None,
+    hf_mode: _strings_opt(
+        "--hf-mode", "Modes to run (repeat; default all: plain, plain-h2d, offloaded, tiercache-host, tiercache-files)."
+    ) = None,
     repeat: _repeat_opt(3, "medians of each mode's tokens/s") = 3,
     quick: QuickOpt = False,
 ) -> None:
@@ -644,15 +638,10 @@ def hf_cmd(
 def sglang_storage_cmd(
     output_format: FormatOpt = OutputFormat.normal,
     root: RootOpt = None,
-    model: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--model",
-            help="Model geometries (configs/models names or "
-            "config.json paths; repeat; default llama-3.1-8b and "
-            "tiny-llama).",
-        ),
-    ] = None,
+    model: _strings_opt(
+        "--model",
+        "Model geometries (configs/models names or config.json paths; repeat; default llama-3.1-8b and tiny-llama).",
+    ) = None,
     page_tokens: Annotated[
         int, typer.Option(help="Tokens per HiCache page (SGLang's --page-size).", min=1, max=4096)
     ] = 64,
