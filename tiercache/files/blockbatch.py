@@ -440,15 +440,18 @@ class BlockBatches:
             out.append(cur)
         return out
 
-    def _staging(self, nbytes: int) -> np.ndarray:
-        """This thread's staging buffer of at least ``nbytes`` (page-aligned; pinned where CUDA
-        is usable: device buffers go through it)."""
-        buf = getattr(self._local, "staging", None)
+    def _staging(self, nbytes: int, device: bool) -> np.ndarray:
+        """This thread's staging buffer of at least ``nbytes`` (page-aligned): pinned where CUDA
+        is usable when device buffers go through it (``device``); else plain memory, so that a
+        request of host buffers alone never probes CUDA (the probe imports CuPy: 150 ms)."""
+        attr = "staging" if device else "bounce"
+        buf = getattr(self._local, attr, None)
         if buf is None or buf.nbytes < nbytes:
             from tiercache.memory import alloc_host
 
-            buf, owner = alloc_host(max(nbytes, 1 << 20), pinned=None)
-            self._local.staging, self._local.owner = buf, owner
+            buf, owner = alloc_host(max(nbytes, 1 << 20), pinned=None if device else False)
+            setattr(self._local, attr, buf)
+            setattr(self._local, attr + "_owner", owner)
         return buf
 
     def _layout(self, idx: list[int], items, skip, errors: dict) -> tuple[list[tuple], list[tuple], list[int]]:
@@ -459,6 +462,7 @@ class BlockBatches:
         file's host view's address."""
         files = []
         dev_bytes = 0
+        device = False  # a device buffer among them: the staging is pinned
         direct_io = self.direct_io
         for i in idx:
             why = skip(i) if skip is not None else None
@@ -473,11 +477,12 @@ class BlockBatches:
                     ptr = view.__array_interface__["data"][0]
                 else:
                     view = ptr = None
+                    device = True
                 staged = _staged(buf.nbytes, ptr, direct_io)
                 files.append((i, key, pool, buf, view, ptr, staged))
                 if staged:
                     dev_bytes += align_up(buf.nbytes)
-        staging = self._staging(dev_bytes) if dev_bytes else None
+        staging = self._staging(dev_bytes, device) if dev_bytes else None
         base = staging.__array_interface__["data"][0] if staging is not None else 0
         out, bounce, ptrs, at = [], [], [], 0
         for i, key, pool, buf, view, ptr, staged in files:

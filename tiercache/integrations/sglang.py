@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiercache.arrays import aligned_empty
 from tiercache.errors import ConfigError
 from tiercache.integrations import sglangcompat as compat
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
@@ -244,8 +245,11 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         rows = max(2, s["staging_bytes"] // self.layout.page_bytes)
         self.slab_rows = max(1, min(compat.STORAGE_BATCH_SIZE, rows // 4))
         slabs = max(2, rows // self.slab_rows)
-        self.staging = torch.empty((slabs * self.slab_rows, self.layout.page_bytes), dtype=torch.uint8,
-                                   pin_memory=torch.cuda.is_available())
+        shape = (slabs * self.slab_rows, self.layout.page_bytes)
+        if torch.cuda.is_available():
+            self.staging = torch.empty(shape, dtype=torch.uint8, pin_memory=True)  # pinned: page-aligned
+        else:  # page-aligned, so that O_DIRECT writes and reads go from and to the rows in place
+            self.staging = torch.from_numpy(aligned_empty(shape[0] * shape[1]).reshape(shape))
         self._free_slabs = list(range(slabs))
         self._slabs = slabs
         settings = {name: s[k] for k, name in ROWSTORE_KEYS.items()}
