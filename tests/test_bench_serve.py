@@ -53,6 +53,8 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
         m = rep["modes"][mode]
         assert m["requests"] == 6 and m["compared"] == 6, mode
         assert m.get("same_tokens_as_recompute", 6) == 6  # the stand-in's tokens depend on the prompt only
+        if mode != "recompute":
+            assert [r["same_as_recompute"] for r in m["per_request"]] == [True] * 6, mode
     assert rep["modes"]["recompute"]["repeat_connector_tokens"] == 0
     assert rep["modes"]["fs"]["repeat_connector_tokens"] == 3 * 512  # each repeat's prefix, once seen
     assert rep["modes"]["tiercache+restart"]["requests"] == 3

@@ -59,6 +59,10 @@ class LLM:
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks)], num_cached_tokens=cached,
                                 metrics=SimpleNamespace(first_token_latency=0.001 + (len(ids) - cached) * 1e-6))]
 
+    def reset_prefix_cache(self, reset_running_requests=False):
+        self.reset_calls = getattr(self, "reset_calls", 0) + 1
+        return True
+
     def get_metrics(self):
         return [SimpleNamespace(name="vllm:prompt_tokens_by_source", labels={"source": k}, value=v)
                 for k, v in self.counts.items()]
