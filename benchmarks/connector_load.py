@@ -57,7 +57,7 @@ def _caches(model: str, blocks: int) -> tuple[dict, int]:
     return caches, nb
 
 
-def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
+def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: bool = False) -> dict:
     caches, nb = _caches(model, blocks)
     shutil.rmtree(root, ignore_errors=True)
     settings = parse_config({"root": root, "fsync": "none", **extra})
@@ -77,9 +77,23 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict) -> dict:
             t[:, blocks + 8:].zero_()
         torch.cuda.synchronize()
         before = dict(w.counters)
+        prof = None
+        if profile and r == runs - 1:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         w.load([BlockTransfer(f"l{r}", keys, dst)])
         times.append(time.perf_counter() - t0)
+        if prof is not None:
+            import io
+            import pstats
+
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+            print(buf.getvalue(), flush=True)
         got = w.get_finished(set())[1]
         assert got == {f"l{r}"} and not w.load_errors(), (got, w.load_errors())
         for t in caches.values():
@@ -181,7 +195,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="key=value,... of kv_connector_extra_config")
     ap.add_argument("--stores", action="store_true", help="the stores behind a forward pass instead of loads")
     ap.add_argument("--forward-ms", type=float, default=200.0, help="the forward pass's stand-in (--stores)")
-    ap.add_argument("--profile", action="store_true", help="cProfile of the last store's after_forward")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the last load (or store)")
     ap.add_argument("--kernels", type=int, default=0, help="small kernels queued behind the forward (--stores)")
     a = ap.parse_args()
     if a.switch_interval:
@@ -195,7 +209,7 @@ def main() -> None:
             out = stores(a.root, a.model, a.blocks, a.runs, extra, a.forward_ms, a.profile, a.kernels)
             print(out.pop("profile", ""), flush=True)
         else:
-            out = run(a.root, a.model, a.blocks, a.runs, extra)
+            out = run(a.root, a.model, a.blocks, a.runs, extra, a.profile)
         print(out, flush=True)
 
 

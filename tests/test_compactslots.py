@@ -21,7 +21,7 @@ def test_compact_slots_behave_as_tier_slots(rng, monkeypatch, num_slots):
     monkeypatch.setattr(compactslots, "ARENA_SLACK", 256)  # compact the key arena often
     monkeypatch.setattr(compactslots, "MERGE_MIN", 64)  # merge the recent keys often
     a, b = CompactSlots("file", num_slots), TierSlots("file", num_slots)
-    pool = random_keys(rng, 2 * num_slots + 3, "mixed") + [0, b"\x00", b"\x00" * 64]
+    pool = random_keys(rng, 2 * num_slots + 3, "mixed") + [0, 2**63 - 1, b"\x00", b"\x00" * 64]
     for step in range(400):
         op = rng.random()
         if op < 0.4:
@@ -43,6 +43,13 @@ def test_compact_slots_behave_as_tier_slots(rng, monkeypatch, num_slots):
         assert len(a) == len(b) and a.free_count == b.free_count
         for k in _pick(rng, pool, 20):
             assert (k in a) == (k in b) and (a.slot_of.get(k, -1) >= 0) == (k in b)
+        # batched lookups: mixed keys, int keys alone (checked as arrays), and a removed key's
+        # hash still in the sorted array until the next merge
+        probe = _pick(rng, pool, 30)
+        for batch in (probe, [k for k in probe if isinstance(k, int)]):
+            assert a.find_many(batch).tolist() == [a.find(k) for k in batch], step
+            assert (a.find_many(batch) >= 0).tolist() == (b.find_many(batch) >= 0).tolist()
+            assert b.find_many(batch).tolist() == [b.slot_of.get(k, -1) for k in batch]
     assert list(a.lru) == list(b.lru)
     held = [a.slot_of[k] for k in b.slot_of]
     assert len(set(held)) == len(held) and all(0 <= s < num_slots for s in held)

@@ -355,6 +355,9 @@ def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_chang
     a.sched.update_state_after_alloc(req, _blocks(ids), 0)
     a.step(new=[(req, ids, 0, 6 * BS)])
     want = [a.block(b) for b in ids]
+    deadline = time.monotonic() + 10  # the gatherer thread issues the first piece on its own time
+    while w._queued["r1"] != 4 and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert len(w._gathers) == 1 and w._queued["r1"] == 4  # 2 gathered, 4 waiting
     threading.Timer(0.3, gate.set).start()
     a.step(preempted={"r1"})  # the next step: r1 was preempted, its blocks are free

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -403,7 +403,7 @@ class TierCache:
             self.file_index.check_writable(ks)
             name = self._tier_name(tier, self.top_tier)
             arrays = self._as_pool_arrays(data, len(ks), "data", device_ok=cuda_status().available)
-            existing = [k for k in ks if self.placement.contains(k)]
+            existing = self.placement.existing(ks)
             self.placement.require_unpinned(existing, "replace")
             ts = self.placement.tiers[name]
             room = self.placement.room(name)
@@ -457,7 +457,7 @@ class TierCache:
             self.file_index.check_writable(ks)
             name = self._tier_name(tier, self.top_tier)
             self._memory_tier(name)
-            existing = [k for k in ks if self.placement.contains(k)]
+            existing = self.placement.existing(ks)
             if existing:
                 raise InvalidKeyError(f"key(s) {format_keys(existing)} already stored; evict them or use put()")
             ts = self.placement.tiers[name]
@@ -513,30 +513,19 @@ class TierCache:
 
     def _highest_copies(self, ks: list[Key]) -> dict[str, tuple[list[int], list[Key], list[int]]]:
         """Per tier, top first, the keys whose highest copy it holds: ``(positions in ks, keys,
-        slots)``; one lookup per key and tier until the key is found.
+        slots)``; one batched lookup per tier of the keys not found above it.
 
         Raises:
             KeyNotFoundError: naming the keys no tier holds.
         """
         found: dict[str, tuple[list[int], list[Key], list[int]]] = {}
-        left: Sequence[int] = range(len(ks))
+        left: list[int] = list(range(len(ks)))
         for tier in self.placement.order:
-            slot_of = self.placement.tiers[tier].slot_of
-            rest: list[int] = []
-            idx: list[int] = []
-            sub: list[Key] = []
-            slots: list[int] = []
-            for i in left:
-                s = slot_of.get(ks[i])
-                if s is None:
-                    rest.append(i)
-                else:
-                    idx.append(i)
-                    sub.append(ks[i])
-                    slots.append(s)
+            at = self.placement.tiers[tier].find_many([ks[i] for i in left]).tolist()
+            idx = [i for i, s in zip(left, at) if s >= 0]
             if idx:
-                found[tier] = (idx, sub, slots)
-            left = rest
+                found[tier] = (idx, [ks[i] for i in idx], [s for s in at if s >= 0])
+                left = [i for i, s in zip(left, at) if s < 0]
             if not left:
                 break
         if left:
@@ -565,7 +554,10 @@ class TierCache:
             default = order[1] if len(order) > 1 else order[0]
             dst = self._tier_name(to, default)
             upper = [dst, *self.placement.above(dst)]
-            missing = [k for k in ks if not any(k in self.placement.tiers[t] for t in upper)]
+            held = np.zeros(len(ks), bool)
+            for t in upper:
+                held |= self.placement.tiers[t].find_many(ks) >= 0
+            missing = [k for k, h in zip(ks, held.tolist()) if not h]
             if missing:
                 raise KeyNotFoundError(f"key(s) {format_keys(missing)} not stored in {' or '.join(upper)}; "
                                        "offload moves blocks down (use onboard to move them up)")

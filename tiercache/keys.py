@@ -24,6 +24,8 @@ def normalize_key(key: object) -> Key:
     Raises:
         InvalidKeyError: any other value.
     """
+    if type(key) is int and 0 <= key <= MAX_INT_KEY:  # the common case, before the ABC checks
+        return key
     if isinstance(key, bool):
         raise InvalidKeyError(f"key {key!r} is a bool; keys are ints in [0, 2**63) or 1..64 bytes")
     if isinstance(key, numbers.Integral):

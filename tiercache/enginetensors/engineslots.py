@@ -88,7 +88,7 @@ class EngineSlots:
             self.file_index.check_writable(ks)
             dev = device_slot_matrix(device_slots, len(ks), self.blocks_per_host_block, self.device_pools.num_blocks)
             dst = self._tier_name(to, "host" if "host" in self.tiers else "file")
-            existing = [k for k in ks if self.placement.contains(k)]
+            existing = self.placement.existing(ks)
             self.placement.require_unpinned(existing, "replace")
             room = self.placement.room("host") if "host" in self.tiers else 0
             if dst == "file" and 0 < room < len([k for k in ks if k not in self.placement.tiers["host"]]):

@@ -422,6 +422,9 @@ class BlockBatches:
         with four RAM-backed devices, 256 KiB blocks in 32-block requests read at 12.5 GB/s as
         one chunk against 6.2 as four (docs/performance/root-arrays.md, "Several devices: root arrays")."""
         n_files = sum(len(bufs) for _, bufs in items)
+        if n_files <= MAX_CHUNK_FILES and sum(align_up(b.nbytes) for _, bufs in items
+                                              for b in bufs.values()) <= STAGING_BYTES:
+            return [list(range(len(items)))]  # one chunk, whatever goes through staging
         parts = max(1, -(-n_files // MAX_CHUNK_FILES))
         target = -(-n_files // parts)
         out: list[list[int]] = []
@@ -614,11 +617,11 @@ class BlockBatches:
         if adopted:
             self.open_files.adopt_many(adopted)
 
-    def _keep(self, ops: Ops, j: int) -> int:
-        """Flags of operation ``j`` keeping its file open: an O_DIRECT descriptor where the
-        tier uses O_DIRECT and the pool's blocks are page-sized multiples, whatever the
-        alignment of the buffer of the operation that opens it."""
-        return KEEP | (KEEP_DIRECT if self.direct_io and ops.data_len[j] % ALIGN == 0 else 0)
+    def _keep_flags(self, data_len: int) -> int:
+        """Flags of an operation of ``data_len`` bytes keeping its file open: an O_DIRECT
+        descriptor where the tier uses O_DIRECT and the pool's blocks are page-sized
+        multiples, whatever the alignment of the buffer of the operation that opens it."""
+        return KEEP | (KEEP_DIRECT if self.direct_io and data_len % ALIGN == 0 else 0)
 
     def _hold(self, names: list[str], ops: Ops) -> list[Entry | None]:
         """Per read: the held descriptor it uses (its fd set in ``ops``), or None (the read
@@ -633,7 +636,7 @@ class BlockBatches:
             else:
                 misses.append(j)
         for j in misses[:self.open_files.reserve_many(len(misses)) if misses else 0]:
-            ops.flags[j] |= self._keep(ops, j)
+            ops.flags[j] |= self._keep_flags(int(ops.data_len[j]))
         return held
 
     def _expect(self, ops: Ops, files) -> None:
@@ -753,26 +756,32 @@ class BlockBatches:
         entry it reuses, or None."""
         of = self.open_files
         flags = (PUBLISH | (FDATASYNC if self.fsync != "none" else 0)) if publish else 0
-        reused: list[Entry | None] = [None] * len(files)
-        plan = of.plan_writes(list(zip(ops.file_len.tolist(), ops.dirs.tolist(), finals)), publish) \
-            if of is not None else None
-        for j in range(len(files)):
+        n = len(files)
+        reused: list[Entry | None] = [None] * n
+        sizes, dirs, lens = ops.file_len.tolist(), ops.dirs.tolist(), ops.data_len.tolist()
+        fl, fds = ops.flags.tolist(), ops.fd.tolist()  # as lists: NumPy's scalars cost more per file
+        plan = of.plan_writes(list(zip(sizes, dirs, finals)), publish) if of is not None else None
+        names, final_names = ops.names, ops.finals
+        for j in range(n):
             final = finals[j]
             free, reserved, exchange, move = plan[j] if plan is not None else (None, False, False, False)
             if move:
                 # a large file: one free elsewhere is moved here (a rename) rather than allocated
-                free = of.take_free(int(ops.file_len[j]), int(ops.dirs[j]))
+                free = of.take_free(sizes[j], dirs[j])
                 reserved = free is None and of.reserve()
+            f = fl[j] | flags | (EXCHANGE if exchange else 0)
             if free is not None:  # a free file of this size: written through its descriptor
-                ops.names.append(free[0].encode())
-                ops.fd[j] = free[1].fd
+                names.append(free[0].encode())
+                fds[j] = free[1].fd
                 reused[j] = free[1]
-                ops.flags[j] |= KEEP_DIRECT if free[1].direct else 0
+                f |= KEEP_DIRECT if free[1].direct else 0
             else:
-                ops.names.append(posix_io.tmp_name(final).encode())
-                ops.flags[j] |= self._keep(ops, j) if reserved else 0
-            ops.finals.append(final.encode())
-            ops.flags[j] |= flags | (EXCHANGE if exchange else 0)
+                names.append(posix_io.tmp_name(final).encode())
+                f |= self._keep_flags(lens[j]) if reserved else 0
+            final_names.append(final.encode())
+            fl[j] = f
+        ops.flags[:] = fl
+        ops.fd[:] = fds
         return reused
 
     def _write_results(self, ops: Ops, files, paths, finals: list[str], reused: list[Entry | None], publish: bool,
@@ -786,24 +795,25 @@ class BlockBatches:
         io_failed: set[int] = set()
         entries: list[Entry | None] = [None] * len(files)
         published: list[tuple[int, tuple]] = []
+        err, fl, got, dirs = ops.err.tolist(), ops.flags.tolist(), ops.got.tolist(), ops.dirs.tolist()
         for j, (i, *_rest) in enumerate(files):
             if reused[j] is not None:
                 entries[j] = reused[j]
-            elif ops.flags[j] & KEEP:  # a reserved descriptor: kept (fd >= 0) or not
+            elif fl[j] & KEEP:  # a reserved descriptor: kept (fd >= 0) or not
                 entries[j] = _kept_entry(ops, j)
                 if entries[j] is None:
                     of.unreserve()
                 else:
                     entries[j].refs = 1  # the writer's, until published or discarded
-            if ops.err[j]:
+            if err[j]:
                 if entries[j] is not None:  # its temporary name is gone
                     of.discard(entries[j])
                     entries[j] = None
                 if i not in errors:
-                    errors[i] = error_for(int(ops.err[j]), str(paths[j]))
+                    errors[i] = error_for(err[j], str(paths[j]))
                     io_failed.add(i)
             elif publish and of is not None:
-                published.append((j, (finals[j], ops.names[j].decode(), entries[j], int(ops.got[j]), int(ops.dirs[j]))))
+                published.append((j, (finals[j], ops.names[j].decode(), entries[j], got[j], dirs[j])))
         if published:
             for (j, _), drop in zip(published, of.published_many([item for _, item in published])):
                 if drop:

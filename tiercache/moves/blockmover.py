@@ -163,23 +163,25 @@ class BlockMover:
             could be made in ``dst``; ``failed_keys`` lists the keys not already there.
         """
         ts = self.placement.tiers[dst]
-        new = [k for k in keys if k not in ts]
+        new = [k for k, s in zip(keys, ts.find_many(keys).tolist()) if s < 0]
         # each key's nearest source: the closest tier above or below dst holding it (a tier above
-        # first at equal distance), with its slot there; one lookup per tier until found. Found
-        # before room is made: protected, the keys' own copies do not move meanwhile
+        # first at equal distance), with its slot there; one batched lookup per tier of the keys
+        # not found yet. Found before room is made: protected, the keys' own copies do not move
+        # meanwhile
         order = self.placement.order
         near = sorted((t for t in order if t != dst), key=lambda t: abs(order.index(t) - order.index(dst)))
         groups: dict[str, tuple[list[Key], list[int]]] = {}
-        for k in new:
-            for t in near:
-                s = self.placement.tiers[t].slot_of.get(k)
-                if s is not None:
-                    g = groups.setdefault(t, ([], []))
-                    g[0].append(k)
-                    g[1].append(s)
-                    break
-            else:
-                raise KeyNotFoundError(f"block {format_keys([k])} is in no tier to copy into {dst} from")
+        left = new
+        for t in near:
+            if not left:
+                break
+            slots = self.placement.tiers[t].find_many(left).tolist()
+            found = [(k, s) for k, s in zip(left, slots) if s >= 0]
+            if found:
+                groups[t] = ([k for k, _ in found], [s for _, s in found])
+                left = [k for k, s in zip(left, slots) if s < 0]
+        if left:
+            raise KeyNotFoundError(f"block {format_keys(left[:1])} is in no tier to copy into {dst} from")
         self.room_for(dst, len(new), new, protect | set(keys))
         dst_slots = dict(zip(new, ts.add(new)))
         failures: dict[Key, BaseException] = {}
@@ -198,7 +200,7 @@ class BlockMover:
         if failures:
             self.raise_failed(failures, "/".join(groups), dst)
         ts.touch(keys)
-        return np.array([ts.slot_of[k] for k in keys], dtype=np.int64)
+        return ts.find_many(keys)
 
     def offload(self, keys: list[Key], dst: str, keep: bool) -> np.ndarray:
         """:meth:`copy_into` ``dst``, counted as an offload; without ``keep`` the copies above
@@ -218,7 +220,7 @@ class BlockMover:
         for t in self.placement.order:
             if t == keep or (t == "file" and shared):
                 continue
-            drop = [k for k in keys if k in self.placement.tiers[t]]
+            drop = [k for k, s in zip(keys, self.placement.tiers[t].find_many(keys).tolist()) if s >= 0]
             self.placement.tiers[t].remove(drop)
             if t == "file" and drop:
                 self.tiers["file"].delete(drop)

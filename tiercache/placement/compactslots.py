@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from tiercache.errors import ConfigError, SlotRangeError, TierFullError
-from tiercache.keys import Key, key_hash, key_text
+from tiercache.keys import KEY_HASH_GOLDEN, Key, key_hash, key_text
 
 INT_KEY = 255  # klen of a slot holding an int key
 _CANDIDATES = 1024  # oldest slots cached per refresh (at least)
@@ -191,6 +191,40 @@ class CompactSlots:
             i += 1
         return -1
 
+    def find_many(self, keys: Sequence[Key]) -> np.ndarray:
+        """Each key's slot, or -1 (``int64``, in key order): :meth:`find` for a batch, with one
+        sorted search for the keys not among the recent ones and the int keys' slots checked
+        as arrays (about 0.3 us a key against 2.5 for :meth:`find`, whose NumPy scalars cost
+        more than the search)."""
+        n = len(keys)
+        delta = self._delta
+        out = np.array([delta.get(k, -1) for k in keys], np.int64)
+        bh, bs = self._base
+        if not n or not len(bh):
+            return out
+        rest = np.flatnonzero(out < 0)
+        if not len(rest):
+            return out
+        rk = [keys[i] for i in rest.tolist()]
+        ints = all(type(k) is int for k in rk)
+        if ints:
+            kv = np.array(rk, np.uint64)
+            h = kv * np.uint64(KEY_HASH_GOLDEN)  # key_hash of int keys, wrapping as it does
+        else:
+            h = np.fromiter((key_hash(k) for k in rk), np.uint64, len(rk))
+        pos = bh.searchsorted(h)
+        inside = pos < len(bh)
+        at = np.where(inside, pos, 0)
+        hit = inside & (bh[at] == h)
+        cand = bs[at]
+        if ints:
+            sure = hit & (self._klen[cand] == INT_KEY) & (self._kv[0][cand].view(np.uint64) == kv)
+            out[rest[sure]] = cand[sure]
+            hit &= ~sure
+        for j in np.flatnonzero(hit).tolist():  # bytes keys, and hashes shared by several slots
+            out[rest[j]] = self.find(rk[j])
+        return out
+
     def key_of(self, slot: int) -> Key:
         """The key in ``slot`` (which must hold one)."""
         n = int(self._klen[slot])
@@ -327,12 +361,14 @@ class CompactSlots:
         self._arena_dead = 0
 
     def touch(self, keys: Iterable[Key]) -> None:
-        """Mark ``keys`` most recently used."""
-        for k in keys:
-            s = self.find(k)
-            if s >= 0:
-                self._tick[s] = self._clock
-                self._clock += 1
+        """Mark ``keys`` most recently used (in order: the last is the most recent)."""
+        slots = self.find_many(keys if isinstance(keys, (list, tuple)) else list(keys))
+        slots = slots[slots >= 0]
+        if len(slots):
+            # np.fromiter, not np.arange: arange gives up the GIL to fill, and taking it back costs
+            # a thread switch interval when I/O threads run Python (a load's submit paid ~1 ms)
+            self._tick[slots] = np.fromiter(range(self._clock, self._clock + len(slots)), np.uint64, len(slots))
+            self._clock += len(slots)
 
     # -- saving and loading ----------------------------------------------------------------
     def export(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bytes, int]:

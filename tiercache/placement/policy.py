@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from tiercache.errors import KeyNotFoundError, PinnedBlockError, TierFullError
 from tiercache.keys import Key, format_keys, key_text
@@ -36,6 +38,11 @@ class TierSlots:
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slot_of
+
+    def find_many(self, keys: Sequence[Key]) -> np.ndarray:
+        """Each key's slot, or -1 (``int64``, in key order)."""
+        get = self.slot_of.get
+        return np.array([get(k, -1) for k in keys], np.int64)
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -139,6 +146,18 @@ class Placement:
     def contains(self, key: Key) -> bool:
         return any(key in ts for ts in self.tiers.values())
 
+    def contains_many(self, keys: Sequence[Key]) -> list[bool]:
+        """Per key, whether any tier holds it (:meth:`contains` for a batch: one batched
+        lookup per tier)."""
+        held = np.zeros(len(keys), bool)
+        for ts in self.tiers.values():
+            held |= ts.find_many(keys) >= 0
+        return held.tolist()
+
+    def existing(self, keys: Sequence[Key]) -> list[Key]:
+        """The keys some tier holds, in order."""
+        return [k for k, held in zip(keys, self.contains_many(keys)) if held]
+
     def keys(self) -> set[Key]:
         """Every stored key."""
         out: set[Key] = set()
@@ -172,7 +191,7 @@ class Placement:
     def require_present(self, keys: list[Key]) -> None:
         """Raises:
             KeyNotFoundError: naming the keys no tier holds."""
-        missing = [k for k in keys if not self.contains(k)]
+        missing = [k for k, held in zip(keys, self.contains_many(keys)) if not held]
         if missing:
             raise KeyNotFoundError(f"key(s) {format_keys(missing)} not stored in any tier")
 
