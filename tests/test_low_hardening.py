@@ -53,6 +53,20 @@ def test_a_load_of_a_key_not_stored_zeroes_its_row(tmp_path, rng):
         assert not res.success and not rows[2].any() and rows[1].all()
 
 
+def test_a_closed_row_store_holds_no_export_of_the_engines_buffer(tmp_path, rng):
+    """The engine may resize or free its buffer once the store is closed: no view of it stays
+    (a bytearray refuses to grow while any export of it lives)."""
+    buf = bytearray(rng.bytes(4 * 4096))
+    keys = [rng.bytes(16) for _ in range(3)]
+    with RowStore(buf, tmp_path / "r", capacity_blocks=8) as st:
+        st.submit_store(keys, [0, 1, 2])
+        assert st.drain(30) and all(r.success for r in st.finished())
+        st.submit_load(keys, [3, 2, 1])
+        assert st.drain(30) and all(r.success for r in st.finished())
+    buf.extend(b"x")  # BufferError while a view is kept
+    assert len(buf) == 4 * 4096 + 1
+
+
 def test_a_root_opened_twice_in_one_process_says_so(make_config, rng):
     cfg = make_config(host_slots=8)
     with TierCache(cfg):

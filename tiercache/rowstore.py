@@ -200,6 +200,7 @@ class RowStore:
                  on_finish: Callable[[Hashable], None] | None = None, **settings) -> None:
         self.on_finish = on_finish
         self.rows = _row_view(rows)
+        self._row_views: list[np.ndarray | None] | None = None
         self.num_rows, self.row_bytes = self.rows.shape
         bad = sorted(set(settings) - _ROWSTORE_KEYS)
         if bad:
@@ -329,7 +330,16 @@ class RowStore:
         return ks, rs
 
     def _items(self, pairs: list[tuple[bytes, int]]) -> list[tuple[bytes, dict]]:
-        return [(k, {POOL: self.rows[r]}) for k, r in pairs]
+        views = self._row_views  # each row's view, made on its first use (not one per block and job)
+        if views is None:
+            views = self._row_views = [None] * self.num_rows
+        out = []
+        for k, r in pairs:
+            v = views[r]
+            if v is None:
+                v = views[r] = self.rows[r]
+            out.append((k, {POOL: v}))
+        return out
 
     # -- state -------------------------------------------------------------------------------
     def state(self, key: bytes) -> KeyState:
@@ -459,8 +469,9 @@ class RowStore:
             result = RowJobResult(job_id, "load", ks)
             self._apply()
             go: list[tuple[bytes, int]] = []
-            for k, r in zip(ks, rs):
-                if k in self.index and k not in self._storing:
+            held = (self.index.find_many(ks) >= 0).tolist()
+            for k, r, h in zip(ks, rs, held):
+                if h and k not in self._storing:
                     go.append((k, r))
                 else:
                     why = "is still being stored" if k in self._storing else "is not stored"
@@ -795,6 +806,7 @@ class RowStore:
         self.root_index.stop()
         self.ft.close(before_unlock=lambda: self.root_index.checkpoint(closing=True))
         self.rows = None  # type: ignore[assignment]  # the engine may release its buffer now (no export of it is left here)
+        self._row_views = None
 
     def __enter__(self) -> RowStore:
         return self
@@ -827,6 +839,8 @@ def _content_key(k) -> bytes:
 
 
 def _row_index(r) -> int:
+    if type(r) is int:  # the common case, before the slower checks
+        return r
     if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
         raise SlotRangeError(f"row {r!r} is not an integer")
     return int(r)
