@@ -28,6 +28,7 @@ from tiercache import (
     UnknownPoolError,
 )
 from tiercache.files import block_filename
+from tiercache.keys import key_text
 
 
 def test_round_trip_host_file_host(make_config, rng):
@@ -414,3 +415,18 @@ def test_put_of_more_blocks_than_the_tier_streams_through_it(make_config, rng):
     with TierCache(make_config(host_slots=4, file_slots=0)) as c:
         with pytest.raises(TierFullError, match="host tier has 4 slots; 6 needed"):
             put_random(c, random_keys(rng, 6), rng)
+
+
+def test_offload_moves_down_only_and_names_the_keys_held_nowhere_above(make_config, rng):
+    """``offload(to=host)`` of a block held only in the file tier is an error naming it (the
+    batched lookups look only at the destination and the tiers above it); blocks in the host
+    tier or above it offload, and their bytes stay exact."""
+    keys = random_keys(rng, 6, "mixed")
+    with TierCache(make_config()) as c:
+        want = put_random(c, keys, rng, tier="file")
+        up = put_random(c, [k + 1 if isinstance(k, int) else k + b"!" for k in keys[:2]], rng)  # host
+        with pytest.raises(KeyNotFoundError, match=f"{key_text(keys[3])}.*not stored in host") as exc:
+            c.offload([*up, keys[3]], to="host")
+        assert "offload moves blocks down" in str(exc.value)
+        c.offload(list(up), to="file")
+        assert_bytes(c, {**want, **up})

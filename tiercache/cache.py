@@ -554,10 +554,7 @@ class TierCache:
             default = order[1] if len(order) > 1 else order[0]
             dst = self._tier_name(to, default)
             upper = [dst, *self.placement.above(dst)]
-            held = np.zeros(len(ks), bool)
-            for t in upper:
-                held |= self.placement.tiers[t].find_many(ks) >= 0
-            missing = [k for k, h in zip(ks, held.tolist()) if not h]
+            missing = [k for k, h in zip(ks, self.placement.contains_many(ks, upper)) if not h]
             if missing:
                 raise KeyNotFoundError(f"key(s) {format_keys(missing)} not stored in {' or '.join(upper)}; "
                                        "offload moves blocks down (use onboard to move them up)")

@@ -194,8 +194,8 @@ class CompactSlots:
     def find_many(self, keys: Sequence[Key]) -> np.ndarray:
         """Each key's slot, or -1 (``int64``, in key order): :meth:`find` for a batch, with one
         sorted search for the keys not among the recent ones and the int keys' slots checked
-        as arrays (about 0.3 us a key against 2.5 for :meth:`find`, whose NumPy scalars cost
-        more than the search)."""
+        as arrays (0.3-0.6 us a key in batches of 32 against 1.9-3.0 for :meth:`find` in a tier
+        of 50,000 keys, whose NumPy scalars cost more than the search)."""
         n = len(keys)
         delta = self._delta
         out = np.array([delta.get(k, -1) for k in keys], np.int64)

@@ -146,12 +146,12 @@ class Placement:
     def contains(self, key: Key) -> bool:
         return any(key in ts for ts in self.tiers.values())
 
-    def contains_many(self, keys: Sequence[Key]) -> list[bool]:
-        """Per key, whether any tier holds it (:meth:`contains` for a batch: one batched
-        lookup per tier)."""
+    def contains_many(self, keys: Sequence[Key], tiers: Iterable[str] | None = None) -> list[bool]:
+        """Per key, whether any of ``tiers`` (default: every tier) holds it (:meth:`contains`
+        for a batch: one batched lookup per tier)."""
         held = np.zeros(len(keys), bool)
-        for ts in self.tiers.values():
-            held |= ts.find_many(keys) >= 0
+        for t in self.tiers if tiers is None else tiers:
+            held |= self.tiers[t].find_many(keys) >= 0
         return held.tolist()
 
     def existing(self, keys: Sequence[Key]) -> list[Key]:
