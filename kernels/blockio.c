@@ -298,6 +298,50 @@ typedef struct {
     pthread_t *threads;
 } tc_pool;
 
+
+/* The file names and subdirectories of n bytes keys in one pool, made here instead of per key
+ * in Python (tiercache/files/blockfile.py spells them, and stays the reference: block_location):
+ * key i is keys[key_off[i] .. key_off[i + 1]) (1..64 bytes); its name
+ * "block_x<lower-case hex>_pool_<pool>.bin" and a NUL go to out at out_off[i], back to back,
+ * and sub[i] is XXH3-64 of the key's text ("x<hex>") modulo fanout (its subdirectory's number).
+ * Returns the bytes written, or -1 when out_cap is too small, a key is empty or longer than 64
+ * bytes, or no XXH3-64 was given (tc_set_hash). */
+int64_t tc_block_names(const uint8_t *keys, const int64_t *key_off, int n, const char *pool, int fanout,
+                       char *out, int64_t out_cap, int64_t *out_off, int32_t *sub)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t plen = strlen(pool);
+    int64_t at = 0;
+    if (!xxh3 || fanout < 1)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        int64_t klen = key_off[i + 1] - key_off[i];
+        if (klen < 1 || klen > 64)
+            return -1;
+        int64_t need = 6 + 1 + 2 * klen + 6 + (int64_t)plen + 4 + 1;
+        if (at + need > out_cap)
+            return -1;
+        char *p = out + at;
+        out_off[i] = at;
+        memcpy(p, "block_x", 7);
+        char *text = p + 6; /* "x<hex>" */
+        char *h = p + 7;
+        const uint8_t *k = keys + key_off[i];
+        for (int64_t j = 0; j < klen; j++) {
+            *h++ = hex[k[j] >> 4];
+            *h++ = hex[k[j] & 15];
+        }
+        sub[i] = (int32_t)(xxh3(text, (size_t)(1 + 2 * klen)) % (uint64_t)fanout);
+        memcpy(h, "_pool_", 6);
+        h += 6;
+        memcpy(h, pool, plen);
+        h += plen;
+        memcpy(h, ".bin", 5); /* with its NUL */
+        at += need;
+    }
+    return at;
+}
+
 /* fault injection for tests: up to TC_FAULTS rules; an operation of `kind` whose name
  * contains `match` fails with `err` after its file was opened (so the cleanup paths run),
  * `times` times (-1: until cleared) */

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.integrations.loadcost import MIN_LOAD_BLOCKS, MIN_STEP_TOKENS, PROBE_EVERY, LoadCost
+from tiercache.integrations.loadcost import MIN_LOAD_BLOCKS, MIN_STEP_TOKENS, PROBE_EVERY, WARMUP_LOADS, LoadCost
 
 
 class Clock:
@@ -17,18 +17,25 @@ class Clock:
         return self.t
 
 
-def _measure(cost: LoadCost, clock: Clock, step_s: float, tokens: int, load_s: float, blocks: int) -> None:
-    """A prefill step of ``tokens`` whose output comes back ``step_s`` later (synchronous
-    scheduling), then a step issuing a load of ``blocks`` blocks that is reported done
-    ``load_s`` later."""
-    cost.step(tokens, {})
-    clock.t += step_s
-    cost.output()
+def _load(cost: LoadCost, clock: Clock, load_s: float, blocks: int, tokens: int = 4096) -> None:
+    """A step issuing a load of ``blocks`` blocks that is reported done ``load_s`` later."""
     cost.step(tokens, {"r": blocks})
     clock.t += load_s
     cost.output()
     cost.loaded("r")
     cost.step(0, {})
+
+
+def _measure(cost: LoadCost, clock: Clock, step_s: float, tokens: int, load_s: float, blocks: int) -> None:
+    """A prefill step of ``tokens`` whose output comes back ``step_s`` later (synchronous
+    scheduling), then the warm-up loads (a tenth of ``load_s`` each: they measure nothing)
+    and a load of ``blocks`` blocks that is reported done ``load_s`` later."""
+    cost.step(tokens, {})
+    clock.t += step_s
+    cost.output()
+    for _ in range(WARMUP_LOADS - cost.warmups):
+        _load(cost, clock, load_s / 10, blocks, tokens)
+    _load(cost, clock, load_s, blocks, tokens)
 
 
 def test_slow_storage_recomputes_and_still_probes():
@@ -100,3 +107,22 @@ def test_with_async_scheduling_a_prefill_is_timed_to_its_own_output_not_the_next
     clock.t += 0.2
     sync.output()
     assert sync.prefill_s_per_token == pytest.approx(0.2 / 8448)
+
+
+def test_the_first_load_measures_nothing_and_does_not_make_prefixes_recompute():
+    """The first load pays one-time costs and runs beside the cold round's stores: a first load
+    slower than recomputing (an H200 run on four RAM-backed devices: 229 ms for a prefix that
+    later loaded in 94) must not turn every later prefix into a recompute."""
+    clock = Clock()
+    cost = LoadCost(16, "faster", clock)
+    cost.step(2048, {})
+    clock.t += 0.025 * 2048 / 1000  # 25 us/token: 400 us per block
+    cost.output()
+    _load(cost, clock, 512 * 1e-3, 512)  # 1 ms per block: slower than recomputing
+    assert cost.load_s_per_block is None and cost.warmups == WARMUP_LOADS
+    assert all(cost.should_load(512) for _ in range(3 * PROBE_EVERY)) and cost.skipped == 0
+    _load(cost, clock, 512 * 0.2e-3, 512)  # then 0.2 ms per block
+    assert cost.load_s_per_block == pytest.approx(0.2e-3)
+    assert all(cost.should_load(512) for _ in range(3 * PROBE_EVERY))
+    _load(cost, clock, 512 * 5e-3, 512)  # a storage that became slow is still seen
+    assert not cost.should_load(512)

@@ -61,6 +61,7 @@ from tiercache.files import (
     SUBDIRS,
     FileTier,
     IOPath,
+    Outcome,
     block_subdir_index,
     file_size,
     when_all_settled,
@@ -144,6 +145,8 @@ class _Job:
     items: list[tuple[bytes, int]]  # (key, row) of the keys that went to the disk
     start: float
     futures: list = field(default_factory=list)
+    #: a load read by the file tier's row reads: its errors by index into ``items``
+    outcome: Outcome | None = None
 
 
 class RowStore:
@@ -506,6 +509,13 @@ class RowStore:
         if not job.items:
             self._finish(job)
             return
+        if kind == "read":
+            keys = [k for k, _ in job.items]
+            job.outcome = self.ft.submit_rows(keys, POOL, self.rows, [r for _, r in job.items], deps)
+            if job.outcome is not None:  # no Python per block (tiercache/files/rowreads.py)
+                outcome = job.outcome
+                outcome.on_settled(lambda: self._finish(job))
+                return
         futures = self.ft.submit(kind, self._items(job.items), deps=deps)
         job.futures = [f for _, f in futures]
         when_all_settled(job.futures, lambda: self._finish(job))
@@ -515,8 +525,9 @@ class RowStore:
         failed load's rows are zeroed and bad files quarantined here, before anyone hears of
         the job; the index is updated by the owner thread (:meth:`_apply`)."""
         res = job.result
-        for (k, r), f in zip(job.items, job.futures):
-            exc = f.exception()
+        errors = job.outcome.errors if job.outcome is not None else None
+        for i, (k, r) in enumerate(job.items):
+            exc = errors.get(i) if errors is not None else job.futures[i].exception()
             if exc is None:
                 res.nbytes += self.row_bytes
                 continue

@@ -18,13 +18,14 @@
 - :mod:`.sharing`: shared roots: boot-tagged temporary names, abandoned temporaries, published
   blocks;
 - :mod:`.indexfile`: the root's saved index (what an open starts from instead of every header);
+- :mod:`.rowreads`: reads into the rows of one host buffer with no Python per block;
 - :mod:`.iothreads`: the I/O threads (reads that wait for nothing go ahead of queued writes);
 - :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, submitting I/O.
 
 Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """
 
-from .blockbatch import when_all_settled
+from .blockbatch import Outcome, when_all_settled
 from .blockcheck import verify_file
 from .blockfile import (
     ALIGN,
@@ -162,6 +163,7 @@ __all__ = [
     "tmp_owner",
     "uring_status",
     "usual_header_tail",
+    "Outcome",
     "when_all_settled",
     "write_stats",
 ]

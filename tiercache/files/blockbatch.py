@@ -405,10 +405,10 @@ class BlockBatches:
         self._root = str(directory.path)  # for messages
         #: per pool: its usual header text after the key, kept alive for the C checks
         #: (array, address, length, block bytes)
-        self._tails: dict[str, tuple] = {}
+        self.tails: dict[str, tuple] = {}
         for name, pool in pools.items():
             text = np.frombuffer(usual_header_tail(pool), np.uint8).copy()
-            self._tails[name] = (text, text.ctypes.data, text.size, pool.block_nbytes)
+            self.tails[name] = (text, text.ctypes.data, text.size, pool.block_nbytes)
 
     # -- request -> chunks -------------------------------------------------------------------
     @staticmethod
@@ -602,7 +602,7 @@ class BlockBatches:
                 if i in errors:
                     raise CorruptBlockError("a sibling file failed")
                 if ops.verdict is None or not ops.verdict[j]:  # not vouched for by the C check
-                    self._check_read(ops, j, key, pool, host, self.dir.block_path(key, pool.name))
+                    self.check_read(ops, j, key, pool, host, self.dir.block_path(key, pool.name))
                 entry = _kept_entry(ops, j) if kept is not None else None
             except BaseException as exc:
                 errors.setdefault(i, exc)
@@ -643,8 +643,8 @@ class BlockBatches:
         """Mark ``CHECK`` the reads whose blocks are whole pages: the C threads compare the
         header with the usual one of the file's key and pool, the file's size and the data's
         checksum (``kernels/blockio.c``), and Python looks only at the reads they could not
-        vouch for (:meth:`_check_read`: an error, a header with ``extra``, a bad file)."""
-        tails = self._tails
+        vouch for (:meth:`check_read`: an error, a header with ``extra``, a bad file)."""
+        tails = self.tails
         checked = [host.nbytes == tails[pool.name][3] and host.nbytes % ALIGN == 0 for _, _, pool, _, host in files]
         if any(checked):
             self._expect_tails(ops, files)
@@ -655,9 +655,9 @@ class BlockBatches:
         block bytes (``nbytes``): what ``CHECK`` reads compare and ``MAKEHEAD`` writes write."""
         ops.expect_usual()
         for j, (_, _, pool, _, _) in enumerate(files):
-            _, ops.expect[j], ops.expect_len[j], ops.nbytes[j] = self._tails[pool.name]
+            _, ops.expect[j], ops.expect_len[j], ops.nbytes[j] = self.tails[pool.name]
 
-    def _check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray, path) -> None:
+    def check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray, path) -> None:
         code = int(ops.err[j])
         where = str(path)
         if code:

@@ -25,15 +25,16 @@ import numpy as np
 
 from tiercache.errors import CorruptBlockError
 from tiercache.files import posix_io
-from tiercache.files.blockbatch import BlockBatches, GroupCommit, before_io, python_rename_all, settle_futures
+from tiercache.files.blockbatch import BlockBatches, GroupCommit, Outcome, before_io, python_rename_all, settle_futures
 from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, file_size, parse_filename
 from tiercache.files.blockio import BlockIO, block_io
 from tiercache.files.devicepath import IOPath
 from tiercache.files.iothreads import IOThreads
-from tiercache.files.nativeio import NativeIO, choose_engine, native_threads
+from tiercache.files.nativeio import NativeIO, choose_engine, native_hash, native_threads
 from tiercache.files.openfiles import FREE_FILES, OpenFiles
 from tiercache.files.rootarray import RootArray, open_roots
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, classify
+from tiercache.files.rowreads import RowReads
 from tiercache.files.sharing import published, tmp_abandoned, tmp_name, tmp_owner
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
@@ -170,6 +171,9 @@ class FileTier:
                 self.open_files = OpenFiles(self.dir.fd, want, recycle=not self.shared, free_files=free_files)
             self._batches = BlockBatches(self.dir, self.pools, self._native, self._executor, fsync, verify,
                                          direct_io, device_id, self.block_meta, self._drop_failed, self.open_files)
+        #: reads into the rows of one host buffer with no Python per block (None: this tier's
+        #: engine cannot vouch for reads in C; see :meth:`submit_rows`)
+        self.row_reads = RowReads(self._batches) if self._batches is not None and verify and native_hash() else None
 
     # -- paths -------------------------------------------------------------------------
     def path(self, key: Key, pool: str) -> RootPath:
@@ -567,6 +571,20 @@ class FileTier:
 
         read = kind == "read" and not deps
         return [(key, self._executor.submit(task, i, key, bufs, read=read)) for i, (key, bufs) in enumerate(items)]
+
+    def submit_rows(self, keys: list[bytes], pool: str, rows: np.ndarray, row_idx, deps: Sequence = ()
+                    ) -> Outcome | None:
+        """Start reading the blocks of ``keys[i]`` (bytes keys) in ``pool`` into
+        ``rows[row_idx[i]]`` (``rows``: 2-D host ``uint8``, one block per row, page-aligned)
+        with no Python per block (:class:`~tiercache.files.rowreads.RowReads`); returns the
+        request's :class:`~tiercache.files.blockbatch.Outcome` (errors by index into ``keys``,
+        as :meth:`submit` raises them per block), or None where this path does not apply
+        (the ``python`` engine, ``verify`` off, no native XXH3-64, rows that are not one
+        aligned block each): then use :meth:`submit`. The caller keeps the keys from being
+        written or evicted until the outcome is settled (the row store pins them)."""
+        if self.row_reads is None or not self.row_reads.applies(pool, rows):
+            return None
+        return self.row_reads.submit(keys, pool, rows, row_idx, deps)
 
     def _submit_group(self, items, deps, delay_s, skip) -> list[tuple[Key, Future]]:
         futures = [Future() for _ in items]

@@ -101,6 +101,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.tc_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.c_int]
     lib.tc_set_fault.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
     lib.tc_set_hash.argtypes = [ctypes.c_void_p]
+    lib.tc_block_names.restype = ctypes.c_int64
+    lib.tc_block_names.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.tc_set_hash(_xxh3_address())
     return lib, "kernels/blockio.c built and loaded"
 
@@ -177,6 +180,39 @@ def choose_engine(mode: str) -> tuple[str, str]:
     raise ConfigError(f"io_engine = 'io_uring' but {why}; use io_engine = 'auto' or 'threads'")
 
 
+def block_names(keys: list[bytes], pool: str, fanout: int) -> tuple[ctypes.Array, np.ndarray, np.ndarray]:
+    """The file names of bytes keys in ``pool``, made in C (``tc_block_names``; the same names
+    as :func:`~tiercache.files.blockfile.block_location`): ``(blob, offsets, subdirs)``, the
+    NUL-terminated names back to back in ``blob``, ``offsets`` (``int64 [n]``) where each
+    starts, and ``subdirs`` (``int32 [n]``) each key's subdirectory number (XXH3-64 of its
+    text modulo ``fanout``). One call per request instead of a key's text, hash and name in
+    Python per block.
+
+    Raises:
+        ConfigError: the native library or its XXH3-64 is unavailable.
+        ValueError: a key that is not 1..64 bytes.
+    """
+    lib, why = _library()
+    if lib is None:
+        raise ConfigError(f"native I/O unavailable: {why}")
+    n = len(keys)
+    key_off = np.zeros(n + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, keys), np.int64, n), out=key_off[1:])
+    p = pool.encode()
+    cap = int(2 * key_off[-1]) + n * (18 + len(p))
+    blob = ctypes.create_string_buffer(max(cap, 1))
+    offs = np.empty(n, np.int64)
+    subs = np.empty(n, np.int32)
+    got = lib.tc_block_names(b"".join(keys), key_off.ctypes.data, n, p, fanout, blob, cap, offs.ctypes.data,
+                             subs.ctypes.data)
+    if got < 0:
+        if not native_hash():
+            raise ConfigError("native block names need the xxhash extension's XXH3_64bits")
+        bad = next((k for k in keys if not 1 <= len(k) <= 64), None)
+        raise ValueError(f"block key {bad!r}: keys are 1..64 bytes")
+    return blob, offs, subs
+
+
 def set_fault(kind: int, match: str, err: int, times: int = -1) -> None:
     """Test hook (fault injection in ``kernels/blockio.c``): operations of ``kind``
     (:data:`READ`, :data:`WRITE` or :data:`RENAME`) on a file whose name contains ``match``
@@ -214,6 +250,10 @@ class Ops:
         self.n = n
         self.names: list[bytes] = []
         self.finals: list[bytes] = []
+        #: names made in C (:func:`block_names`): the blob and each name's offset, used instead
+        #: of :attr:`names` when set (reads)
+        self.name_blob: ctypes.Array | None = None
+        self.name_off: np.ndarray | None = None
         self.flags = np.zeros(n, np.int32)
         self.data = np.zeros(n, np.uint64)
         self.data_len = np.zeros(n, np.int64)
@@ -300,12 +340,15 @@ class NativeIO:
         n = ops.n
         if n == 0:
             return 0
-        names = ops.names + ops.finals
-        lens = np.fromiter((len(s) + 1 for s in names), np.int64, len(names))
-        offs = np.zeros(len(names), np.int64)
-        np.cumsum(lens[:-1], out=offs[1:])
-        blob = ctypes.create_string_buffer(b"\0".join(names) + b"\0")
-        final_off = offs[n:] if ops.finals else None
+        if ops.name_blob is not None and ops.name_off is not None:
+            blob, offs, final_off = ops.name_blob, ops.name_off, None
+        else:
+            names = ops.names + ops.finals
+            lens = np.fromiter((len(s) + 1 for s in names), np.int64, len(names))
+            offs = np.zeros(len(names), np.int64)
+            np.cumsum(lens[:-1], out=offs[1:])
+            blob = ctypes.create_string_buffer(b"\0".join(names) + b"\0")
+            final_off = offs[n:] if ops.finals else None
         head_ptr = ops.heads.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(ops.heads.strides[0])
         b = _Batch(kind, dir_fd, ctypes.addressof(blob), offs.ctypes.data,
                    final_off.ctypes.data if final_off is not None else None, ops.flags.ctypes.data,

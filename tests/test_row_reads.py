@@ -1,0 +1,185 @@
+"""Row reads (tiercache/files/rowreads.py): a row store's loads with no Python per block. The
+names made in C are the reference names (block_location); bytes round-trip exactly over a root
+and a root array, in requests cut into several native calls; every way a file can be bad fails
+only its block, with its row zeroed and corrupt files quarantined; a file the C threads do not
+vouch for is judged by Python's check; rows that do not fit take the general path."""
+
+from __future__ import annotations
+
+import os
+import string
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiercache import RowStore
+from tiercache.arrays import aligned_empty
+from tiercache.errors import CorruptBlockError
+from tiercache.files import nativeio
+from tiercache.files.blockfile import FANOUT, SUBDIRS, block_location
+from tiercache.files.nativeio import block_names, native_hash
+from tiercache.files.rowreads import RowReads
+from tiercache.rowstore import POOL
+
+pytestmark = pytest.mark.skipif(not native_hash(), reason="needs the native engine's XXH3-64")
+
+POOL_CHARS = string.ascii_letters + string.digits + "_.-"
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=80),
+       pool=st.text(POOL_CHARS, min_size=0, max_size=20).map(lambda s: "p" + s))
+def test_the_names_made_in_c_are_the_reference_names(keys, pool):
+    blob, offs, subs = block_names(keys, pool, FANOUT)
+    raw = blob.raw
+    for k, o, s in zip(keys, offs.tolist(), subs.tolist()):
+        sub, name = block_location(k, pool)
+        assert raw[o:raw.index(b"\0", o)].decode() == name and SUBDIRS[s] == sub
+
+
+def test_a_key_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="1..64 bytes"):
+        block_names([b"ok", b""], "kv", FANOUT)
+    with pytest.raises(ValueError, match="1..64 bytes"):
+        block_names([b"x" * 65], "kv", FANOUT)
+
+
+@pytest.fixture
+def row_calls(monkeypatch):
+    """Counts the requests that took the row path."""
+    calls = []
+    real = RowReads.submit
+
+    def spy(self, keys, *a, **k):
+        calls.append(len(keys))
+        return real(self, keys, *a, **k)
+
+    monkeypatch.setattr(RowReads, "submit", spy)
+    return calls
+
+
+def _rows(rng, n: int, bs: int) -> np.ndarray:
+    rows = aligned_empty(n * bs).reshape(n, bs)
+    rows[:] = rng.integers(0, 256, (n, bs), dtype=np.uint8)
+    return rows
+
+
+def _load(st_: RowStore, keys, rows):
+    jid = st_.submit_load(keys, rows)
+    st_.drain()
+    return next(r for r in st_.finished() if r.job_id == jid)
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_loads_take_the_row_path_and_return_exact_bytes(tmp_path, rng, row_calls, members):
+    n, bs = 150, 8192  # three native calls of at most 64 files
+    rows = _rows(rng, 2 * n, bs)
+    want = rows[:n].copy()
+    keys = [rng.bytes(int(rng.integers(1, 65))) for _ in range(n)]
+    root = [tmp_path / f"d{i}" for i in range(members)] if members > 1 else tmp_path / "r"
+    with RowStore(rows, root, capacity_blocks=2 * n, fsync="none") as st_:
+        st_.submit_store(keys, list(range(n)))
+        st_.drain()
+        st_.finished()
+        dest = (n + rng.permutation(n)).tolist()
+        rows[n:] = 0
+        res = _load(st_, keys, dest)
+        assert res.success and row_calls == [n]
+        assert np.array_equal(rows[dest], want)
+
+
+def _damage(path: str, how: str, other: str) -> None:
+    if how == "delete":
+        os.unlink(path)
+    elif how == "truncate":
+        os.truncate(path, os.path.getsize(path) - 4096)
+    elif how == "data":
+        with open(path, "r+b") as f:
+            f.seek(4096 + 100)
+            b = f.read(1)
+            f.seek(4096 + 100)
+            f.write(bytes([b[0] ^ 0x40]))
+    elif how == "header":
+        with open(path, "r+b") as f:
+            f.seek(40)
+            b = f.read(1)
+            f.seek(40)
+            f.write(bytes([b[0] ^ 0x01]))
+    elif how == "symlink":
+        os.unlink(path)
+        os.symlink(other, path)
+
+
+def test_every_bad_file_fails_only_its_block(tmp_path, rng, row_calls):
+    hows = ["delete", "truncate", "data", "header", "symlink"]
+    n, bs = 12, 8192
+    rows = _rows(rng, 2 * n, bs)
+    want = rows[:n].copy()
+    keys = [rng.bytes(16) for _ in range(n)]
+    with RowStore(rows, tmp_path / "r", capacity_blocks=2 * n, fsync="none") as st_:
+        st_.submit_store(keys, list(range(n)))
+        st_.drain()
+        st_.finished()
+        bad = dict(zip(rng.choice(n, len(hows), replace=False).tolist(), hows))
+        for i, how in bad.items():
+            _damage(os.fspath(st_.ft.path(keys[i], POOL)), how, os.fspath(st_.ft.path(keys[(i + 1) % n], POOL)))
+        rows[n:] = 0xAA
+        res = _load(st_, keys, list(range(n, 2 * n)))
+        assert row_calls == [n]
+        assert set(res.failed) == {keys[i] for i in bad}
+        for i in range(n):
+            if i in bad:
+                exc = res.failed[keys[i]]
+                assert isinstance(exc, FileNotFoundError if bad[i] == "delete" else CorruptBlockError), (bad[i], exc)
+                assert not rows[n + i].any()  # no unverified byte stays in the row
+            else:
+                assert np.array_equal(rows[n + i], want[i])
+        moved = [m for m in os.listdir(tmp_path / "r" / "quarantine") if "block_" in m]
+        assert len(moved) == len(bad) - 1, moved  # every corrupt file; the deleted one is just forgotten
+        assert all(st_.state(keys[i]).name == "ABSENT" for i in bad)
+
+
+def test_files_the_c_threads_do_not_vouch_for_are_judged_by_python(tmp_path, rng, row_calls, monkeypatch):
+    """With every verdict withheld, Python's check accepts the good files and catches a bad one."""
+    real = nativeio.NativeIO.run
+
+    def no_verdict(self, kind, dir_fd, ops):
+        out = real(self, kind, dir_fd, ops)
+        if kind == nativeio.READ and ops.verdict is not None:
+            ops.verdict[:] = 0
+        return out
+
+    monkeypatch.setattr(nativeio.NativeIO, "run", no_verdict)
+    n, bs = 6, 4096
+    rows = _rows(rng, 2 * n, bs)
+    want = rows[:n].copy()
+    keys = [rng.bytes(8) for _ in range(n)]
+    with RowStore(rows, tmp_path / "r", capacity_blocks=2 * n, fsync="none") as st_:
+        st_.submit_store(keys, list(range(n)))
+        st_.drain()
+        st_.finished()
+        _damage(os.fspath(st_.ft.path(keys[2], POOL)), "data", "")
+        res = _load(st_, keys, list(range(n, 2 * n)))
+        assert row_calls == [n] and set(res.failed) == {keys[2]}
+        assert isinstance(res.failed[keys[2]], CorruptBlockError)
+        for i in (0, 1, 3, 4, 5):
+            assert np.array_equal(rows[n + i], want[i])
+
+
+def test_rows_the_row_path_cannot_take_go_the_general_way(tmp_path, rng, row_calls):
+    """Unaligned rows under O_DIRECT: the general path (its aligned staging), same bytes."""
+    n, bs = 5, 4096
+    raw = aligned_empty(2 * n * bs + 64)[64:]  # rows 64 bytes past a page
+    rows = raw.reshape(2 * n, bs)
+    rows[:] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+    want = rows[:n].copy()
+    keys = [rng.bytes(8) for _ in range(n)]
+    with RowStore(rows, tmp_path / "r", capacity_blocks=2 * n, fsync="none") as st_:
+        assert st_.ft.row_reads is not None and not st_.ft.row_reads.applies(POOL, rows)
+        st_.submit_store(keys, list(range(n)))
+        st_.drain()
+        st_.finished()
+        res = _load(st_, keys, list(range(n, 2 * n)))
+        assert res.success and row_calls == [] and np.array_equal(rows[n:], want)

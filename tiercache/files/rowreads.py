@@ -1,0 +1,129 @@
+"""Reads of whole blocks into the rows of one host buffer, with no Python per block.
+
+A row store's load (the vLLM connector's, SGLang's backend's) reads blocks of one pool into
+rows of one page-aligned buffer. The general read path (:mod:`tiercache.files.blockbatch`)
+takes ``[(key, {pool: buffer})]`` and spends Python per file on each step around the native
+call: a buffer view's address, the key's text, hash and file name, the open-file cache, the
+check flags. Here a request is arrays: the names and subdirectories come from C
+(:func:`~tiercache.files.nativeio.block_names`), each file's data address is the buffer's
+base plus its row times the row stride, and the flags and checks are the same for every file
+(``CHECK`` and ``HASH``: the C threads vouch for the header, size and XXH3-64 of each). Python
+looks only at the files the C threads did not vouch for, with the general path's own check
+(:meth:`~tiercache.files.blockbatch.BlockBatches.check_read`), so what a read accepts and how
+it fails are the general path's. Files are opened by name (no descriptor of the tier's
+open-file cache is used or kept): with the opens in the C threads, an open costs no Python.
+
+Measured: docs/vllm.md ("The load's Python per block"), with ``benchmarks/rowstore_load.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, Outcome, before_io
+from tiercache.files.blockfile import ALIGN, FANOUT, SUBDIRS, file_size
+from tiercache.files.nativeio import CHECK, DIRECT, HASH, READ, Ops, block_names
+
+
+class RowReads:
+    """The row reads of one file tier (built by :class:`~tiercache.files.FileTier` where its
+    native engine can vouch for reads: ``verify`` on and the native XXH3-64).
+
+    Args:
+        batches: the tier's native batches (its root, pools, engine, I/O threads, checks).
+    """
+
+    def __init__(self, batches: BlockBatches) -> None:
+        self.b = batches
+        self._dirs: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def applies(self, pool: str, rows: np.ndarray) -> bool:
+        """Whether rows of ``rows`` (2-D host ``uint8``) can take blocks of ``pool`` here: each
+        row exactly one block of whole pages, and at a page-aligned address where the tier
+        reads with O_DIRECT (the general path stages the others through aligned memory)."""
+        p = self.b.pools.get(pool)
+        if p is None or rows.ndim != 2 or rows.shape[1] != p.block_nbytes or p.block_nbytes % ALIGN \
+                or rows.strides[1] != 1 or not rows.flags.writeable:
+            return False
+        return not self.b.direct_io or (rows.strides[0] % ALIGN == 0
+                                        and rows.__array_interface__["data"][0] % ALIGN == 0)
+
+    def _subdir_fds(self) -> np.ndarray:
+        """Each block subdirectory's descriptor by number (``int32 [FANOUT]``), opened (and
+        created where missing) once; a root array's come from the members that hold them."""
+        if self._dirs is None:
+            with self._lock:
+                if self._dirs is None:
+                    d = self.b.dir
+                    owner = getattr(d, "owner", None)
+                    self._dirs = np.array([(owner(s) if owner else d).subdir(s, create=True).fd for s in SUBDIRS],
+                                          np.int32)
+        return self._dirs
+
+    def submit(self, keys: list[bytes], pool: str, rows: np.ndarray, row_idx, deps=()) -> Outcome:
+        """Read the block of ``keys[i]`` (bytes keys) in ``pool`` into ``rows[row_idx[i]]``;
+        returns the request's :class:`Outcome` (its errors by index into ``keys``), settled
+        once every file is read and checked. ``rows`` must pass :meth:`applies`; ``deps``:
+        jobs the reads wait for first.
+
+        Errors per block are the general path's: :class:`FileNotFoundError` for a missing
+        file, :class:`~tiercache.errors.CorruptBlockError` for one that does not verify
+        (truncated, wrong header, checksum mismatch), other :class:`OSError` s as raised.
+        """
+        idx = np.asarray(row_idx, dtype=np.int64)
+        outcome = Outcome()
+        n = len(keys)
+        if n == 0:
+            outcome.settle({})
+            return outcome
+        parts = -(-n // MAX_CHUNK_FILES)
+        step = -(-n // parts)
+        left = [parts]
+        errors: dict[int, BaseException] = {}
+        lock = threading.Lock()
+
+        def chunk(lo: int, hi: int) -> None:
+            errs: dict[int, BaseException] = {}
+            try:
+                before_io(lo, deps, 0.0, None)
+                self._read(keys, lo, hi, pool, rows, idx, errs)
+            except BaseException as exc:
+                for i in range(lo, hi):
+                    errs.setdefault(i, exc)
+            with lock:
+                errors.update(errs)
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                outcome.settle(errors)
+
+        for lo in range(0, n, step):
+            self.b.executor.submit(chunk, lo, min(n, lo + step), read=not deps)
+        return outcome
+
+    def _read(self, keys: list[bytes], lo: int, hi: int, pool: str, rows: np.ndarray, idx: np.ndarray,
+              errors: dict) -> None:
+        b = self.b
+        spec = b.pools[pool]
+        n = hi - lo
+        ops = Ops(n, b.native.heads(n))
+        base = rows.__array_interface__["data"][0]
+        ops.data[:] = (np.uint64(base) + idx[lo:hi].astype(np.uint64) * np.uint64(rows.strides[0]))
+        ops.data_len[:] = spec.block_nbytes
+        ops.file_len[:] = file_size(spec.block_nbytes)
+        ops.flags[:] = HASH | CHECK | (DIRECT if b.direct_io else 0)
+        ops.expect_usual()
+        assert ops.expect is not None and ops.expect_len is not None and ops.nbytes is not None
+        _, ops.expect[:], ops.expect_len[:], ops.nbytes[:] = b.tails[pool]
+        ops.name_blob, ops.name_off, subs = block_names(keys[lo:hi], pool, FANOUT)
+        ops.dirs = self._subdir_fds()[subs]
+        b.native.run(READ, b.dir.fd, ops)
+        for j in np.flatnonzero((ops.err != 0) | (ops.verdict == 0)).tolist():
+            key = keys[lo + j]
+            try:  # what the C threads did not vouch for: a header with extra fields, an error
+                b.check_read(ops, j, key, spec, rows[idx[lo + j]], b.dir.block_path(key, pool))
+            except BaseException as exc:
+                errors[lo + j] = exc
