@@ -413,6 +413,11 @@ def vllm_serve_cmd(
         Optional[str],
         typer.Option(help="'A,B': the shared pair's engines on GPUs A and B (default: halves of one GPU)."),
     ] = None,
+    round_gap: Annotated[
+        float,
+        typer.Option(help="Seconds each engine stays idle before each repeat round (the round before's writes "
+                     "finish first).", min=0, max=600),
+    ] = 0.0,
     connector_set: _strings_opt(
         "--connector-set",
         "KEY=VALUE of the connector mode's kv_connector_extra_config (repeat; e.g. io_engine=threads).",
@@ -454,7 +459,7 @@ def vllm_serve_cmd(
                                   max_tokens=max_tokens, restart=restart, kill9=kill9, fio=not no_baseline, seed=seed,
                                   gpu_util=gpu_util, keep=keep, cpu_tier_prefixes=cpu_prefixes,
                                   tensor_parallel=tensor_parallel, shared_gpus=pair, connector_settings=extra,
-                                  log=_log(output_format))
+                                  round_gap_s=round_gap, log=_log(output_format))
             reports.append(rep)
             if output_format is not OutputFormat.json:
                 typer.echo(format_serve_report(rep))

@@ -317,8 +317,12 @@ def worker_main(spec_path: str) -> int:
     rows = []
     t_run = time.perf_counter()
     damaged: list[str] | None = None
+    last_round = None
     for i in spec["requests"]:
         r = reqs[i]
+        if spec.get("round_gap_s") and last_round is not None and r["round"] != last_round:
+            _idle(llm, spec["round_gap_s"])
+        last_round = r["round"]
         if spec.get("damage") and damaged is None and r["round"] > 0:
             damaged = _damage_files(counter.roots if counter else [], spec["damage"])
         before, chunks0 = _by_source(llm), counter.chunks if counter else 0
@@ -406,6 +410,24 @@ def _h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float | None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def _idle(llm, seconds: float) -> None:
+    """Leave an in-process engine idle for ``seconds`` between rounds, stepping it while its
+    scheduler has work (a tier's stores of the round before, which an idle in-process engine
+    would not move on: see :func:`_drain_stores`), so that the next round's reads do not share
+    the storage with the writes of the round before."""
+    end = time.perf_counter() + seconds
+    try:
+        engine = llm.llm_engine
+        has_requests = engine.engine_core.engine_core.scheduler.has_requests
+    except AttributeError:
+        time.sleep(seconds)
+        return
+    while time.perf_counter() < end:
+        if has_requests():
+            engine.step()
+        time.sleep(0.005)
 
 
 def _drain_stores(llm, timeout_s: float = 300.0) -> float | None:
@@ -587,7 +609,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     seed: int | None = None, gpu_util: float = 0.9, keep: bool = False,
                     cpu_tier_prefixes: float = CPU_TIER_PREFIXES, tensor_parallel: int = 1,
                     shared_gpus: tuple[int, int] | None = None, damage: int | None = None,
-                    connector_settings: dict | None = None, log=lambda s: None) -> dict:
+                    connector_settings: dict | None = None, round_gap_s: float = 0.0, log=lambda s: None) -> dict:
     """Run the modes on ``model`` over files under ``directory`` (module docstring) and return
     the report: per mode its TTFTs, requests/s, tokens by source, token agreement and verify
     results (``cpu_tier_prefixes``: vLLM's CPU tier in prefixes' worth of KV;
@@ -595,7 +617,9 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     these two GPUs instead of halves of one; ``damage``: a seed: before the first repeat, each
     engine on files flips a byte of one block file, truncates one and deletes one;
     ``connector_settings``: keys of the ``connector`` mode's ``kv_connector_extra_config``, over
-    the bench's); the baselines (fio's best read at the chunk's file
+    the bench's; ``round_gap_s``: seconds each engine stays idle before each round after the
+    first, so that a round's reads do not share the storage with the writes of the round before:
+    on a storage whose writes are slower than the rounds, 0 measures the repeats beside them); the baselines (fio's best read at the chunk's file
     size, host -> GPU rate, GPU-hit TTFT), the bound for a repeat from files, its ratio, and
     the break-even arithmetic.
 
@@ -647,7 +671,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     wl.write_text(json.dumps(reqs))
     common = {"max_model_len": max_model_len, "gpu_blocks": gpu_blocks, "cpu_bytes": cpu_bytes,
               "max_tokens": max_tokens, "suffix_tokens": suffix_tokens, "gpu_util": gpu_util,
-              "tensor_parallel": tensor_parallel, "connector_settings": dict(connector_settings or {})}
+              "tensor_parallel": tensor_parallel, "connector_settings": dict(connector_settings or {}),
+              "round_gap_s": float(round_gap_s)}
     run = _Run(work, model_dir, wl, common, log)
     every = list(range(len(reqs)))
     cold = [i for i, r in enumerate(reqs) if r["round"] == 0]
@@ -660,7 +685,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     "rounds": rounds, "max_tokens": max_tokens, "kv_bytes_per_token": kv_tok,
                     "chunk_bytes": chunk_bytes, "gpu_kv_blocks": gpu_blocks, "cpu_tier_bytes": cpu_bytes,
                     "tensor_parallel": tensor_parallel, "shared_gpus": list(shared_gpus) if shared_gpus else None,
-                    "connector_settings": dict(connector_settings or {}), "modes": {}, "experiments": {}}
+                    "connector_settings": dict(connector_settings or {}), "round_gap_s": float(round_gap_s),
+                    "modes": {}, "experiments": {}}
     report["vllm"] = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
     results, roots = _run_modes(run, modes, cold, repeats, every, restart, kill9, gpu_util, shared_gpus, damage, seed)
     # the baselines and the report
