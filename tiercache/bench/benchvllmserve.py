@@ -619,8 +619,9 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     ``connector_settings``: keys of the ``connector`` mode's ``kv_connector_extra_config``, over
     the bench's; ``round_gap_s``: seconds each engine stays idle before each round after the
     first, so that a round's reads do not share the storage with the writes of the round before:
-    on a storage whose writes are slower than the rounds, 0 measures the repeats beside them); the baselines (fio's best read at the chunk's file
-    size, host -> GPU rate, GPU-hit TTFT), the bound for a repeat from files, its ratio, and
+    on a storage whose writes are slower than the rounds, 0 measures the repeats beside them);
+    the baselines (fio's best read at the chunk's file size, host -> GPU rate, GPU-hit TTFT),
+    the bound for a repeat from files, its ratio, and
     the break-even arithmetic.
 
     Units: seconds, bytes, tokens, GB/s (1e9 bytes per second).
