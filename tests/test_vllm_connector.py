@@ -210,6 +210,31 @@ def test_where_reading_is_slower_than_recomputing_prefixes_are_recomputed(tmp_pa
         parse_config({"root": "/x", "load_policy": "sometimes"})
 
 
+def test_a_request_looked_up_again_while_it_waits_is_one_decision(tmp_path, rng):
+    """vLLM looks a waiting request up again at every step it cannot schedule it (three times
+    per repeat in an H200 run): the policy is asked once per request, so its probes come one
+    prefix in PROBE_EVERY, not one lookup in PROBE_EVERY, and a request does not flip between a
+    hit and none while it waits."""
+    from tiercache.integrations.loadcost import PROBE_EVERY
+
+    hashes = [rng.bytes(32) for _ in range(4)]
+    a = _Engine(tmp_path)
+    _store(a, "r1", hashes, 4 * BS, [1, 2, 3, 4])
+    a.close()
+    e = _Engine(tmp_path)
+    cost = e.sched._sched.cost
+    cost.load_s_per_block, cost.prefill_s_per_token = 1e-3, 25e-6  # recomputing wins
+    answers = []
+    for i in range(PROBE_EVERY - 1):
+        req = _request(f"q{i}", hashes, 4 * BS + 1)
+        answers.append({e.sched.get_num_new_matched_tokens(req, 0) for _ in range(3)})
+    assert all(a == {(0, False)} for a in answers) and cost.skipped == PROBE_EVERY - 1
+    req = _request("probe", hashes, 4 * BS + 1)
+    assert {e.sched.get_num_new_matched_tokens(req, 0) for _ in range(3)} == {(4 * BS, True)}
+    assert cost.probes == 1
+    e.close()
+
+
 def test_two_live_engines_on_a_shared_root_hit_each_others_blocks(tmp_path, rng, monkeypatch):
     """Both engines up before either stores: B's index is listed at its start, empty; after A
     stores, B's lookup misses, lists the root again (at most every RESCAN_S) and loads A's

@@ -227,6 +227,9 @@ class _Req:
     load_ids: list[int] = field(default_factory=list)
     stored_upto: int = 0
     storing: list[bytes] = field(default_factory=list)
+    #: the load policy's answer for this request (None: not asked yet): asked once per
+    #: request, however many times vLLM looks it up while it waits to be scheduled
+    load_ok: bool | None = None
 
 
 class ConnectorScheduler:
@@ -289,11 +292,13 @@ class ConnectorScheduler:
         if (len(keys) < limit - start and self.settings["sharing"] == "shared"
                 and time.monotonic() - self._scanned >= self.RESCAN_S and self._rescan()):
             keys = self._match(hashes, start, limit)  # other engines' stores since the last listing
-        if keys and not self.cost.should_load(len(keys)):
-            if self.cost.skipped == 1:
+        if keys and st.load_ok is None:
+            st.load_ok = self.cost.should_load(len(keys))
+            if not st.load_ok and self.cost.skipped == 1:
                 log.info("tiercache: vLLM connector: reading a prefix is slower than recomputing it here (%s); "
                          "prefixes are recomputed (load_policy = 'faster'; one in %d still loads)",
                          self.cost.stats(), PROBE_EVERY)
+        if st.load_ok is False:
             keys = []
         st.load = (start, keys) if keys else None
         # an asynchronous load in vLLM's terms, done within one step: the worker reads and
