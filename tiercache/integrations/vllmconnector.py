@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
+from tiercache.arrays import aligned_empty
 from tiercache.errors import ConfigError
 from tiercache.files import SUBDIRS, parse_filename
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
@@ -517,7 +518,10 @@ class ConnectorWorker:
         self.load_slabs = min(max(3, slabs // 4), 8)
         store_slabs = max(2, slabs - self.load_slabs)
         rows = (self.load_slabs + store_slabs) * self.piece
-        self.staging = torch.empty((rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+        if self.cuda:
+            self.staging = torch.empty((rows, self.row_bytes), dtype=torch.uint8, pin_memory=True)  # page-aligned
+        else:  # page-aligned too: O_DIRECT from and to the rows in place, and the row reads apply
+            self.staging = torch.from_numpy(aligned_empty(rows * self.row_bytes).reshape(rows, self.row_bytes))
         self._slab_events = [None] * self.load_slabs
         self._free_slabs = list(range(self.load_slabs, self.load_slabs + store_slabs))
         self.max_queued = 4 * store_slabs * self.piece
