@@ -6,6 +6,7 @@ vouch for is judged by Python's check; rows that do not fit take the general pat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import string
 
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from tiercache import RowStore
 from tiercache.arrays import aligned_empty
+from tiercache.bench.benchvllmserve import damage_file
 from tiercache.errors import CorruptBlockError
 from tiercache.files import nativeio
 from tiercache.files.blockfile import FANOUT, SUBDIRS, block_location
@@ -66,6 +68,20 @@ def _rows(rng, n: int, bs: int) -> np.ndarray:
     return rows
 
 
+@contextlib.contextmanager
+def _stored(rng, root, n: int, bs: int, key_bytes=lambda rng: 16):
+    """A row store of ``2 n`` page-aligned rows of ``bs`` random bytes whose first ``n`` rows
+    are stored under random keys: ``(store, rows, copy of the first n rows, keys)``."""
+    rows = _rows(rng, 2 * n, bs)
+    want = rows[:n].copy()
+    keys = [rng.bytes(key_bytes(rng)) for _ in range(n)]
+    with RowStore(rows, root, capacity_blocks=2 * n, fsync="none") as st_:
+        st_.submit_store(keys, list(range(n)))
+        st_.drain()
+        st_.finished()
+        yield st_, rows, want, keys
+
+
 def _load(st_: RowStore, keys, rows):
     jid = st_.submit_load(keys, rows)
     st_.drain()
@@ -75,14 +91,8 @@ def _load(st_: RowStore, keys, rows):
 @pytest.mark.parametrize("members", [1, 2])
 def test_loads_take_the_row_path_and_return_exact_bytes(tmp_path, rng, row_calls, members):
     n, bs = 150, 8192  # three native calls of at most 64 files
-    rows = _rows(rng, 2 * n, bs)
-    want = rows[:n].copy()
-    keys = [rng.bytes(int(rng.integers(1, 65))) for _ in range(n)]
     root = [tmp_path / f"d{i}" for i in range(members)] if members > 1 else tmp_path / "r"
-    with RowStore(rows, root, capacity_blocks=2 * n, fsync="none") as st_:
-        st_.submit_store(keys, list(range(n)))
-        st_.drain()
-        st_.finished()
+    with _stored(rng, root, n, bs, lambda rng: int(rng.integers(1, 65))) as (st_, rows, want, keys):
         dest = (n + rng.permutation(n)).tolist()
         rows[n:] = 0
         res = _load(st_, keys, dest)
@@ -91,16 +101,10 @@ def test_loads_take_the_row_path_and_return_exact_bytes(tmp_path, rng, row_calls
 
 
 def _damage(path: str, how: str, other: str) -> None:
-    if how == "delete":
-        os.unlink(path)
-    elif how == "truncate":
-        os.truncate(path, os.path.getsize(path) - 4096)
-    elif how == "data":
-        with open(path, "r+b") as f:
-            f.seek(4096 + 100)
-            b = f.read(1)
-            f.seek(4096 + 100)
-            f.write(bytes([b[0] ^ 0x40]))
+    """The bench's damage (``delete``, ``truncate``, ``data``: a flipped data byte), a flipped
+    byte of the header's metadata (``header``), or the file replaced by a symlink to ``other``."""
+    if how in ("delete", "truncate", "data"):
+        damage_file(path, "flip" if how == "data" else how)
     elif how == "header":
         with open(path, "r+b") as f:
             f.seek(40)
@@ -115,13 +119,7 @@ def _damage(path: str, how: str, other: str) -> None:
 def test_every_bad_file_fails_only_its_block(tmp_path, rng, row_calls):
     hows = ["delete", "truncate", "data", "header", "symlink"]
     n, bs = 12, 8192
-    rows = _rows(rng, 2 * n, bs)
-    want = rows[:n].copy()
-    keys = [rng.bytes(16) for _ in range(n)]
-    with RowStore(rows, tmp_path / "r", capacity_blocks=2 * n, fsync="none") as st_:
-        st_.submit_store(keys, list(range(n)))
-        st_.drain()
-        st_.finished()
+    with _stored(rng, tmp_path / "r", n, bs) as (st_, rows, want, keys):
         bad = dict(zip(rng.choice(n, len(hows), replace=False).tolist(), hows))
         for i, how in bad.items():
             _damage(os.fspath(st_.ft.path(keys[i], POOL)), how, os.fspath(st_.ft.path(keys[(i + 1) % n], POOL)))
@@ -153,13 +151,7 @@ def test_files_the_c_threads_do_not_vouch_for_are_judged_by_python(tmp_path, rng
 
     monkeypatch.setattr(nativeio.NativeIO, "run", no_verdict)
     n, bs = 6, 4096
-    rows = _rows(rng, 2 * n, bs)
-    want = rows[:n].copy()
-    keys = [rng.bytes(8) for _ in range(n)]
-    with RowStore(rows, tmp_path / "r", capacity_blocks=2 * n, fsync="none") as st_:
-        st_.submit_store(keys, list(range(n)))
-        st_.drain()
-        st_.finished()
+    with _stored(rng, tmp_path / "r", n, bs) as (st_, rows, want, keys):
         _damage(os.fspath(st_.ft.path(keys[2], POOL)), "data", "")
         res = _load(st_, keys, list(range(n, 2 * n)))
         assert row_calls == [n] and set(res.failed) == {keys[2]}
