@@ -13,7 +13,8 @@ looks only at the files the C threads did not vouch for, with the general path's
 it fails are the general path's. Files are opened by name (no descriptor of the tier's
 open-file cache is used or kept): with the opens in the C threads, an open costs no Python.
 
-Measured: docs/vllm.md ("The load's Python per block"), with ``benchmarks/rowstore_load.py``.
+Measured: docs/vllm.md ("Row reads, the first load, the array and the disk"), with
+``benchmarks/rowstore_load.py``.
 """
 
 from __future__ import annotations
