@@ -10,7 +10,11 @@
  *           [publish: rename over the final name]; on any error the temporary file is unlinked
  *   rename  publish (renameat(temporary, final)); on error the temporary file is unlinked
  *   unlink  unlinkat(name) (purge: a symlink is removed itself, never followed; a directory is
- *           refused, EISDIR)
+ *           refused, EISDIR); with TC_RECYCLE (eviction of a file whose descriptor the tier
+ *           holds): where the name is still the regular file of inode kept_ino[i], rename it to
+ *           its final name (the free file's temporary name) and set got[i] = 1; else, or where
+ *           that rename fails, unlink the name as above (got[i] = 0); with TC_DROP_FD, close
+ *           fd[i] (the deleted file's descriptor, the caller's until then) after the unlink
  *
  * Open descriptors (the file tier's cache of them, tiercache/files/openfiles.py): where the
  * batch has an fd array, an operation whose fd[i] >= 0 uses that descriptor instead of opening
@@ -80,7 +84,8 @@
 
 enum { TC_READ = 0, TC_WRITE = 1, TC_RENAME = 2, TC_HASHONLY = 3, TC_UNLINK = 4 };
 enum { TC_DIRECT = 1, TC_FDATASYNC = 2, TC_PUBLISH = 4, TC_KEEP = 8, TC_EXCHANGE = 16, TC_KEEP_DIRECT = 32, TC_HASH = 64,
-       TC_CHECK = 128, TC_MAKEHEAD = 256 };
+       TC_CHECK = 128, TC_MAKEHEAD = 256, TC_RECYCLE = 512,
+       TC_DROP_FD = 1024 };
 
 typedef uint64_t (*tc_hash_fn)(const void *, size_t);
 static tc_hash_fn xxh3; /* XXH3_64bits of the xxhash library (tc_set_hash) */
@@ -118,7 +123,7 @@ typedef struct {
      * made here on the pool's threads instead of by an fstat and an fcntl per file in Python,
      * each of which gave up and took back the GIL): its inode number, its size in bytes, and
      * TC_KEPT_DIRECT | TC_KEPT_RDWR of its open flags; a kept descriptor that is not a regular
-     * file is closed (fd[i] = -1) */
+     * file is closed (fd[i] = -1); in, for TC_RECYCLE unlinks: the held descriptor's inode */
     int64_t *kept_ino;
     int64_t *kept_size;
     int32_t *kept_flags;
@@ -646,7 +651,22 @@ static void do_rename(const tc_batch *b, int i)
 
 static void do_unlink(const tc_batch *b, int i)
 {
-    b->err[i] = unlinkat(opdir(b, i), b->names + b->name_off[i], 0) == 0 ? 0 : errno;
+    const char *name = b->names + b->name_off[i];
+    int dir = opdir(b, i);
+    struct stat st;
+    b->got[i] = 0;
+    if ((b->flags[i] & TC_RECYCLE) && b->kept_ino && b->final_off &&
+        fstatat(dir, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+        (int64_t)st.st_ino == b->kept_ino[i] && renameat(dir, name, dir, b->names + b->final_off[i]) == 0) {
+        b->got[i] = 1;
+        b->err[i] = 0;
+        return;
+    }
+    b->err[i] = unlinkat(dir, name, 0) == 0 ? 0 : errno;
+    if ((b->flags[i] & TC_DROP_FD) && b->fd && b->fd[i] >= 0) {
+        close(b->fd[i]);
+        b->fd[i] = -1;
+    }
 }
 
 enum { TC_PASS_HASH = 1 };

@@ -298,3 +298,63 @@ def test_files_changed_under_held_descriptors_fail_their_reads(tmp_path, rng, en
     for i in range(2, 6):
         assert errs[keys[i]] is None and np.array_equal(out["kv"][i], data["kv"][i])
     ft.close()
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_evictions_in_one_native_batch_recycle_only_the_held_inode(tmp_path, rng, engine, caplog):
+    """Evictions and deletes run as one native UNLINK batch: a file whose name still holds its
+    held descriptor's inode becomes a free file (no more than ``free_files``), a file replaced
+    under its name is deleted and never kept free, a directory under a block's name is left
+    with a warning, every other descriptor is closed, and later writes reuse the free files
+    with exact bytes."""
+    import logging
+    import shutil
+
+    pools = (PoolSpec("kv", (16384,), "uint8"),)
+    root = tmp_path / "root"
+    s = sections(root=root, io_engine=engine, io_threads=4, direct_io=True, fsync="none")
+    ft = FileTier(pools, 4096, IOPath("posix", "test"), s["file"], s["sharing"], free_files=3)
+    of = ft.open_files
+    n = 10
+    keys = random_keys(rng, n)
+    data = _rows(rng, pools, n)
+    assert not any(ft.write(_items(keys, data)).values())
+    paths = {k: bpath(root, k, "kv") for k in keys}
+    held = {k: of._open[paths[k].name].fd for k in keys}
+    # keys[0]: the same bytes under a new inode (the held descriptor is now stale)
+    shutil.copy(paths[keys[0]], str(paths[keys[0]]) + ".copy")
+    os.replace(str(paths[keys[0]]) + ".copy", paths[keys[0]])
+    # keys[1]: a directory where its file was
+    os.unlink(paths[keys[1]])
+    os.mkdir(paths[keys[1]])
+    evicted = keys[:8]
+    with caplog.at_level(logging.WARNING, logger="tiercache"):
+        assert ft.evict(evicted) == evicted
+    assert "a directory, not a block file" in caplog.text and paths[keys[1]].is_dir()
+    for k in evicted[2:]:
+        assert not paths[k].exists()
+    assert not paths[keys[0]].exists()
+    free = [(tmp, dfd, e) for (_, dfd), lst in of._free.items() for tmp, e in lst]
+    assert 1 <= len(free) <= 3 and _temporaries(root) == sorted(t for t, _, _ in free)
+    for tmp, dfd, e in free:  # each free file is its held descriptor's own inode, never the replaced one
+        assert os.stat(tmp, dir_fd=dfd).st_ino == os.fstat(e.fd).st_ino
+    kept = {e.fd for _, _, e in free}
+    for k in evicted:
+        if held[k] not in kept:
+            with pytest.raises(OSError) as exc:
+                os.fstat(held[k])
+            assert exc.value.errno == errno.EBADF
+    # later writes into the free files' subdirectories reuse them; every byte reads back
+    subdirs = [block_subdir(k) for k in evicted for tmp, _, _ in free if block_filename(k, "kv") in tmp]
+    new = _keys_in(rng, subdirs, len(subdirs))
+    nd = _rows(rng, pools, len(new))
+    reused = of.reused
+    assert not any(ft.write(_items(new, nd)).values())
+    assert of.reused > reused
+    model = {k: {"kv": nd["kv"][i]} for i, k in enumerate(new)}
+    model.update({k: {"kv": data["kv"][i]} for i, k in enumerate(keys) if i >= 8})
+    _check(ft, pools, model)
+    ft.delete(new)  # deletes: the same batch, no free file kept
+    assert not any(bpath(root, k, "kv").exists() for k in new)
+    ft.close()
+    assert _temporaries(root) == []

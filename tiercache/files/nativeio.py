@@ -38,6 +38,11 @@ from tiercache.settings import IO_ENGINES
 
 READ, WRITE, RENAME, HASHONLY, UNLINK = 0, 1, 2, 3, 4
 DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH, CHECK, MAKEHEAD = 1, 2, 4, 8, 16, 32, 64, 128, 256
+#: an ``UNLINK`` of an evicted file whose descriptor is held: renamed to its final name (a
+#: free file's temporary name) where the name still holds ``Ops.kept_ino``; ``got`` 1 then
+RECYCLE = 512
+#: an ``UNLINK`` whose ``Ops.fd`` (the deleted file's unused descriptor) is closed after it
+DROP_FD = 1024
 #: ``Ops.kept_flags`` bits: the kept descriptor is O_DIRECT / O_RDWR
 KEPT_DIRECT, KEPT_RDWR = 1, 2
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file

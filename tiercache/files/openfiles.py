@@ -216,16 +216,24 @@ class OpenFiles:
                 self._open[name] = entry
         _close(close)
 
-    def forget(self, names) -> None:
+    def forget(self, names, close: bool = True) -> dict[str, Entry]:
         """The files ``names`` are being deleted, renamed away or replaced outside this
-        cache: stop using their descriptors (each closed once unused)."""
-        close: list[Entry] = []
+        cache: stop using their descriptors (each closed once unused). With ``close`` false,
+        those unused now are not closed here but returned by name: the caller closes them
+        (the native engine, after the unlinks: the inode's release then runs there)."""
+        closing: list[Entry] = []
+        named: dict[str, Entry] = {}
         with self._lock:
             for name in names:
                 e = self._open.pop(name, None)
                 if e is not None:
-                    self._retire(e, close)
-        _close(close)
+                    self._retire(e, closing)
+                    if closing and closing[-1] is e:
+                        named[name] = e
+        if not close:
+            return named
+        _close(closing)
+        return {}
 
     # -- writes ------------------------------------------------------------------------------
     def take_free(self, size: int, dir_fd: int | None = None) -> tuple[str, Entry] | None:
@@ -363,35 +371,60 @@ class OpenFiles:
         """Evicted block files: rename each whose descriptor is held (writable, unused, the
         same inode still under the name, room in its free list) to its temporary name in its
         directory (``dir_fds``, default the root's) and keep it free. Per name, whether it was
-        recycled (the others are the caller's to delete)."""
-        out = []
-        for name, tmp, dir_fd in zip(names, tmp_names, dir_fds or [self.dir_fd] * len(names)):
-            with self._lock:
+        recycled (the others are the caller's to delete). The native engine does the same
+        checks and renames in one batch: :meth:`take_recyclable`, then :meth:`settle_recycled`."""
+        dirs = dir_fds or [self.dir_fd] * len(names)
+        taken = self.take_recyclable(names)
+        same = []
+        for name, tmp, dir_fd, e in zip(names, tmp_names, dirs, taken):
+            ok = False
+            if e is not None:
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    ok = st.st_ino == e.ino and stat.S_ISREG(st.st_mode)
+                    if ok:
+                        os.rename(name, tmp, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                except OSError:
+                    ok = False
+            same.append(ok)
+        self.settle_recycled(taken, tmp_names, dirs, same)
+        return same
+
+    def take_recyclable(self, names: list[str]) -> list[Entry | None]:
+        """First half of recycling evicted block files: per name, its held entry where it can
+        become a free file (writable, unused, room in its free list; taken out of the cache,
+        so nobody uses it while it is renamed), else None (the caller deletes that name)."""
+        out: list[Entry | None] = []
+        taking: dict[int, int] = {}  # files of each size taken here: the free list's room counts them
+        with self._lock:
+            for name in names:
                 e = self._open.get(name)
-                ok = self.recycle and e is not None and e.writable and e.refs == 0 and self._free_room(e)
-                if ok:
+                if self.recycle and e is not None and e.writable and e.refs == 0 \
+                        and self._free_count.get(e.size, 0) + taking.get(e.size, 0) < self.free_files:
                     del self._open[name]
-                    e.refs = 1  # nobody takes it while it is renamed
-            if not ok:
-                out.append(False)
-                continue
-            try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                same = st.st_ino == e.ino and stat.S_ISREG(st.st_mode)
-                if same:
-                    os.rename(name, tmp, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except OSError:
-                same = False
-            close: list[Entry] = []
-            with self._lock:
+                    e.refs = 1
+                    taking[e.size] = taking.get(e.size, 0) + 1
+                    out.append(e)
+                else:
+                    out.append(None)
+        return out
+
+    def settle_recycled(self, taken: list[Entry | None], tmp_names: list[str], dir_fds: list[int],
+                        same: list[bool]) -> None:
+        """Second half: each taken entry whose file was renamed to its temporary name
+        (``same[j]``: the name still held its inode) becomes a free file; the others are
+        closed (their names were deleted)."""
+        close: list[Entry] = []
+        with self._lock:
+            for e, tmp, dir_fd, ok in zip(taken, tmp_names, dir_fds, same):
+                if e is None:
+                    continue
                 e.refs = 0
-                if same:
+                if ok:
                     self._add_free(e, dir_fd, tmp)
                 else:
                     self._retire(e, close)
-            _close(close)
-            out.append(same)
-        return out
+        _close(close)
 
     def close(self) -> None:
         """Close every descriptor and delete the free files (the tier is closing)."""
