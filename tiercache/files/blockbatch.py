@@ -31,6 +31,7 @@ from concurrent.futures import Executor, Future
 
 import numpy as np
 
+from tiercache.arrays import host_address
 from tiercache.errors import CorruptBlockError
 from tiercache.files import posix_io
 from tiercache.files.blockfile import (
@@ -432,7 +433,7 @@ class BlockBatches:
         files = staged = 0
         for i, (_, bufs) in enumerate(items):
             dev = sum(align_up(b.nbytes) for b in bufs.values() if _staged(
-                b.nbytes, np.asarray(b).__array_interface__["data"][0] if _is_host(b) else None, direct_io))
+                b.nbytes, host_address(b) if _is_host(b) else None, direct_io))
             if cur and (files + len(bufs) > target or staged + dev > STAGING_BYTES):
                 out.append(cur)
                 cur, files, staged = [], 0, 0
@@ -477,7 +478,7 @@ class BlockBatches:
                 pool = self.pools[name]
                 if _is_host(buf):
                     view = _host_view(buf, name)
-                    ptr = view.__array_interface__["data"][0]
+                    ptr = host_address(view)
                 else:
                     view = ptr = None
                     device = True

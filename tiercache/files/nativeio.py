@@ -33,6 +33,7 @@ import threading
 
 import numpy as np
 
+from tiercache.arrays import host_address
 from tiercache.errors import ConfigError
 from tiercache.settings import IO_ENGINES
 
@@ -354,13 +355,15 @@ class NativeIO:
             np.cumsum(lens[:-1], out=offs[1:])
             blob = ctypes.create_string_buffer(b"\0".join(names) + b"\0")
             final_off = offs[n:] if ops.finals else None
-        head_ptr = ops.heads.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(ops.heads.strides[0])
-        b = _Batch(kind, dir_fd, ctypes.addressof(blob), offs.ctypes.data,
-                   final_off.ctypes.data if final_off is not None else None, ops.flags.ctypes.data,
-                   head_ptr.ctypes.data, ops.data.ctypes.data, ops.data_len.ctypes.data, ops.file_len.ctypes.data,
-                   ops.err.ctypes.data, ops.got.ctypes.data, ops.fd.ctypes.data,
-                   ops.dirs.ctypes.data if ops.dirs is not None else None, ops.hash.ctypes.data,
-                   *((a.ctypes.data if a is not None else None)
+        # addresses through the buffer protocol (host_address): ``.ctypes.data`` costs 2.4 us
+        # each on the CPU test machine, and a batch passes seventeen
+        head_ptr = host_address(ops.heads) + np.arange(n, dtype=np.uint64) * np.uint64(ops.heads.strides[0])
+        b = _Batch(kind, dir_fd, ctypes.addressof(blob), host_address(offs),
+                   host_address(final_off) if final_off is not None else None, host_address(ops.flags),
+                   host_address(head_ptr), host_address(ops.data), host_address(ops.data_len),
+                   host_address(ops.file_len), host_address(ops.err), host_address(ops.got), host_address(ops.fd),
+                   host_address(ops.dirs) if ops.dirs is not None else None, host_address(ops.hash),
+                   *((host_address(a) if a is not None else None)
                      for a in (ops.expect, ops.expect_len, ops.nbytes, ops.verdict,
                                ops.kept_ino, ops.kept_size, ops.kept_flags)))
         return self._lib.tc_run(self._pool, ctypes.byref(b), n)  # the GIL is released meanwhile
