@@ -358,3 +358,22 @@ def test_evictions_in_one_native_batch_recycle_only_the_held_inode(tmp_path, rng
     assert not any(bpath(root, k, "kv").exists() for k in new)
     ft.close()
     assert _temporaries(root) == []
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_deletes_from_the_closing_checkpoint_still_remove_files(tmp_path, rng, engine):
+    """The index checkpoint at close runs after the native threads stop and may delete files
+    (keys the reconciled listing dropped): those deletes still remove them, exact."""
+    pools = _pools(rng)
+    root = tmp_path / "root"
+    ft = _tier(root, pools, engine)
+    keys = random_keys(rng, 6)
+    data = _rows(rng, pools, 6)
+    assert not any(ft.write(_items(keys, data)).values())
+    gone = keys[:3]
+    ft.close(before_unlock=lambda: ft.delete(gone))
+    for k in keys:
+        assert all(bpath(root, k, p.name).exists() == (k not in gone) for p in pools)
+    ft = _tier(root, pools, engine)
+    _check(ft, pools, {k: {p.name: data[p.name][i] for p in pools} for i, k in enumerate(keys) if k not in gone})
+    ft.close()

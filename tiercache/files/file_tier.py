@@ -729,6 +729,7 @@ class FileTier:
         self._executor.shutdown(wait=True)
         if self._native is not None:
             self._native.close()
+            self._native = None  # deletes from ``before_unlock`` (the checkpoint's) take the Python path
         if self.open_files is not None:
             self.open_files.close()
         try:
