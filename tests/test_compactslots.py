@@ -9,6 +9,8 @@ import pytest
 from conftest import random_keys
 
 from tiercache.errors import SlotRangeError, TierFullError
+from tiercache.files.blockfile import block_subdir_index
+from tiercache.keys import key_hash
 from tiercache.placement import CompactSlots, TierSlots, compactslots
 
 
@@ -17,18 +19,27 @@ def _pick(rng, pool, m):
 
 
 @pytest.mark.parametrize("num_slots", [1, 7, 300, 5000])
-def test_compact_slots_behave_as_tier_slots(rng, monkeypatch, num_slots):
+@pytest.mark.parametrize("kind", ["mixed", "bytes"])  # bytes keys alone: added as arrays
+def test_compact_slots_behave_as_tier_slots(rng, monkeypatch, num_slots, kind):
     monkeypatch.setattr(compactslots, "ARENA_SLACK", 256)  # compact the key arena often
     monkeypatch.setattr(compactslots, "MERGE_MIN", 64)  # merge the recent keys often
-    a, b = CompactSlots("file", num_slots), TierSlots("file", num_slots)
-    pool = random_keys(rng, 2 * num_slots + 3, "mixed") + [0, 2**63 - 1, b"\x00", b"\x00" * 64]
+    a, b = CompactSlots("file", num_slots, group=block_subdir_index), TierSlots("file", num_slots)
+    extra = [b"\x00", b"\x00" * 64] + ([0, 2**63 - 1] if kind == "mixed" else [])
+    pool = random_keys(rng, 2 * num_slots + 3, kind) + extra
     for step in range(400):
         op = rng.random()
         if op < 0.4:
             new = [k for k in _pick(rng, pool, int(rng.integers(1, 60))) if k not in b][: b.free_count]
+            freed, fresh = list(a._freed), a._next  # slots reused most recently freed first, then new ones
+            want = (freed[::-1] + list(range(fresh, fresh + len(new))))[:len(new)]
+            clock = a._clock
             slots = a.add(new)
             b.add(new)
+            assert slots == want, step
             assert [a.slot_of[k] for k in new] == slots and all(a.key_at[s] == k for k, s in zip(new, slots))
+            assert [a.tick_of(s) for s in slots] == list(range(clock, clock + len(new)))
+            for k, s in zip(new, slots):
+                assert a._hash[s] == key_hash(k) and a._group[s] == block_subdir_index(k)
         elif op < 0.6:
             gone = _pick(rng, pool, int(rng.integers(1, 60)))
             a.remove(gone)

@@ -412,8 +412,8 @@ class RowStore:
             result = RowJobResult(job_id, "store", ks)
             self._apply()
             new: list[tuple[bytes, int]] = []
-            for k, r in zip(ks, rs):
-                if k in self.index:
+            for k, r, slot in zip(ks, rs, self.index.find_many(ks).tolist()):
+                if slot >= 0:
                     result.skipped.append(k)
                 else:
                     new.append((k, r))
