@@ -347,6 +347,46 @@ int64_t tc_block_names(const uint8_t *keys, const int64_t *key_off, int n, const
     return at;
 }
 
+/* tc_block_names for n int keys (keys[i] in [0, 2**63)): "block_<decimal>_pool_<pool>.bin",
+ * sub[i] being XXH3-64 of the decimal text modulo fanout. Returns the bytes written, or -1
+ * (out_cap too small, a negative key, or no XXH3-64). */
+int64_t tc_int_block_names(const int64_t *keys, int n, const char *pool, int fanout, char *out, int64_t out_cap,
+                           int64_t *out_off, int32_t *sub)
+{
+    size_t plen = strlen(pool);
+    int64_t at = 0;
+    if (!xxh3 || fanout < 1)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        if (keys[i] < 0)
+            return -1;
+        char digits[20];
+        int nd = 0;
+        uint64_t v = (uint64_t)keys[i];
+        do {
+            digits[nd++] = (char)('0' + v % 10);
+            v /= 10;
+        } while (v);
+        int64_t need = 6 + nd + 6 + (int64_t)plen + 4 + 1;
+        if (at + need > out_cap)
+            return -1;
+        char *p = out + at, *text = p + 6;
+        out_off[i] = at;
+        memcpy(p, "block_", 6);
+        for (int q = 0; q < nd; q++)
+            text[q] = digits[nd - 1 - q];
+        sub[i] = (int32_t)(xxh3(text, (size_t)nd) % (uint64_t)fanout);
+        char *h = text + nd;
+        memcpy(h, "_pool_", 6);
+        h += 6;
+        memcpy(h, pool, plen);
+        h += plen;
+        memcpy(h, ".bin", 5); /* with its NUL */
+        at += need;
+    }
+    return at;
+}
+
 /* fault injection for tests: up to TC_FAULTS rules; an operation of `kind` whose name
  * contains `match` fails with `err` after its file was opened (so the cleanup paths run),
  * `times` times (-1: until cleared) */

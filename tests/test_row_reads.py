@@ -12,6 +12,7 @@ import string
 
 import numpy as np
 import pytest
+from conftest import random_keys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,10 +31,16 @@ pytestmark = pytest.mark.skipif(not native_hash(), reason="needs the native engi
 POOL_CHARS = string.ascii_letters + string.digits + "_.-"
 
 
-@settings(max_examples=200, deadline=None)
-@given(keys=st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=80),
+INT_KEYS = st.integers(0, (1 << 63) - 1)
+BYTES_KEYS = st.binary(min_size=1, max_size=64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.one_of(st.lists(BYTES_KEYS, min_size=1, max_size=80), st.lists(INT_KEYS, min_size=1, max_size=80),
+                      st.lists(st.one_of(INT_KEYS, BYTES_KEYS), min_size=1, max_size=80)),
        pool=st.text(POOL_CHARS, min_size=0, max_size=20).map(lambda s: "p" + s))
 def test_the_names_made_in_c_are_the_reference_names(keys, pool):
+    """Bytes keys, int keys (in C each) and a mix of both (spelled in Python)."""
     blob, offs, subs = block_names(keys, pool, FANOUT)
     raw = blob.raw
     for k, o, s in zip(keys, offs.tolist(), subs.tolist()):
@@ -46,6 +53,8 @@ def test_a_key_out_of_range_is_refused():
         block_names([b"ok", b""], "kv", FANOUT)
     with pytest.raises(ValueError, match="1..64 bytes"):
         block_names([b"x" * 65], "kv", FANOUT)
+    with pytest.raises(ValueError, match="outside"):
+        block_names([3, 1 << 63], "kv", FANOUT)
 
 
 @pytest.fixture
@@ -175,3 +184,38 @@ def test_rows_the_row_path_cannot_take_go_the_general_way(tmp_path, rng, row_cal
         st_.finished()
         res = _load(st_, keys, list(range(n, 2 * n)))
         assert res.success and row_calls == [] and np.array_equal(rows[n:], want)
+
+
+@pytest.mark.parametrize("kind", ["int", "bytes", "mixed"])
+def test_the_cache_reads_files_into_host_rows_on_the_row_path(tmp_path, rng, row_calls, kind):
+    """``TierCache.get`` and ``onboard`` of blocks held only in files, two pools of whole
+    pages (one of float32 blocks), int, bytes or mixed keys: one row request per pool and
+    call, exact bytes; a damaged file fails its block alone (and is quarantined), the others
+    still read exact."""
+    from tiercache import CacheConfig, PoolSpec, TierCache
+    from tiercache.errors import TierCacheError
+
+    pools = [PoolSpec("kv", (2, 4096), "uint8"), PoolSpec("act", (1024 * int(rng.integers(1, 4)),), "float32")]
+    n = 40
+    cfg = CacheConfig(pools, device_slots=0, host_slots=n, file_slots=4 * n, root=tmp_path / "root", fsync="none")
+    keys = random_keys(rng, n, kind)
+    data = {p.name: rng.integers(0, 256, (n, p.block_nbytes), dtype=np.uint8) for p in pools}
+    with TierCache(cfg) as c:
+        c.put(keys, {p.name: data[p.name].view(p.dtype).reshape(n, *p.block_shape) for p in pools})
+        c.offload(keys)
+        assert all(list(c.lookup(k)) == ["file"] for k in keys)
+        order = rng.permutation(n).tolist()
+        for p in pools:
+            got = c.get([keys[i] for i in order], pool=p.name)
+            assert np.array_equal(got.reshape(n, -1).view(np.uint8), data[p.name][order])
+        assert row_calls == [n, n]  # a request per call (get reads the pool it is asked for)
+        _damage(os.fspath(c._file_tier.path(keys[order[3]], "kv")), "data", "")
+        with pytest.raises(TierCacheError):
+            c.get([keys[i] for i in order[:8]], pool="kv")
+        rest = [keys[i] for i in order[4:20]]
+        c.onboard(rest, to="host")
+        assert row_calls[-2:] == [len(rest)] * 2  # into the host tier's rows: a request per pool
+        for p in pools:
+            got = c.get(rest, pool=p.name)
+            assert np.array_equal(got.reshape(len(rest), -1).view(np.uint8), data[p.name][order[4:20]])
+    assert [m for m in os.listdir(tmp_path / "root" / "quarantine") if "block_" in m]

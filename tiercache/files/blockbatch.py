@@ -223,6 +223,31 @@ class BlockFuture:
         self._outcome.on_settled(lambda: fn(self))
 
 
+def all_settled(outcomes: list[Outcome]) -> Outcome:
+    """One outcome for several of the same blocks (the files of each pool): settled when
+    every one is, a block's error the first of its errors (by outcome order)."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    out = Outcome()
+    left = [len(outcomes)]
+    lock = threading.Lock()
+
+    def one() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            errors: dict[int, BaseException] = {}
+            for o in outcomes:
+                for i, e in o.errors.items():
+                    errors.setdefault(i, e)
+            out.settle(errors)
+
+    for o in outcomes:
+        o.on_settled(one)
+    return out
+
+
 def when_all_settled(futures: list, fn: Callable[[], None]) -> None:
     """Call ``fn()`` once, when every one of ``futures`` is settled (in the thread that
     settles the last): one callback per chunk of blocks (:class:`BlockFuture` s of a chunk

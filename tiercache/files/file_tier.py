@@ -25,7 +25,16 @@ import numpy as np
 
 from tiercache.errors import CorruptBlockError
 from tiercache.files import posix_io
-from tiercache.files.blockbatch import BlockBatches, GroupCommit, Outcome, before_io, python_rename_all, settle_futures
+from tiercache.files.blockbatch import (
+    BlockBatches,
+    BlockFuture,
+    GroupCommit,
+    Outcome,
+    all_settled,
+    before_io,
+    python_rename_all,
+    settle_futures,
+)
 from tiercache.files.blockfile import SUBDIRS, block_filename, block_subdir, file_size, parse_filename
 from tiercache.files.blockio import BlockIO, block_io
 from tiercache.files.devicepath import IOPath
@@ -600,6 +609,27 @@ class FileTier:
         if self.row_reads is None or not self.row_reads.applies(pool, rows):
             return None
         return self.row_reads.submit(keys, pool, rows, row_idx, deps)
+
+    def submit_row_pools(self, keys: list[Key], rows: dict[str, np.ndarray], row_idx, deps: Sequence = ()
+                         ) -> list[tuple[Key, BlockFuture]] | None:
+        """:meth:`submit_rows` of every pool of a request at once: ``keys[i]``'s file of
+        pool ``p`` into ``rows[p][row_idx[i]]`` (``rows[p]``: a host array of one block of
+        ``p`` per row, any dtype and block shape, C-contiguous; viewed as raw bytes), int or
+        bytes keys. Returns ``[(key, future)]`` as :meth:`submit` does (a block failed where
+        any of its files did: the first error; the futures share one outcome), or None where
+        the row path does not apply to every pool (then use :meth:`submit`)."""
+        if self.row_reads is None or not rows:
+            return None
+        raw: dict[str, np.ndarray] = {}
+        for name, arr in rows.items():
+            if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not len(arr):
+                return None
+            raw[name] = arr.reshape(len(arr), -1).view(np.uint8)
+            if not self.row_reads.applies(name, raw[name]):
+                return None
+        idx = np.asarray(row_idx, dtype=np.int64)
+        outcome = all_settled([self.row_reads.submit(keys, name, view, idx, deps) for name, view in raw.items()])
+        return [(k, BlockFuture(outcome, i)) for i, k in enumerate(keys)]
 
     def _submit_group(self, items, deps, delay_s, skip) -> list[tuple[Key, Future]]:
         futures = [Future() for _ in items]

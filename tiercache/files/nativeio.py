@@ -110,6 +110,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.tc_block_names.restype = ctypes.c_int64
     lib.tc_block_names.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.tc_int_block_names.restype = ctypes.c_int64
+    lib.tc_int_block_names.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.tc_set_hash(_xxh3_address())
     return lib, "kernels/blockio.c built and loaded"
 
@@ -186,31 +189,52 @@ def choose_engine(mode: str) -> tuple[str, str]:
     raise ConfigError(f"io_engine = 'io_uring' but {why}; use io_engine = 'auto' or 'threads'")
 
 
-def block_names(keys: list[bytes], pool: str, fanout: int) -> tuple[ctypes.Array, np.ndarray, np.ndarray]:
-    """The file names of bytes keys in ``pool``, made in C (``tc_block_names``; the same names
-    as :func:`~tiercache.files.blockfile.block_location`): ``(blob, offsets, subdirs)``, the
-    NUL-terminated names back to back in ``blob``, ``offsets`` (``int64 [n]``) where each
-    starts, and ``subdirs`` (``int32 [n]``) each key's subdirectory number (XXH3-64 of its
-    text modulo ``fanout``). One call per request instead of a key's text, hash and name in
-    Python per block.
+def block_names(keys: list, pool: str, fanout: int) -> tuple[ctypes.Array, np.ndarray, np.ndarray]:
+    """The file names of ``keys`` in ``pool``, made in C (``tc_block_names`` for bytes keys,
+    ``tc_int_block_names`` for int keys; the same names as
+    :func:`~tiercache.files.blockfile.block_location`, which spells them for a request that
+    mixes the two): ``(blob, offsets, subdirs)``, the NUL-terminated names back to back in
+    ``blob``, ``offsets`` (``int64 [n]``) where each starts, and ``subdirs`` (``int32 [n]``)
+    each key's subdirectory number (XXH3-64 of its text modulo ``fanout``). One call per
+    request instead of a key's text, hash and name in Python per block.
 
     Raises:
         ConfigError: the native library or its XXH3-64 is unavailable.
-        ValueError: a key that is not 1..64 bytes.
+        ValueError: a bytes key that is not 1..64 bytes, an int key outside ``[0, 2**63)``.
     """
     lib, why = _library()
     if lib is None:
         raise ConfigError(f"native I/O unavailable: {why}")
     n = len(keys)
-    key_off = np.zeros(n + 1, np.int64)
-    np.cumsum(np.fromiter(map(len, keys), np.int64, n), out=key_off[1:])
     p = pool.encode()
-    cap = int(2 * key_off[-1]) + n * (18 + len(p))
-    blob = ctypes.create_string_buffer(max(cap, 1))
     offs = np.empty(n, np.int64)
     subs = np.empty(n, np.int32)
-    got = lib.tc_block_names(b"".join(keys), key_off.ctypes.data, n, p, fanout, blob, cap, offs.ctypes.data,
-                             subs.ctypes.data)
+    kinds = {type(k) for k in keys}
+    if kinds == {int}:
+        ints = np.array(keys, np.int64) if all(0 <= k < 1 << 63 for k in keys) else None
+        if ints is None:
+            raise ValueError(f"int block key outside [0, 2**63) among {keys[:4]!r}")
+        cap = n * (20 + 18 + len(p))
+        blob = ctypes.create_string_buffer(max(cap, 1))
+        got = lib.tc_int_block_names(ints.ctypes.data, n, p, fanout, blob, cap, offs.ctypes.data, subs.ctypes.data)
+    elif kinds <= {bytes}:
+        key_off = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, keys), np.int64, n), out=key_off[1:])
+        cap = int(2 * key_off[-1]) + n * (18 + len(p))
+        blob = ctypes.create_string_buffer(max(cap, 1))
+        got = lib.tc_block_names(b"".join(keys), key_off.ctypes.data, n, p, fanout, blob, cap, offs.ctypes.data,
+                                 subs.ctypes.data)
+    else:  # a mix of int and bytes keys: spelled in Python
+        import xxhash
+
+        from tiercache.keys import key_text
+
+        texts = [key_text(k) for k in keys]
+        raw = [f"block_{t}_pool_{pool}.bin\0".encode() for t in texts]
+        blob = ctypes.create_string_buffer(b"".join(raw), max(sum(map(len, raw)), 1))
+        offs[0], offs[1:] = 0, np.cumsum(np.fromiter(map(len, raw[:-1]), np.int64, n - 1))
+        subs[:] = [xxhash.xxh3_64_intdigest(t.encode()) % fanout for t in texts]
+        return blob, offs, subs
     if got < 0:
         if not native_hash():
             raise ConfigError("native block names need the xxhash extension's XXH3_64bits")

@@ -65,7 +65,7 @@ class RowReads:
         return self._dirs
 
     def submit(self, keys: list[bytes], pool: str, rows: np.ndarray, row_idx, deps=()) -> Outcome:
-        """Read the block of ``keys[i]`` (bytes keys) in ``pool`` into ``rows[row_idx[i]]``;
+        """Read the block of ``keys[i]`` (int or bytes keys) in ``pool`` into ``rows[row_idx[i]]``;
         returns the request's :class:`Outcome` (its errors by index into ``keys``), settled
         once every file is read and checked. ``rows`` must pass :meth:`applies`; ``deps``:
         jobs the reads wait for first.

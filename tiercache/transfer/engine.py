@@ -489,8 +489,15 @@ class TransferEngine:
             job._dst_slot_of = {k: int(x) for k, x in zip(keys, d)}
         else:
             arrays = self._arrays(dst, dst_arrays, pool_names)
-            items = [(k, {p: arrays[p][int(r)] for p in pool_names}) for k, r in zip(keys, d)]
-            job.futures = ft.submit("read", items, deps, self.debug_file_delay_s)
+            # host rows: the row reads (names, checks and addresses as arrays, no Python per
+            # block: tiercache/files/rowreads.py); else the general path
+            rows = None if self.debug_file_delay_s or on_device else {p: arrays[p] for p in pool_names}
+            futures = ft.submit_row_pools(keys, rows, d, deps) if rows is not None else None
+            if futures is not None:
+                job.futures = futures
+            else:
+                items = [(k, {p: arrays[p][int(r)] for p in pool_names}) for k, r in zip(keys, d)]
+                job.futures = ft.submit("read", items, deps, self.debug_file_delay_s)
             job._dst_slot_of = {k: int(x) for k, x in zip(keys, d)}
         if self.ordering:
             self._ledger.record(job, src, s, dst, d, gpu=False)
