@@ -306,28 +306,36 @@ class CompactSlots:
         del self._freed[len(self._freed) - take:]
         slots.extend(range(self._next, self._next + n - take))
         self._next += n - take
-        if n < 4 or not all(type(k) is bytes for k in keys):
+        kinds = {type(k) for k in keys}
+        if n < 4 or len(kinds) != 1:
             for k, s in zip(keys, slots):
                 self._store(k, s)
             return slots
-        self._store_bytes(keys, slots)
+        self._store_many(keys, slots, kinds.pop() is int)
         return slots
 
-    def _store_bytes(self, keys: Sequence[bytes], slots: list[int]) -> None:
-        """:meth:`_store` of bytes keys, as arrays: one append to the arena, one assignment
-        per array (a key's NumPy scalar stores cost 3 us a key in a row store's submits)."""
+    def _store_many(self, keys: Sequence[Key], slots: list[int], ints: bool) -> None:
+        """:meth:`_store` of keys of one kind (``ints``: int keys; else bytes keys), as
+        arrays: one assignment per array, bytes keys' bytes appended to the arena at once
+        (a key's NumPy scalar stores cost 3 us a key in a row store's submits)."""
         n = len(keys)
         at = np.array(slots, np.int64)
-        lens = np.fromiter(map(len, keys), np.int64, n)
         kval, arena = self._kv
-        offs = np.empty(n, np.int64)
-        offs[0] = len(arena)
-        np.cumsum(lens[:-1], out=offs[1:])
-        offs[1:] += len(arena)
-        arena += b"".join(keys)
-        kval[at] = offs
-        self._klen[at] = lens
-        self._hash[at] = np.fromiter(map(key_hash, keys), np.uint64, n)
+        if ints:
+            kv = np.array(keys, np.int64)
+            kval[at] = kv
+            self._klen[at] = INT_KEY
+            self._hash[at] = kv.view(np.uint64) * np.uint64(KEY_HASH_GOLDEN)  # key_hash, wrapping as it does
+        else:
+            lens = np.fromiter(map(len, keys), np.int64, n)
+            offs = np.empty(n, np.int64)
+            offs[0] = len(arena)
+            np.cumsum(lens[:-1], out=offs[1:])
+            offs[1:] += len(arena)
+            arena += b"".join(keys)  # type: ignore[arg-type]  # bytes keys here
+            kval[at] = offs
+            self._klen[at] = lens
+            self._hash[at] = np.fromiter(map(key_hash, keys), np.uint64, n)
         if self.group is not None:
             self._group[at] = np.fromiter(map(self.group, keys), np.uint8, n)
         self._tick[at] = np.fromiter(range(self._clock, self._clock + n), np.uint64, n)
