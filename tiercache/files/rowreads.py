@@ -6,8 +6,8 @@ the host tier: :meth:`~tiercache.files.FileTier.submit_row_pools`, one request p
 read into the rows of the host tier's or the caller's arrays the same way.
 
 The general read path (:mod:`tiercache.files.blockbatch`) takes ``[(key, {pool: buffer})]``
-and spends Python per file on each step around the native call: a buffer view's address, the key's text, hash and file name, the open-file cache, the
-check flags. Here a request is arrays: the names and subdirectories come from C
+and spends Python per file on each step around the native call: a buffer view's address,
+the key's text, hash and file name, the open-file cache, the check flags. Here a request is arrays: the names and subdirectories come from C
 (:func:`~tiercache.files.nativeio.block_names`), each file's data address is the buffer's
 base plus its row times the row stride, and the flags and checks are the same for every file
 (``CHECK`` and ``HASH``: the C threads vouch for the header, size and XXH3-64 of each). Python
