@@ -7,17 +7,19 @@ read into the rows of the host tier's or the caller's arrays the same way.
 
 The general read path (:mod:`tiercache.files.blockbatch`) takes ``[(key, {pool: buffer})]``
 and spends Python per file on each step around the native call: a buffer view's address,
-the key's text, hash and file name, the open-file cache, the check flags. Here a request is arrays: the names and subdirectories come from C
+the key's text, hash and file name, the open-file cache, the check flags. Here a request
+is arrays: the names and subdirectories come from C
 (:func:`~tiercache.files.nativeio.block_names`), each file's data address is the buffer's
-base plus its row times the row stride, and the flags and checks are the same for every file
-(``CHECK`` and ``HASH``: the C threads vouch for the header, size and XXH3-64 of each). Python
-looks only at the files the C threads did not vouch for, with the general path's own check
+base plus its row times the row stride, and the flags and checks are the same for every
+file (``CHECK`` and ``HASH``: the C threads vouch for the header, size and XXH3-64 of each).
+Python looks only at the files the C threads did not vouch for, with the general path's own check
 (:meth:`~tiercache.files.blockbatch.BlockBatches.check_read`), so what a read accepts and how
 it fails are the general path's. Files are opened by name (no descriptor of the tier's
 open-file cache is used or kept): with the opens in the C threads, an open costs no Python.
 
 Measured: docs/vllm.md ("Row reads, the first load, the array and the disk"), with
-``benchmarks/rowstore_load.py``.
+``benchmarks/rowstore_load.py``; the cache's reads: docs/performance/root-arrays.md ("The
+cache's reads on the row path").
 """
 
 from __future__ import annotations
