@@ -304,6 +304,19 @@ typedef struct {
 } tc_pool;
 
 
+/* after a block name's key text (text[0 .. tlen)): "_pool_<pool>.bin" and its NUL; returns the
+ * key's subdirectory number (XXH3-64 of the text modulo fanout) */
+static int32_t name_tail(char *text, size_t tlen, const char *pool, size_t plen, int fanout)
+{
+    char *h = text + tlen;
+    memcpy(h, "_pool_", 6);
+    h += 6;
+    memcpy(h, pool, plen);
+    h += plen;
+    memcpy(h, ".bin", 5); /* with its NUL */
+    return (int32_t)(xxh3(text, tlen) % (uint64_t)fanout);
+}
+
 /* The file names and subdirectories of n bytes keys in one pool, made here instead of per key
  * in Python (tiercache/files/blockfile.py spells them, and stays the reference: block_location):
  * key i is keys[key_off[i] .. key_off[i + 1]) (1..64 bytes); its name
@@ -336,12 +349,7 @@ int64_t tc_block_names(const uint8_t *keys, const int64_t *key_off, int n, const
             *h++ = hex[k[j] >> 4];
             *h++ = hex[k[j] & 15];
         }
-        sub[i] = (int32_t)(xxh3(text, (size_t)(1 + 2 * klen)) % (uint64_t)fanout);
-        memcpy(h, "_pool_", 6);
-        h += 6;
-        memcpy(h, pool, plen);
-        h += plen;
-        memcpy(h, ".bin", 5); /* with its NUL */
+        sub[i] = name_tail(text, (size_t)(1 + 2 * klen), pool, plen, fanout);
         at += need;
     }
     return at;
@@ -375,13 +383,7 @@ int64_t tc_int_block_names(const int64_t *keys, int n, const char *pool, int fan
         memcpy(p, "block_", 6);
         for (int q = 0; q < nd; q++)
             text[q] = digits[nd - 1 - q];
-        sub[i] = (int32_t)(xxh3(text, (size_t)nd) % (uint64_t)fanout);
-        char *h = text + nd;
-        memcpy(h, "_pool_", 6);
-        h += 6;
-        memcpy(h, pool, plen);
-        h += plen;
-        memcpy(h, ".bin", 5); /* with its NUL */
+        sub[i] = name_tail(text, (size_t)nd, pool, plen, fanout);
         at += need;
     }
     return at;
