@@ -227,10 +227,11 @@ def block_names(keys: list, pool: str, fanout: int) -> tuple[ctypes.Array, np.nd
     else:  # a mix of int and bytes keys: spelled in Python
         import xxhash
 
+        from tiercache.files.blockfile import block_filename
         from tiercache.keys import key_text
 
         texts = [key_text(k) for k in keys]
-        raw = [f"block_{t}_pool_{pool}.bin\0".encode() for t in texts]
+        raw = [block_filename(k, pool).encode() + b"\0" for k in keys]
         blob = ctypes.create_string_buffer(b"".join(raw), max(sum(map(len, raw)), 1))
         offs[0], offs[1:] = 0, np.cumsum(np.fromiter(map(len, raw[:-1]), np.int64, n - 1))
         subs[:] = [xxhash.xxh3_64_intdigest(t.encode()) % fanout for t in texts]
@@ -238,7 +239,7 @@ def block_names(keys: list, pool: str, fanout: int) -> tuple[ctypes.Array, np.nd
     if got < 0:
         if not native_hash():
             raise ConfigError("native block names need the xxhash extension's XXH3_64bits")
-        bad = next((k for k in keys if not 1 <= len(k) <= 64), None)
+        bad = next((k for k in keys if isinstance(k, bytes) and not 1 <= len(k) <= 64), None)
         raise ValueError(f"block key {bad!r}: keys are 1..64 bytes")
     return blob, offs, subs
 
