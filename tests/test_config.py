@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tiercache import CacheConfig, ConfigError, PoolSpec, UnknownPoolError, load_config
@@ -102,3 +103,22 @@ def test_unknown_pool_lists_valid_ones():
 def test_duplicate_pools_rejected():
     with pytest.raises(ConfigError, match="duplicate pool names: a"):
         CacheConfig(pools=(PoolSpec("a", (4,), "int8"), PoolSpec("a", (8,), "int8")), host_slots=1)
+
+
+def test_canonical_dtype_names_every_kind_of_dtype_the_same_way_each_time():
+    """Names, NumPy dtypes and scalar types, and PyTorch dtypes map to one canonical name, as
+    often as asked (the names are remembered); a bad dtype raises every time (not remembered)."""
+    import torch
+
+    from tiercache.dtypes import canonical_dtype
+
+    cases = [("bf16", "bfloat16"), ("BFloat16", "bfloat16"), (torch.bfloat16, "bfloat16"), (np.dtype("uint8"), "uint8"),
+             (np.float16, "float16"), (torch.float8_e4m3fn, "float8_e4m3fn"), ("fp8", "float8_e4m3fn"),
+             (np.dtype(">f4"), "float32"), (torch.int8, "int8")]
+    for _ in range(3):
+        for dtype, name in cases:
+            assert canonical_dtype(dtype) == name, dtype
+    for bad in ("float13", np.dtype("complex64"), [1, 2]):
+        for _ in range(2):
+            with pytest.raises(ConfigError, match="unsupported dtype"):
+                canonical_dtype(bad)

@@ -3,6 +3,8 @@ file I/O against host-slot reuse, partial copies, and a randomized workload."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from engine_model import Mirror
@@ -12,6 +14,7 @@ from tiercache.files import FileTier, IOPath
 from tiercache.memory import make_host_tier
 from tiercache.settings import FileSettings, TransferSettings  # noqa: F401
 from tiercache.transfer import TransferEngine
+from tiercache.transfer.engine import SMALL_SLOTS
 
 
 def make_engine(tmp_path, pools, host_slots=16, file_slots=16, ordering=True, host2=False):
@@ -53,6 +56,35 @@ def test_validation_before_anything_runs(tmp_path, kvpool, rng):
         eng2.copy("host", [0], "host", [1], num_tokens=3)
     assert np.array_equal(host, before)
     assert eng.get_finished() == []
+
+
+@pytest.mark.parametrize("n", [3, 40, SMALL_SLOTS, SMALL_SLOTS + 1, 700])
+def test_slot_checks_of_short_and_long_requests(tmp_path, rng, n):
+    """Slot lists up to SMALL_SLOTS are checked as Python ints, longer ones with NumPy: the same
+    errors either way (the bad value named), and nothing copied; a good request copies exactly."""
+    pool = PoolSpec("kv", (16,), "uint8")
+    eng = make_engine(tmp_path, (pool,), host_slots=2 * n, ordering=False)
+    host = eng.tiers["host"].arrays["kv"]
+    host[:] = rng.integers(0, 256, size=host.shape, dtype=np.uint8)
+    src = rng.permutation(n)
+    dst = n + rng.permutation(n)
+    before = host.copy()
+    for bad_at, value, frag in ((int(rng.integers(n)), 2 * n, f"destination host slot {2 * n} outside [0, {2 * n})"),
+                                (int(rng.integers(n)), -5, "destination host slot -5 outside")):
+        d = dst.copy()
+        d[bad_at] = value
+        with pytest.raises(SlotRangeError, match=re.escape(frag)):
+            eng.copy("host", src, "host", d)
+    d = dst.copy()
+    d[0] = d[-1]
+    with pytest.raises(SlotRangeError, match=f"slot {int(d[0])} appears twice"):
+        eng.copy("host", src, "host", d)
+    assert np.array_equal(host, before)
+    s = src.copy()
+    s[0] = s[-1]  # a repeated source is allowed (one block copied to two places)
+    eng.copy("host", s, "host", dst).wait()
+    before[dst] = before[s]
+    assert np.array_equal(host, before)
 
 
 @pytest.mark.parametrize("layout", ["layer_major", "token_major"])

@@ -53,6 +53,10 @@ def canonical_dtype(dtype: object) -> str:
     Raises:
         ConfigError: the dtype is not one of :data:`ITEMSIZE`.
     """
+    try:  # a dtype seen before: one lookup (this runs on every put and get)
+        return _CANONICAL[dtype]
+    except (KeyError, TypeError):
+        pass
     if isinstance(dtype, str):
         name = dtype
     elif isinstance(dtype, np.dtype):
@@ -68,7 +72,13 @@ def canonical_dtype(dtype: object) -> str:
             f"unsupported dtype {dtype!r}; valid dtypes: {', '.join(sorted(ITEMSIZE))} "
             f"(aliases: {', '.join(sorted(_ALIASES))})"
         )
+    if len(_CANONICAL) < 256:
+        _CANONICAL[dtype] = name
     return name
+
+
+#: dtypes (names, NumPy, CuPy and PyTorch dtypes) already named by :func:`canonical_dtype`
+_CANONICAL: dict = {}
 
 
 def numpy_dtype(name: str) -> np.dtype | None:
