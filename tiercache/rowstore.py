@@ -509,13 +509,17 @@ class RowStore:
         if not job.items:
             self._finish(job)
             return
+        keys = [k for k, _ in job.items]
+        rows = [r for _, r in job.items]
+        # the row reads and writes (tiercache/files/rowreads.py, rowwrites.py): a request as arrays
         if kind == "read":
-            keys = [k for k, _ in job.items]
-            job.outcome = self.ft.submit_rows(keys, POOL, self.rows, [r for _, r in job.items], deps)
-            if job.outcome is not None:  # no Python per block (tiercache/files/rowreads.py)
-                outcome = job.outcome
-                outcome.on_settled(lambda: self._finish(job))
-                return
+            job.outcome = self.ft.submit_rows(keys, POOL, self.rows, rows, deps)
+        else:
+            job.outcome = self.ft.submit_row_writes(keys, POOL, self.rows, rows, deps)
+        if job.outcome is not None:
+            outcome = job.outcome
+            outcome.on_settled(lambda: self._finish(job))
+            return
         futures = self.ft.submit(kind, self._items(job.items), deps=deps)
         job.futures = [f for _, f in futures]
         when_all_settled(job.futures, lambda: self._finish(job))

@@ -37,6 +37,7 @@ from tiercache.files import posix_io
 from tiercache.files.blockfile import (
     ALIGN,
     DATA_OFFSET,
+    SUBDIRS,
     align_up,
     block_location,
     checksum,
@@ -428,6 +429,9 @@ class BlockBatches:
         #: block subdirectory name -> its directory descriptor (held open by the root for the
         #: tier's life)
         self._subdir_fds: dict[str, int] = {}
+        #: the same by subdirectory number, with each one's path text (:meth:`subdirs`)
+        self._subdir_table: tuple[np.ndarray, list[str]] | None = None
+        self._subdir_lock = threading.Lock()
         self._root = str(directory.path)  # for messages
         #: per pool: its usual header text after the key, kept alive for the C checks
         #: (array, address, length, block bytes)
@@ -435,6 +439,20 @@ class BlockBatches:
         for name, pool in pools.items():
             text = np.frombuffer(usual_header_tail(pool), np.uint8).copy()
             self.tails[name] = (text, text.ctypes.data, text.size, pool.block_nbytes)
+
+    def subdirs(self) -> tuple[np.ndarray, list[str]]:
+        """Each block subdirectory's descriptor by number (``int32 [FANOUT]``) and its path
+        (for messages), opened (and created where missing) once; a root array's come from the
+        members that hold them. What the row reads and writes index with the subdirectory
+        numbers :func:`~tiercache.files.nativeio.block_names` gives."""
+        if self._subdir_table is None:
+            with self._subdir_lock:
+                if self._subdir_table is None:
+                    d = self.dir
+                    owner = getattr(d, "owner", None)
+                    subs = [(owner(s) if owner else d).subdir(s, create=True) for s in SUBDIRS]
+                    self._subdir_table = (np.array([x.fd for x in subs], np.int32), [x._text for x in subs])
+        return self._subdir_table
 
     # -- request -> chunks -------------------------------------------------------------------
     @staticmethod
@@ -733,22 +751,43 @@ class BlockBatches:
             for _, view, host in bounce:
                 np.copyto(host, view)
             ops = self._ops(files, ptrs)
-            publish = group is None
             paths = [self.dir.block_path(key, pool.name) for _, key, pool, _, _ in files]
             ops.dirs = np.fromiter((p.dir_fd for p in paths), np.int32, len(paths))
             self._write_heads(ops, files)
-            finals = [p.name for p in paths]
-            reused = self._write_names(ops, files, finals, publish)
-            self.native.run(WRITE, self.dir.fd, ops)
-            self._write_results(ops, files, paths, finals, reused, publish, idx, items, errors, staged)
+            self.write_files(ops, [f[0] for f in files], paths, idx, items, group is None, errors, staged)
         except BaseException as exc:
-            for st in staged.values():
-                for item in st:
-                    self.discard(item)
-            staged.clear()
-            for i in idx:
-                errors.setdefault(i, exc)
+            self.chunk_failed(idx, exc, errors, staged)
+        self.settle_chunk(idx, errors, staged, outcome, group)
+
+    def write_files(self, ops: Ops, blocks: list[int], paths: list[RootPath], idx: list[int], items,
+                    publish: bool, errors: dict, staged: dict) -> None:
+        """The files of a chunk whose headers and data are ready in ``ops`` (``blocks[j]``:
+        file ``j``'s block, an index into ``items``, whose ``items[i][0]`` is its key; ``paths``:
+        each file's final path): names chosen, written in one native call, then published or
+        staged for the group commit (:meth:`_write_results`)."""
+        files = [(i,) for i in blocks]
+        finals = [p.name for p in paths]
+        reused = self._write_names(ops, files, finals, publish)
+        self.native.run(WRITE, self.dir.fd, ops)
+        self._write_results(ops, files, paths, finals, reused, publish, idx, items, errors, staged)
+
+    def chunk_failed(self, idx: list[int], exc: BaseException, errors: dict, staged: dict) -> None:
+        """A chunk's work raised ``exc``: its staged files removed, every block not failed
+        already fails with ``exc``."""
+        for st in staged.values():
+            for item in st:
+                self.discard(item)
+        staged.clear()
+        for i in idx:
+            errors.setdefault(i, exc)
+
+    @staticmethod
+    def settle_chunk(idx: list[int], errors: dict, staged: dict, outcome: Outcome | None,
+                     group: GroupCommit | None) -> None:
+        """A chunk's blocks settled: its ``outcome`` (published files), or handed to ``group``
+        (each block failed or staged) for the group commit."""
         if group is None:
+            assert outcome is not None
             outcome.settle(errors)
             return
         for i in idx:

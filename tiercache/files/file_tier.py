@@ -54,6 +54,7 @@ from tiercache.files.openfiles import FREE_FILES, OpenFiles
 from tiercache.files.rootarray import RootArray, open_roots
 from tiercache.files.rootdir import QUARANTINE, NotRegularFileError, RootDir, RootLock, RootPath, classify
 from tiercache.files.rowreads import RowReads
+from tiercache.files.rowwrites import RowWrites
 from tiercache.files.sharing import published, tmp_abandoned, tmp_name, tmp_owner
 from tiercache.geometry import PoolSpec
 from tiercache.keys import Key, key_text
@@ -193,6 +194,9 @@ class FileTier:
         #: reads into the rows of one host buffer with no Python per block (None: this tier's
         #: engine cannot vouch for reads in C; see :meth:`submit_rows`)
         self.row_reads = RowReads(self._batches) if self._batches is not None and verify and native_hash() else None
+        #: writes from the rows of one host buffer laid out as arrays (None: this tier's engine
+        #: cannot make headers in C; see :meth:`submit_row_writes`)
+        self.row_writes = RowWrites(self._batches) if self._batches is not None and native_hash() else None
 
     # -- paths -------------------------------------------------------------------------
     def path(self, key: Key, pool: str) -> RootPath:
@@ -609,6 +613,23 @@ class FileTier:
         if self.row_reads is None or not self.row_reads.applies(pool, rows):
             return None
         return self.row_reads.submit(keys, pool, rows, row_idx, deps)
+
+    def submit_row_writes(self, keys: Sequence[Key], pool: str, rows: np.ndarray, row_idx, deps: Sequence = ()
+                          ) -> Outcome | None:
+        """Start writing ``rows[row_idx[i]]`` as the block of ``keys[i]`` (int or bytes keys) in
+        ``pool`` (``rows``: 2-D host ``uint8``, one block per row) with the request laid out as
+        arrays (:class:`~tiercache.files.rowwrites.RowWrites`); returns the request's
+        :class:`~tiercache.files.blockbatch.Outcome` (errors by index into ``keys``, as
+        :meth:`submit` gives them per block), or None where this path does not apply (the
+        ``python`` engine, no native XXH3-64, rows that are not one aligned block each, a key
+        with extra header metadata): then use :meth:`submit`. A one-pool tier only (every
+        pool's file of a block is written by one request). The rows must not change until the
+        outcome is settled."""
+        if self.row_writes is None or len(self.pools) != 1 or not self.row_writes.applies(pool, rows):
+            return None
+        if self.block_meta and any(self.block_meta.get(k) for k in keys):
+            return None
+        return self.row_writes.submit(keys, pool, rows, row_idx, deps)
 
     def submit_row_pools(self, keys: list[Key], rows: dict[str, np.ndarray], row_idx, deps: Sequence = ()
                          ) -> list[tuple[Key, BlockFuture]] | None:

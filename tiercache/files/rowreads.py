@@ -29,7 +29,7 @@ import threading
 import numpy as np
 
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, Outcome, before_io
-from tiercache.files.blockfile import ALIGN, FANOUT, SUBDIRS, file_size
+from tiercache.files.blockfile import ALIGN, FANOUT, file_size
 from tiercache.files.nativeio import CHECK, DIRECT, HASH, READ, Ops, block_names
 
 
@@ -43,8 +43,6 @@ class RowReads:
 
     def __init__(self, batches: BlockBatches) -> None:
         self.b = batches
-        self._dirs: np.ndarray | None = None
-        self._lock = threading.Lock()
 
     def applies(self, pool: str, rows: np.ndarray) -> bool:
         """Whether rows of ``rows`` (2-D host ``uint8``) can take blocks of ``pool`` here: each
@@ -56,18 +54,6 @@ class RowReads:
             return False
         return not self.b.direct_io or (rows.strides[0] % ALIGN == 0
                                         and rows.__array_interface__["data"][0] % ALIGN == 0)
-
-    def _subdir_fds(self) -> np.ndarray:
-        """Each block subdirectory's descriptor by number (``int32 [FANOUT]``), opened (and
-        created where missing) once; a root array's come from the members that hold them."""
-        if self._dirs is None:
-            with self._lock:
-                if self._dirs is None:
-                    d = self.b.dir
-                    owner = getattr(d, "owner", None)
-                    self._dirs = np.array([(owner(s) if owner else d).subdir(s, create=True).fd for s in SUBDIRS],
-                                          np.int32)
-        return self._dirs
 
     def submit(self, keys: list[bytes], pool: str, rows: np.ndarray, row_idx, deps=()) -> Outcome:
         """Read the block of ``keys[i]`` (int or bytes keys) in ``pool`` into ``rows[row_idx[i]]``;
@@ -125,7 +111,7 @@ class RowReads:
         assert ops.expect is not None and ops.expect_len is not None and ops.nbytes is not None
         _, ops.expect[:], ops.expect_len[:], ops.nbytes[:] = b.tails[pool]
         ops.name_blob, ops.name_off, subs = block_names(keys[lo:hi], pool, FANOUT)
-        ops.dirs = self._subdir_fds()[subs]
+        ops.dirs = b.subdirs()[0][subs]
         b.native.run(READ, b.dir.fd, ops)
         for j in np.flatnonzero((ops.err != 0) | (ops.verdict == 0)).tolist():
             key = keys[lo + j]

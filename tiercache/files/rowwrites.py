@@ -1,0 +1,128 @@
+"""Writes of whole blocks from the rows of one host buffer, with the per-file Python of a
+write request's layout done as arrays.
+
+A row store's store (the vLLM connector's, SGLang's backend's) writes blocks of one pool from
+rows of one page-aligned buffer. The general write path (:mod:`tiercache.files.blockbatch`)
+takes ``[(key, {pool: buffer})]`` and, per file, looks at the buffer (host or device, its
+address, whether it must be staged), builds its final path from the key's text and hash, and
+per block hands back a future. Here a request is arrays: each file's data address is the
+buffer's base plus its row times the row stride, the final names and subdirectories come
+from C (:func:`~tiercache.files.nativeio.block_names`), the header of every file is made by
+the C threads (``MAKEHEAD``: the usual header of the key in its final name, with the data's
+XXH3-64), and the request settles one :class:`~tiercache.files.blockbatch.Outcome` per chunk.
+
+What follows the layout is the general path's own code
+(:meth:`~tiercache.files.blockbatch.BlockBatches.write_files`): the choice of each file's name
+(a free file to reuse, or a new temporary file, with the open-file cache's reservations),
+the native write, publication or the group commit (``fsync`` ``data`` and ``data+dir``: one
+``syncfs`` per request, then the renames), and a failed block's cleanup (none of its files
+left). So the format, the guarantees and the failures are the general path's.
+
+Applies where the tier's native engine makes headers (the native XXH3-64), no key of the
+request carries extra header metadata, and each row is one block of whole pages, page-aligned
+where the tier writes with O_DIRECT; :meth:`~tiercache.files.FileTier.submit_row_writes`
+answers None otherwise (then the general path).
+
+Measured: docs/performance/root-arrays.md ("A row store's stores on the row path").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, GroupCommit, Outcome, all_settled, before_io
+from tiercache.files.blockfile import ALIGN, FANOUT, file_size
+from tiercache.files.nativeio import DIRECT, MAKEHEAD, Ops, block_names
+from tiercache.files.rootdir import RootPath
+
+
+class RowWrites:
+    """The row writes of one file tier (built by :class:`~tiercache.files.FileTier` where its
+    native engine can make headers: the native XXH3-64).
+
+    Args:
+        batches: the tier's native batches (its root, pools, engine, I/O threads, fsync,
+            open-file cache).
+    """
+
+    def __init__(self, batches: BlockBatches) -> None:
+        self.b = batches
+
+    def applies(self, pool: str, rows: np.ndarray) -> bool:
+        """Whether rows of ``rows`` (2-D host ``uint8``) can give blocks of ``pool`` here: each
+        row exactly one block of whole pages, and at a page-aligned address where the tier
+        writes with O_DIRECT (the general path stages the others through aligned memory)."""
+        p = self.b.pools.get(pool)
+        if p is None or rows.ndim != 2 or rows.shape[1] != p.block_nbytes or p.block_nbytes % ALIGN \
+                or rows.strides[1] != 1:
+            return False
+        return not self.b.direct_io or (rows.strides[0] % ALIGN == 0
+                                        and rows.__array_interface__["data"][0] % ALIGN == 0)
+
+    def submit(self, keys: Sequence, pool: str, rows: np.ndarray, row_idx, deps=()) -> Outcome:
+        """Write ``rows[row_idx[i]]`` as the block of ``keys[i]`` (int or bytes keys) in
+        ``pool``; returns the request's :class:`Outcome` (errors by index into ``keys``),
+        settled once every block is published (or failed, none of its files left). ``rows``
+        must pass :meth:`applies` and stay unchanged until then; ``deps``: jobs the writes
+        wait for first.
+
+        Errors per block are the general path's (:meth:`FileTier.submit
+        <tiercache.files.FileTier.submit>`): the :class:`OSError` of the failed file
+        operation, or of the group commit's ``syncfs`` or rename.
+        """
+        b = self.b
+        n = len(keys)
+        idx = np.asarray(row_idx, dtype=np.int64)
+        if n == 0:
+            done = Outcome()
+            done.settle({})
+            return done
+        parts = -(-n // MAX_CHUNK_FILES)
+        step = -(-n // parts)
+        chunks = [list(range(lo, min(n, lo + step))) for lo in range(0, n, step)]
+        items = [(k,) for k in keys]  # what the general path's results read: each block's key
+        if b.fsync != "none" and n > 1:  # one syncfs for the request, then the renames (FileTier.submit)
+            outcome = Outcome()
+            group = GroupCommit(b.dir, b.fsync, list(keys), len(chunks), b.rename_all, b._delete, outcome.settle,
+                                b.discard)
+            for c in chunks:
+                b.executor.submit(self._chunk, c, items, pool, rows, idx, deps, None, group)
+            return outcome
+        outcomes = [Outcome() for _ in chunks]
+        for c, o in zip(chunks, outcomes):
+            b.executor.submit(self._chunk, c, items, pool, rows, idx, deps, o, None)
+        return all_settled(outcomes)
+
+    def _chunk(self, c: list[int], items: list[tuple], pool: str, rows: np.ndarray, idx: np.ndarray, deps,
+               outcome: Outcome | None, group: GroupCommit | None) -> None:
+        """One chunk (a task of the I/O threads): its batch laid out as arrays, then the
+        general path's names, write and publication."""
+        b = self.b
+        errors: dict[int, BaseException] = {}
+        staged: dict[int, list] = {}
+        try:
+            before_io(c[0], deps, 0.0, None)
+            lo, hi = c[0], c[-1] + 1
+            spec = b.pools[pool]
+            n = hi - lo
+            ops = Ops(n, b.native.heads(n))
+            ops.data[:] = (np.uint64(rows.__array_interface__["data"][0])
+                           + idx[lo:hi].astype(np.uint64) * np.uint64(rows.strides[0]))
+            ops.data_len[:] = spec.block_nbytes
+            ops.file_len[:] = file_size(spec.block_nbytes)
+            ops.flags[:] = MAKEHEAD | (DIRECT if b.direct_io else 0)
+            ops.expect_usual()
+            assert ops.expect is not None and ops.expect_len is not None and ops.nbytes is not None
+            _, ops.expect[:], ops.expect_len[:], ops.nbytes[:] = b.tails[pool]
+            blob, offs, subs = block_names([items[i][0] for i in c], pool, FANOUT)
+            fds, texts = b.subdirs()
+            ops.dirs = fds[subs]
+            raw = blob.raw
+            paths = [RootPath(fd, raw[o:raw.index(b"\0", o)].decode(), None, texts[s])
+                     for fd, o, s in zip(ops.dirs.tolist(), offs.tolist(), subs.tolist())]
+            b.write_files(ops, c, paths, c, items, group is None, errors, staged)
+        except BaseException as exc:
+            b.chunk_failed(c, exc, errors, staged)
+        b.settle_chunk(c, errors, staged, outcome, group)
