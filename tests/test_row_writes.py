@@ -193,3 +193,37 @@ def test_a_row_stores_stores_take_the_row_path(tmp_path, rng, row_calls):
             assert {j.job_id: j for j in st.finished()}[jid].success
             assert np.array_equal(rows[perm], want)
     assert row_calls == [n] * 4
+
+
+@pytest.mark.parametrize("kind", ["int", "bytes"])
+def test_the_caches_writes_of_host_rows_take_the_row_path(tmp_path, rng, row_calls, kind):
+    """A one-pool cache: ``put`` into the host tier, ``offload`` to files (row writes, one
+    request each), replaced keys offloaded again, then ``get`` in a fresh cache: exact bytes. A
+    cache of two pools writes the general way (no row request)."""
+    from tiercache import CacheConfig, TierCache
+
+    bs, n = 8192, 48
+    cfg = CacheConfig([PoolSpec("kv", (bs,), "uint8")], host_slots=n, file_slots=4 * n, root=str(tmp_path / "c"),
+                      fsync="data")
+    keys = random_keys(rng, n, kind)
+    cache = TierCache(cfg)
+    data = rng.integers(0, 256, (n, bs), dtype=np.uint8)
+    cache.put(keys, data)
+    cache.offload(keys)
+    half = keys[: n // 2]
+    data[: n // 2] = rng.integers(0, 256, (n // 2, bs), dtype=np.uint8)
+    cache.put(half, data[: n // 2])
+    cache.offload(half)
+    cache.close()
+    assert row_calls == [n, n // 2]
+    again = TierCache(cfg)
+    order = rng.permutation(n)
+    assert np.array_equal(again.get([keys[i] for i in order]), data[order])
+    again.close()
+    two = CacheConfig([PoolSpec("kv", (bs,), "uint8"), PoolSpec("v", (4096,), "uint8")], host_slots=n,
+                      file_slots=4 * n, root=str(tmp_path / "d"))
+    c2 = TierCache(two)
+    c2.put(keys, {"kv": data, "v": data[:, :4096].copy()})
+    c2.offload(keys)
+    c2.close()
+    assert row_calls == [n, n // 2]

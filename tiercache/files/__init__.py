@@ -19,13 +19,14 @@
   blocks;
 - :mod:`.indexfile`: the root's saved index (what an open starts from instead of every header);
 - :mod:`.rowreads`: reads into the rows of one host buffer with no Python per block;
+- :mod:`.rowwrites`: writes from the rows of one host buffer, laid out as arrays;
 - :mod:`.iothreads`: the I/O threads (reads that wait for nothing go ahead of queued writes);
 - :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, submitting I/O.
 
 Depends on :mod:`tiercache.memory` (pinned staging) and the foundation.
 """
 
-from .blockbatch import Outcome, when_all_settled
+from .blockbatch import BlockFuture, Outcome, when_all_settled
 from .blockcheck import verify_file
 from .blockfile import (
     ALIGN,
@@ -95,6 +96,7 @@ from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 
 __all__ = [
     "verify_file",
+    "BlockFuture",
     "ARRAY",
     "ArrayRecord",
     "MemberState",

@@ -34,7 +34,7 @@ import numpy as np
 from tiercache.copypaths import CopyLauncher, contiguous_runs, segments_for
 from tiercache.cuda import cuda_status
 from tiercache.errors import SlotRangeError, TierUnavailableError
-from tiercache.files import FileTier
+from tiercache.files import BlockFuture, FileTier
 from tiercache.geometry import PoolSpec
 from tiercache.memory import EventPool, StreamPool, as_cupy_stream
 from tiercache.settings import TransferSettings
@@ -490,9 +490,17 @@ class TransferEngine:
         if dst == "file":
             arrays = self._arrays(src, src_arrays, pool_names)
             rows = [int(r) for r in s]
-            items = [(k, {p: arrays[p][r] for p in pool_names}) for k, r in zip(keys, rows)]
             skip = self._source_check(src, rows, [j for j in deps if j.id in raw]) if self.ordering else None
-            job.futures = ft.submit("write", items, deps, self.debug_file_delay_s, skip=skip)
+            # host rows of a one-pool tier, every source valid: the row writes (names, addresses
+            # and headers as arrays: tiercache/files/rowwrites.py); else the general path
+            outcome = None
+            if skip is None and not on_device and not self.debug_file_delay_s and len(pool_names) == 1:
+                outcome = ft.submit_row_writes(keys, pool_names[0], arrays[pool_names[0]], s, deps)
+            if outcome is not None:
+                job.futures = [(k, BlockFuture(outcome, i)) for i, k in enumerate(keys)]
+            else:
+                items = [(k, {p: arrays[p][r] for p in pool_names}) for k, r in zip(keys, rows)]
+                job.futures = ft.submit("write", items, deps, self.debug_file_delay_s, skip=skip)
             job._dst_slot_of = {k: int(x) for k, x in zip(keys, d)}
         else:
             arrays = self._arrays(dst, dst_arrays, pool_names)
