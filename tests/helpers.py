@@ -63,3 +63,17 @@ def partial_round_trip(la, seg, src: np.ndarray, back: np.ndarray, rng: np.rando
     st.synchronize()
     assert_segment_round_trip(seg, src, s, dev_before, dev.get(), d, before, back, h)
     return paths
+
+
+def spy_request_sizes(monkeypatch, cls, name: str = "submit") -> list[int]:
+    """Wrap ``cls.name(self, keys, ...)`` to record ``len(keys)`` of each call (which requests
+    took a path, and how many blocks each carried); returns the list it fills."""
+    calls: list[int] = []
+    real = getattr(cls, name)
+
+    def spy(self, keys, *a, **k):
+        calls.append(len(keys))
+        return real(self, keys, *a, **k)
+
+    monkeypatch.setattr(cls, name, spy)
+    return calls

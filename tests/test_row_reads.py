@@ -13,6 +13,7 @@ import string
 import numpy as np
 import pytest
 from conftest import random_keys
+from helpers import spy_request_sizes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,15 +61,7 @@ def test_a_key_out_of_range_is_refused():
 @pytest.fixture
 def row_calls(monkeypatch):
     """Counts the requests that took the row path."""
-    calls = []
-    real = RowReads.submit
-
-    def spy(self, keys, *a, **k):
-        calls.append(len(keys))
-        return real(self, keys, *a, **k)
-
-    monkeypatch.setattr(RowReads, "submit", spy)
-    return calls
+    return spy_request_sizes(monkeypatch, RowReads)
 
 
 def _rows(rng, n: int, bs: int) -> np.ndarray:

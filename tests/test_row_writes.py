@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 from conftest import random_keys
+from helpers import spy_request_sizes
 
 from tiercache import PoolSpec, RowStore
 from tiercache.arrays import aligned_empty
@@ -29,15 +30,7 @@ pytestmark = pytest.mark.skipif(not native_hash() or not NATIVE, reason="needs t
 @pytest.fixture
 def row_calls(monkeypatch):
     """Counts the requests that took the row path."""
-    calls = []
-    real = RowWrites.submit
-
-    def spy(self, keys, *a, **k):
-        calls.append(len(keys))
-        return real(self, keys, *a, **k)
-
-    monkeypatch.setattr(RowWrites, "submit", spy)
-    return calls
+    return spy_request_sizes(monkeypatch, RowWrites)
 
 
 def _tier(roots, pool, engine, **kw):

@@ -440,6 +440,16 @@ class BlockBatches:
             text = np.frombuffer(usual_header_tail(pool), np.uint8).copy()
             self.tails[name] = (text, text.ctypes.data, text.size, pool.block_nbytes)
 
+    def rows_fit(self, pool: str, rows: np.ndarray) -> bool:
+        """Whether the rows of ``rows`` (2-D host ``uint8``) are each one block of ``pool`` of
+        whole pages, page-aligned where the tier uses O_DIRECT: what the row reads and writes
+        take (the general path stages the others through aligned memory)."""
+        p = self.pools.get(pool)
+        if p is None or rows.ndim != 2 or rows.shape[1] != p.block_nbytes or p.block_nbytes % ALIGN \
+                or rows.strides[1] != 1:
+            return False
+        return not self.direct_io or (rows.strides[0] % ALIGN == 0 and rows.__array_interface__["data"][0] % ALIGN == 0)
+
     def subdirs(self) -> tuple[np.ndarray, list[str]]:
         """Each block subdirectory's descriptor by number (``int32 [FANOUT]``) and its path
         (for messages), opened (and created where missing) once; a root array's come from the

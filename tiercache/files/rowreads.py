@@ -29,7 +29,7 @@ import threading
 import numpy as np
 
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, Outcome, before_io
-from tiercache.files.blockfile import ALIGN, FANOUT, file_size
+from tiercache.files.blockfile import FANOUT, file_size
 from tiercache.files.nativeio import CHECK, DIRECT, HASH, READ, Ops, block_names
 
 
@@ -45,15 +45,9 @@ class RowReads:
         self.b = batches
 
     def applies(self, pool: str, rows: np.ndarray) -> bool:
-        """Whether rows of ``rows`` (2-D host ``uint8``) can take blocks of ``pool`` here: each
-        row exactly one block of whole pages, and at a page-aligned address where the tier
-        reads with O_DIRECT (the general path stages the others through aligned memory)."""
-        p = self.b.pools.get(pool)
-        if p is None or rows.ndim != 2 or rows.shape[1] != p.block_nbytes or p.block_nbytes % ALIGN \
-                or rows.strides[1] != 1 or not rows.flags.writeable:
-            return False
-        return not self.b.direct_io or (rows.strides[0] % ALIGN == 0
-                                        and rows.__array_interface__["data"][0] % ALIGN == 0)
+        """Whether rows of ``rows`` (2-D host ``uint8``, writable) can take blocks of ``pool``
+        here (:meth:`~tiercache.files.blockbatch.BlockBatches.rows_fit`)."""
+        return rows.flags.writeable and self.b.rows_fit(pool, rows)
 
     def submit(self, keys: list[bytes], pool: str, rows: np.ndarray, row_idx, deps=()) -> Outcome:
         """Read the block of ``keys[i]`` (int or bytes keys) in ``pool`` into ``rows[row_idx[i]]``;

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, GroupCommit, Outcome, all_settled, before_io
-from tiercache.files.blockfile import ALIGN, FANOUT, file_size
+from tiercache.files.blockfile import FANOUT, file_size
 from tiercache.files.nativeio import DIRECT, MAKEHEAD, Ops, block_names
 from tiercache.files.rootdir import RootPath
 
@@ -51,15 +51,9 @@ class RowWrites:
         self.b = batches
 
     def applies(self, pool: str, rows: np.ndarray) -> bool:
-        """Whether rows of ``rows`` (2-D host ``uint8``) can give blocks of ``pool`` here: each
-        row exactly one block of whole pages, and at a page-aligned address where the tier
-        writes with O_DIRECT (the general path stages the others through aligned memory)."""
-        p = self.b.pools.get(pool)
-        if p is None or rows.ndim != 2 or rows.shape[1] != p.block_nbytes or p.block_nbytes % ALIGN \
-                or rows.strides[1] != 1:
-            return False
-        return not self.b.direct_io or (rows.strides[0] % ALIGN == 0
-                                        and rows.__array_interface__["data"][0] % ALIGN == 0)
+        """Whether rows of ``rows`` (2-D host ``uint8``) can give blocks of ``pool`` here
+        (:meth:`~tiercache.files.blockbatch.BlockBatches.rows_fit`)."""
+        return self.b.rows_fit(pool, rows)
 
     def submit(self, keys: Sequence, pool: str, rows: np.ndarray, row_idx, deps=()) -> Outcome:
         """Write ``rows[row_idx[i]]`` as the block of ``keys[i]`` (int or bytes keys) in
