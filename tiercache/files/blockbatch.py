@@ -37,6 +37,7 @@ from tiercache.files import posix_io
 from tiercache.files.blockfile import (
     ALIGN,
     DATA_OFFSET,
+    FANOUT,
     SUBDIRS,
     align_up,
     block_location,
@@ -65,6 +66,7 @@ from tiercache.files.nativeio import (
     WRITE,
     NativeIO,
     Ops,
+    block_names,
     error_for,
     native_hash,
 )
@@ -449,6 +451,30 @@ class BlockBatches:
                 or rows.strides[1] != 1:
             return False
         return not self.direct_io or (rows.strides[0] % ALIGN == 0 and rows.__array_interface__["data"][0] % ALIGN == 0)
+
+    def row_ops(self, keys: list, pool: str, rows: np.ndarray, idx: np.ndarray, flags: int) -> Ops:
+        """A batch for the blocks of ``keys`` in ``pool`` at rows ``rows[idx]`` (rows that
+        :meth:`rows_fit`; ``idx`` ``int64``, one per key): each file's data address from the
+        rows' base and stride, its lengths, ``flags`` (plus ``DIRECT`` where the tier uses
+        O_DIRECT), the pool's usual header text (what ``CHECK`` compares and ``MAKEHEAD``
+        writes), and the final names (:attr:`Ops.name_blob`, :attr:`Ops.name_off`) and their
+        subdirectories' descriptors (:attr:`Ops.dirs`) made in C: the row reads' and writes'
+        layout, with no Python per block."""
+        spec = self.pools[pool]
+        n = len(keys)
+        ops = Ops(n, self.native.heads(n))
+        ops.data[:] = (np.uint64(rows.__array_interface__["data"][0])
+                       + idx.astype(np.uint64) * np.uint64(rows.strides[0]))
+        ops.data_len[:] = spec.block_nbytes
+        ops.file_len[:] = file_size(spec.block_nbytes)
+        ops.flags[:] = flags | (DIRECT if self.direct_io else 0)
+        ops.expect_usual()
+        assert ops.expect is not None and ops.expect_len is not None and ops.nbytes is not None
+        _, ops.expect[:], ops.expect_len[:], ops.nbytes[:] = self.tails[pool]
+        ops.name_blob, ops.name_off, subs = block_names(keys, pool, FANOUT)
+        ops.subs = subs
+        ops.dirs = self.subdirs()[0][subs]
+        return ops
 
     def subdirs(self) -> tuple[np.ndarray, list[str]]:
         """Each block subdirectory's descriptor by number (``int32 [FANOUT]``) and its path

@@ -285,6 +285,8 @@ class Ops:
         #: of :attr:`names` when set (reads)
         self.name_blob: ctypes.Array | None = None
         self.name_off: np.ndarray | None = None
+        #: with them, each name's block subdirectory by number (``int32``)
+        self.subs: np.ndarray | None = None
         self.flags = np.zeros(n, np.int32)
         self.data = np.zeros(n, np.uint64)
         self.data_len = np.zeros(n, np.int64)

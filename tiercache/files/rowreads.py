@@ -29,8 +29,7 @@ import threading
 import numpy as np
 
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, Outcome, before_io
-from tiercache.files.blockfile import FANOUT, file_size
-from tiercache.files.nativeio import CHECK, DIRECT, HASH, READ, Ops, block_names
+from tiercache.files.nativeio import CHECK, HASH, READ
 
 
 class RowReads:
@@ -94,18 +93,7 @@ class RowReads:
               errors: dict) -> None:
         b = self.b
         spec = b.pools[pool]
-        n = hi - lo
-        ops = Ops(n, b.native.heads(n))
-        base = rows.__array_interface__["data"][0]
-        ops.data[:] = (np.uint64(base) + idx[lo:hi].astype(np.uint64) * np.uint64(rows.strides[0]))
-        ops.data_len[:] = spec.block_nbytes
-        ops.file_len[:] = file_size(spec.block_nbytes)
-        ops.flags[:] = HASH | CHECK | (DIRECT if b.direct_io else 0)
-        ops.expect_usual()
-        assert ops.expect is not None and ops.expect_len is not None and ops.nbytes is not None
-        _, ops.expect[:], ops.expect_len[:], ops.nbytes[:] = b.tails[pool]
-        ops.name_blob, ops.name_off, subs = block_names(keys[lo:hi], pool, FANOUT)
-        ops.dirs = b.subdirs()[0][subs]
+        ops = b.row_ops(keys[lo:hi], pool, rows, idx[lo:hi], HASH | CHECK)
         b.native.run(READ, b.dir.fd, ops)
         for j in np.flatnonzero((ops.err != 0) | (ops.verdict == 0)).tolist():
             key = keys[lo + j]

@@ -33,8 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, GroupCommit, Outcome, all_settled, before_io
-from tiercache.files.blockfile import FANOUT, file_size
-from tiercache.files.nativeio import DIRECT, MAKEHEAD, Ops, block_names
+from tiercache.files.nativeio import MAKEHEAD
 from tiercache.files.rootdir import RootPath
 
 
@@ -98,24 +97,13 @@ class RowWrites:
         staged: dict[int, list] = {}
         try:
             before_io(c[0], deps, 0.0, None)
-            lo, hi = c[0], c[-1] + 1
-            spec = b.pools[pool]
-            n = hi - lo
-            ops = Ops(n, b.native.heads(n))
-            ops.data[:] = (np.uint64(rows.__array_interface__["data"][0])
-                           + idx[lo:hi].astype(np.uint64) * np.uint64(rows.strides[0]))
-            ops.data_len[:] = spec.block_nbytes
-            ops.file_len[:] = file_size(spec.block_nbytes)
-            ops.flags[:] = MAKEHEAD | (DIRECT if b.direct_io else 0)
-            ops.expect_usual()
-            assert ops.expect is not None and ops.expect_len is not None and ops.nbytes is not None
-            _, ops.expect[:], ops.expect_len[:], ops.nbytes[:] = b.tails[pool]
-            blob, offs, subs = block_names([items[i][0] for i in c], pool, FANOUT)
-            fds, texts = b.subdirs()
-            ops.dirs = fds[subs]
-            raw = blob.raw
+            ops = b.row_ops([items[i][0] for i in c], pool, rows, idx[c[0]:c[-1] + 1], MAKEHEAD)
+            assert ops.name_blob is not None and ops.name_off is not None and ops.subs is not None
+            raw, texts = ops.name_blob.raw, b.subdirs()[1]
+            # the general path's names: the final paths (and below, temporary names) as text
             paths = [RootPath(fd, raw[o:raw.index(b"\0", o)].decode(), None, texts[s])
-                     for fd, o, s in zip(ops.dirs.tolist(), offs.tolist(), subs.tolist())]
+                     for fd, o, s in zip(ops.dirs.tolist(), ops.name_off.tolist(), ops.subs.tolist())]
+            ops.name_blob = ops.name_off = None
             b.write_files(ops, c, paths, c, items, group is None, errors, staged)
         except BaseException as exc:
             b.chunk_failed(c, exc, errors, staged)
