@@ -17,6 +17,10 @@ from tiercache.files import SUBDIRS
 
 _SUBDIR_NAMES = frozenset(SUBDIRS)
 
+# PyTorch's deterministic mode (tests/test_hf_integration.py's GPU leg) needs cuBLAS's workspace
+# setting before the process's first cuBLAS call
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 # no wall-clock deadlines: CI machines and the first draw after imports can be slow
 settings.register_profile("tiercache", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("tiercache")

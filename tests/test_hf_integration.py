@@ -6,6 +6,7 @@ is installed) and on a GPU (bf16, CUDA tensors)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -42,7 +43,7 @@ def _generate(model, ids, cache, new_tokens):
 
 
 def _check_modes(kind, device, dtype, tmp_path, batch, prompt, new_tokens, tpb):
-    seed = random.randrange(1 << 30)
+    seed = int(os.environ.get("TIERCACHE_TEST_SEED") or random.randrange(1 << 30))  # a failure's seed, to replay it
     torch.manual_seed(seed)
     model = _model(kind, device, dtype)
     ids = torch.randint(1, GEOMETRY["vocab_size"], (batch, prompt), device=device)
@@ -78,9 +79,23 @@ def test_greedy_tokens_match_dynamic_cache_cpu(tmp_path, kind):
     _check_modes(kind, "cpu", torch.float32, tmp_path, batch=2, prompt=45, new_tokens=24, tpb=8)
 
 
+@pytest.fixture
+def deterministic_kernels():
+    """PyTorch's deterministic kernels for one test. Without them, on an H200 in bf16, two
+    DynamicCache generations of the same random model differ now and then where two logits tie
+    (0.6758 and 0.6758 at one step of one seed in four), and a cache that holds exactly the
+    same K/V is judged against a reference that is itself not reproducible. cuBLAS's workspace
+    setting, which deterministic mode requires, is set in conftest.py before any CUDA work."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_greedy_tokens_match_dynamic_cache_gpu(tmp_path, kind):
+def test_greedy_tokens_match_dynamic_cache_gpu(tmp_path, kind, deterministic_kernels):
     _check_modes(kind, "cuda", torch.bfloat16, tmp_path, batch=3, prompt=300, new_tokens=40, tpb=32)
 
 
