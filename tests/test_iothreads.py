@@ -103,3 +103,71 @@ def test_errors_reach_the_future_and_shutdown_runs_what_is_queued():
         pool.submit(print)
     with pytest.raises(ValueError, match=r"I/O threads = 0 must be in \[1, 256\]"):
         IOThreads(0)
+
+
+def test_a_waiter_runs_its_own_task_only_when_it_is_first_in_its_queue():
+    """run_here: a queued task first in its queue runs in the calling thread (result or error
+    on its future); one behind another queued task, or one a thread already took, is left to
+    the threads, so ordered tasks still start in the order they were queued."""
+    pool = IOThreads(1)
+    gate, busy = threading.Event(), threading.Event()
+    pool.submit(lambda: (busy.set(), gate.wait(5)))  # the one thread is held
+    assert busy.wait(5)
+    ran_in: list[tuple[str, str]] = []
+
+    def note(tag):
+        ran_in.append((tag, threading.current_thread().name))
+        return tag
+
+    first = pool.submit(note, "first")
+    second = pool.submit(note, "second")
+    read = pool.submit(note, "read", read=True)
+    assert not pool.run_here(second)  # "first" is queued ahead of it
+    assert pool.run_here(read) and read.result(0) == "read"
+    assert pool.run_here(first) and first.result(0) == "first"
+    assert pool.run_here(second) and second.result(0) == "second"
+    bad = pool.submit(lambda: 1 / 0)
+    assert pool.run_here(bad)
+    with pytest.raises(ZeroDivisionError):
+        bad.result(0)
+    me = threading.current_thread().name
+    assert ran_in == [("read", me), ("first", me), ("second", me)]
+    gate.set()
+    taken = pool.submit(time.sleep, 0.05)
+    time.sleep(0.02)  # the idle thread has it by now
+    assert not pool.run_here(taken)
+    taken.result(5)
+    assert not pool.run_here(taken)  # done: nothing to run
+    pool.shutdown()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_waiters_helping_keep_chains_of_waits_finishing(threads):
+    """Random chains as above, each waited for by one of several caller threads that first
+    tries to run it itself: every task runs exactly once, none deadlocks."""
+    rng = random.Random(threads)
+    pool = IOThreads(threads)
+    done = [threading.Event() for _ in range(300)]
+    runs = [0] * 300
+    futures = []
+    for i in range(300):
+        deps = [done[j] for j in rng.sample(range(i), min(i, 2))] if i and rng.random() < 0.5 else []
+
+        def task(i=i, deps=deps):
+            runs[i] += 1
+            for d in deps:
+                assert d.wait(5), "deadlock"
+            done[i].set()
+        futures.append(pool.submit(task, read=not deps))
+
+    def waiter(mine):
+        for f in mine:
+            pool.run_here(f)
+            f.result(30)
+    callers = [threading.Thread(target=waiter, args=(futures[k::3],)) for k in range(3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(60)
+    pool.shutdown()
+    assert runs == [1] * 300 and all(f.done() and f.exception() is None for f in futures)

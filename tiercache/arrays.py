@@ -106,6 +106,19 @@ def host_address(arr) -> int:
         return np.asarray(arr).__array_interface__["data"][0]
 
 
+def prefault(arr: np.ndarray, page: int = 4096) -> np.ndarray:
+    """Touch one byte in every ``page`` bytes of ``arr`` (writes a zero there), so that its
+    memory is mapped now rather than at its first use; returns ``arr``.
+
+    A buffer allocated once and reused (a staging area) would otherwise pay its page faults
+    inside the first requests: on the 2-core CPU test machine a first-touch copy into fresh
+    anonymous memory ran at 0.37-1.5 GB/s against 10 GB/s into mapped memory. Pinned memory
+    (CUDA's host allocations) is mapped when allocated and needs none of this."""
+    flat = arr.reshape(-1).view(np.uint8)
+    flat[::page] = 0
+    return arr
+
+
 def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
     """A new, uninitialised ``uint8`` array of ``nbytes`` whose first byte is ``align``-aligned
     (a view into a slightly larger allocation)."""

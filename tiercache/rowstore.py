@@ -243,6 +243,7 @@ class RowStore:
         self._evicting: dict[bytes, _Eviction] = {}
         self._jobs_in_flight = 0
         self._open_ids: set = set()  # job ids submitted and not yet reported by finished()
+        self._outcomes: dict = {}  # job id -> the outcome of its row request, until it finishes (help)
         self._finished: list[RowJobResult] = []
         self._removed: list[bytes] = []
         self.counters: collections.Counter = collections.Counter()
@@ -518,6 +519,7 @@ class RowStore:
             job.outcome = self.ft.submit_row_writes(keys, POOL, self.rows, rows, deps)
         if job.outcome is not None:
             outcome = job.outcome
+            self._outcomes[job.result.job_id] = outcome
             outcome.on_settled(lambda: self._finish(job))
             return
         futures = self.ft.submit(kind, self._items(job.items), deps=deps)
@@ -529,6 +531,7 @@ class RowStore:
         failed load's rows are zeroed and bad files quarantined here, before anyone hears of
         the job; the index is updated by the owner thread (:meth:`_apply`)."""
         res = job.result
+        self._outcomes.pop(res.job_id, None)
         errors = job.outcome.errors if job.outcome is not None else None
         for i, (k, r) in enumerate(job.items):
             exc = errors.get(i) if errors is not None else job.futures[i].exception()
@@ -643,6 +646,17 @@ class RowStore:
                 self._wake()
         self._jobs_in_flight -= 1
         self._finished.append(res)
+
+    def help(self, job_id: Hashable) -> None:
+        """Run here the I/O of job ``job_id`` that no I/O thread has started yet
+        (:meth:`Outcome.help <tiercache.files.blockbatch.Outcome.help>`): for a caller about to
+        wait for that job, which would otherwise wake a thread and sleep until it is done. Call
+        it holding none of this store's locks (the job may finish in this thread, and its
+        ``on_finish`` hook runs here). Nothing happens for a job that is done, unknown, or on
+        the general path."""
+        outcome = self._outcomes.get(job_id)
+        if outcome is not None:
+            outcome.help()
 
     def finished(self) -> list[RowJobResult]:
         """The jobs that finished since the last call (in the order they finished)."""

@@ -136,16 +136,28 @@ def _staged(nbytes: int, ptr: int | None, direct_io: bool) -> bool:
 
 class Outcome:
     """The outcome of a set of blocks (a chunk of a request, or a group commit's request):
-    one event for all of them, the errors of those that failed (by index), and callbacks
-    to run once settled."""
+    one event for all of them, the errors of those that failed (by index), callbacks to run
+    once settled, and the I/O threads' tasks that settle it (``tasks``: ``[(IOThreads,
+    Future)]``, for :meth:`help`)."""
 
-    __slots__ = ("_callbacks", "_lock", "errors", "event")
+    __slots__ = ("_callbacks", "_lock", "errors", "event", "tasks")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.errors: dict[int, BaseException] = {}
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] | None = []
+        self.tasks: list[tuple] = []
+
+    def help(self) -> None:
+        """Run in the calling thread those of :attr:`tasks` no I/O thread has started and
+        nothing queued before them waits for (:meth:`IOThreads.run_here
+        <tiercache.files.iothreads.IOThreads.run_here>`): a caller about to wait for this
+        outcome does its work instead of waking a thread and sleeping until it is done.
+        Callbacks registered with :meth:`on_settled` may then run in the calling thread."""
+        for executor, fut in self.tasks:
+            if not self.event.is_set():
+                executor.run_here(fut)
 
     def settle(self, errors: dict[int, BaseException]) -> None:
         """Record the failures (every other block succeeded), release the waiters, then run
@@ -232,6 +244,7 @@ def all_settled(outcomes: list[Outcome]) -> Outcome:
     if len(outcomes) == 1:
         return outcomes[0]
     out = Outcome()
+    out.tasks = [t for o in outcomes for t in o.tasks]
     left = [len(outcomes)]
     lock = threading.Lock()
 
@@ -491,6 +504,11 @@ class BlockBatches:
         return self._subdir_table
 
     # -- request -> chunks -------------------------------------------------------------------
+    def queue(self, outcome: Outcome, fn: Callable, *args, read: bool = False) -> None:
+        """Queue ``fn(*args)`` on the I/O threads as a task that settles ``outcome`` (recorded
+        in its :attr:`~Outcome.tasks`, so a waiter can run it itself: :meth:`Outcome.help`)."""
+        outcome.tasks.append((self.executor, self.executor.submit(fn, *args, read=read)))
+
     @staticmethod
     def chunks(items: list[tuple[Key, dict]], direct_io: bool = False) -> list[list[int]]:
         """Indices of ``items`` cut into chunks of whole blocks: as few as hold at most
@@ -614,7 +632,7 @@ class BlockBatches:
             outcome = Outcome()
             for i in idx:
                 out[i] = (items[i][0], BlockFuture(outcome, i))
-            self.executor.submit(self._read_chunk, idx, items, outcome, deps, delay_s, skip, read=not deps)
+            self.queue(outcome, self._read_chunk, idx, items, outcome, deps, delay_s, skip, read=not deps)
         return out
 
     def _read_chunk(self, idx, items, outcome: Outcome, deps, delay_s, skip) -> None:
@@ -758,19 +776,19 @@ class BlockBatches:
         chunks = self.chunks(items, self.direct_io)
         n_files = sum(len(bufs) for _, bufs in items)
         out: list = [None] * len(items)
-        group = None
+        group = whole = None
         if self.fsync != "none" and n_files > 1:
-            outcome = Outcome()
+            whole = Outcome()
             group = GroupCommit(self.dir, self.fsync, [k for k, _ in items], len(chunks), self.rename_all,
-                                self._delete, outcome.settle, self.discard)
-            out = [(key, BlockFuture(outcome, i)) for i, (key, _) in enumerate(items)]
+                                self._delete, whole.settle, self.discard)
+            out = [(key, BlockFuture(whole, i)) for i, (key, _) in enumerate(items)]
         for idx in chunks:
             outcome = None
             if group is None:
                 outcome = Outcome()
                 for i in idx:
                     out[i] = (items[i][0], BlockFuture(outcome, i))
-            self.executor.submit(self._write_chunk, idx, items, outcome, deps, delay_s, skip, group)
+            self.queue(whole or outcome, self._write_chunk, idx, items, outcome, deps, delay_s, skip, group)
         return out
 
     def _write_chunk(self, idx, items, outcome: Outcome | None, deps, delay_s, skip, group: GroupCommit | None) -> None:

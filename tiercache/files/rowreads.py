@@ -86,7 +86,7 @@ class RowReads:
                 outcome.settle(errors)
 
         for lo in range(0, n, step):
-            self.b.executor.submit(chunk, lo, min(n, lo + step), read=not deps)
+            self.b.queue(outcome, chunk, lo, min(n, lo + step), read=not deps)
         return outcome
 
     def _read(self, keys: list[bytes], lo: int, hi: int, pool: str, rows: np.ndarray, idx: np.ndarray,

@@ -81,11 +81,11 @@ class RowWrites:
             group = GroupCommit(b.dir, b.fsync, list(keys), len(chunks), b.rename_all, b._delete, outcome.settle,
                                 b.discard)
             for c in chunks:
-                b.executor.submit(self._chunk, c, items, pool, rows, idx, deps, None, group)
+                b.queue(outcome, self._chunk, c, items, pool, rows, idx, deps, None, group)
             return outcome
         outcomes = [Outcome() for _ in chunks]
         for c, o in zip(chunks, outcomes):
-            b.executor.submit(self._chunk, c, items, pool, rows, idx, deps, o, None)
+            b.queue(o, self._chunk, c, items, pool, rows, idx, deps, o, None)
         return all_settled(outcomes)
 
     def _chunk(self, c: list[int], items: list[tuple], pool: str, rows: np.ndarray, idx: np.ndarray, deps,

@@ -19,9 +19,15 @@ class RowJobs:
 
     Create it first, pass :meth:`finished_hook` as the store's ``on_finish``, then
     :meth:`attach` the store.
+
+    Args:
+        help: :meth:`wait` first runs the job's queued I/O in the waiting thread
+            (:meth:`RowStore.help <tiercache.rowstore.RowStore.help>`): for callers that wait
+            for each job as soon as they submit it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, help: bool = False) -> None:
+        self.help = help
         self.store = None
         self._ids = itertools.count(1)
         self._events: dict[int, threading.Event] = {}
@@ -51,7 +57,10 @@ class RowJobs:
         return jid
 
     def wait(self, jid: int):
-        """Wait (GIL released) for job ``jid``; its :class:`~tiercache.rowstore.RowJobResult`."""
+        """Wait (GIL released) for job ``jid``; its :class:`~tiercache.rowstore.RowJobResult`.
+        With ``help``, the job's I/O that no thread has started runs here first."""
+        if self.help:
+            self.store.help(jid)
         self._events[jid].wait()
         with self._lock:
             for r in self.store.finished():

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercache.arrays import aligned_empty
+from tiercache.arrays import aligned_empty, prefault
 from tiercache.errors import ConfigError
 from tiercache.integrations import sglangcompat as compat
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
@@ -216,7 +216,7 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         self.staging: torch.Tensor = None  # type: ignore[assignment]  # [slabs * slab_rows, page_bytes] uint8
         self.slab_rows = 0  # pages per staging slab
         self._slabs = 0
-        self.jobs = RowJobs()
+        self.jobs = RowJobs(help=True)  # a get or set waits for its pieces in turn: it runs their I/O itself
         self.writer = bool(compat.is_storage_writer(storage_config))
         self.counters: dict[str, int] = {"get_pages": 0, "get_failed_pages": 0, "set_pages": 0, "set_skipped_pages": 0,
                                          "set_failed_pages": 0, "get_bytes": 0, "set_bytes": 0}
@@ -248,8 +248,9 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         shape = (slabs * self.slab_rows, self.layout.page_bytes)
         if torch.cuda.is_available():
             self.staging = torch.empty(shape, dtype=torch.uint8, pin_memory=True)  # pinned: page-aligned
-        else:  # page-aligned, so that O_DIRECT writes and reads go from and to the rows in place
-            self.staging = torch.from_numpy(aligned_empty(shape[0] * shape[1]).reshape(shape))
+        else:  # page-aligned, so that O_DIRECT writes and reads go from and to the rows in place; mapped
+            # now, not in the first sets (tiercache.arrays.prefault; pinned memory already is)
+            self.staging = torch.from_numpy(prefault(aligned_empty(shape[0] * shape[1]).reshape(shape)))
         self._free_slabs = list(range(slabs))
         self._slabs = slabs
         settings = {name: s[k] for k, name in ROWSTORE_KEYS.items()}

@@ -145,6 +145,8 @@ class Job:
                     time.sleep(50e-6)
         for w in self._settles():
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            if deadline is None and hasattr(w, "help"):
+                w.help()  # an outcome's tasks no I/O thread has started run here (Outcome.help)
             try:
                 w.exception(timeout=left)
             except TimeoutError:
