@@ -150,8 +150,8 @@ class Outcome:
         self.tasks: list[tuple] = []
 
     def help(self) -> None:
-        """Run in the calling thread those of :attr:`tasks` no I/O thread has started and
-        nothing queued before them waits for (:meth:`IOThreads.run_here
+        """Run in the calling thread those of :attr:`tasks` that no I/O thread has started
+        and that are first in their queue (:meth:`IOThreads.run_here
         <tiercache.files.iothreads.IOThreads.run_here>`): a caller about to wait for this
         outcome does its work instead of waking a thread and sleeping until it is done.
         Callbacks registered with :meth:`on_settled` may then run in the calling thread."""
