@@ -37,7 +37,7 @@ def _hooks(marks_path: str) -> None:
         marks.write(what + "\n")
         marks.flush()
 
-    original_write, original_unlink = indexfile.write_atomic, FileTier._unlink
+    original_write, original_unlink, original_many = indexfile.write_atomic, FileTier._unlink, FileTier._unlink_many
 
     def write_atomic(root, name, data, fsync=False):
         tmp = root.child(f"{TMP_OWN}{name.lstrip('.')}.{os.getpid()}")
@@ -49,12 +49,18 @@ def _hooks(marks_path: str) -> None:
         tmp.unlink()
         original_write(root, name, data, fsync)
 
-    def unlink(self, path):
+    def unlink(self, path):  # the Python engine: one file at a time
         original_unlink(self, path)
         mark("evict")
         time.sleep(0.01)
 
-    indexfile.write_atomic, FileTier._unlink = write_atomic, unlink
+    def unlink_many(self, paths, recycle):  # the native engine's batch: stopped after a block's first file
+        original_many(self, paths[:1], recycle)
+        mark("evict")
+        time.sleep(0.01)
+        original_many(self, paths[1:], recycle)
+
+    indexfile.write_atomic, FileTier._unlink, FileTier._unlink_many = write_atomic, unlink, unlink_many
 
 
 if __name__ == "__main__":

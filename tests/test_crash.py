@@ -93,6 +93,7 @@ def test_sigkill_in_checkpoints_and_evictions(tmp_path, rng):
         while (not marks.exists() or marks.read_text().count(target) == seen) and time.time() < deadline:
             assert child.poll() is None, child.stderr.read().decode()
             time.sleep(0.002)
+        assert marks.exists() and marks.read_text().count(target) > seen, f"kill {i}: no {target} within 60 s"
         time.sleep(float(rng.uniform(0, 0.008)))  # inside the pause that follows the mark
         child.send_signal(signal.SIGKILL)
         child.wait()
