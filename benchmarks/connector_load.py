@@ -57,11 +57,18 @@ def _caches(model: str, blocks: int) -> tuple[dict, int]:
     return caches, nb
 
 
+def _worker(root: str, extra: dict) -> ConnectorWorker:
+    """A fresh worker over ``root``: one directory, or several separated by commas (a root array)."""
+    roots = root.split(",")
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)
+    settings = parse_config({"root": roots if len(roots) > 1 else roots[0], "fsync": "none", **extra})
+    return ConnectorWorker(settings, [Path(r) for r in roots])
+
+
 def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: bool = False) -> dict:
     caches, nb = _caches(model, blocks)
-    shutil.rmtree(root, ignore_errors=True)
-    settings = parse_config({"root": root, "fsync": "none", **extra})
-    w = ConnectorWorker(settings, [Path(root)])
+    w = _worker(root, extra)
     w.register(caches, nb)
     keys = [os.urandom(16) for _ in range(blocks)]
     src = list(range(blocks))
@@ -132,8 +139,7 @@ def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_m
     blocks are free (``get_finished``) from the forward pass's end; the last run's blocks are
     loaded back and compared."""
     caches, nb = _caches(model, blocks)
-    shutil.rmtree(root, ignore_errors=True)
-    w = ConnectorWorker(parse_config({"root": root, "fsync": "none", **extra}), [Path(root)])
+    w = _worker(root, extra)
     w.register(caches, nb)
     rows, keys = [], []
     prof = None
@@ -187,7 +193,7 @@ def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_m
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("root")
+    ap.add_argument("root", help="a directory, or several separated by commas (a root array)")
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--runs", type=int, default=5)

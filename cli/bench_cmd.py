@@ -668,6 +668,11 @@ def sglang_storage_cmd(
             "fio over all.",
         ),
     ] = None,
+    zero_copy: Annotated[
+        bool,
+        typer.Option(help="tiercache's pages read and written in place (its zero_copy setting); "
+                     "--no-zero-copy: through its staging rows, for comparison."),
+    ] = True,
 ) -> None:
     """SGLang's own file HiCache backend and tiercache's, side by side on one directory, through
     SGLang's cache controller's page set and get calls: pages/s, GB/s, batch p50/p99, wrong
@@ -680,7 +685,8 @@ def sglang_storage_cmd(
         rep = run_sglang_bench(_base(None, root), models=tuple(model or ("llama-3.1-8b", "tiny-llama")),
                                page_tokens=page_tokens, total_bytes=total, batch=batch, fio=not no_baseline,
                                fio_runtime=2.0 if quick else 5.0, io_threads=io_threads, seed=seed, keep=keep,
-                               log=_log(output_format), array=list(array) if array else None)
+                               log=_log(output_format), array=list(array) if array else None,
+                               zero_copy=zero_copy)
     except TierCacheError as exc:
         _fail(str(exc))
     _report(rep, output_format, format_sglang_report)

@@ -33,6 +33,14 @@
  * (the block's subdirectory of the root: its temporary and final names are both there), else to
  * dir_fd.
  *
+ * Pieces: where the batch has seg_first, operation i's data is not data[i] but the pieces
+ * seg_ptr[s] of seg_len[s] bytes for s in seg_first[i] .. seg_first[i + 1] - 1, in that order
+ * (data_len[i] their sum): one block's bytes scattered over memory the caller owns (a host
+ * KV pool's pages, which keeps K and V, or each layer, apart), read into and written from in
+ * place by vectored I/O, checksummed as if contiguous (XXH3-64's streaming form, given by
+ * tc_set_hash_stream). An operation with no pieces (seg_first[i + 1] == seg_first[i]) uses
+ * data[i].
+ *
  * Checksums: with TC_HASH a read that got every byte stores XXH3-64 of its data in hash[i]; a
  * TC_HASHONLY batch only computes hash[i] of each operation's data (before a write batch, whose
  * headers carry it). The XXH3-64 function is the xxhash library's, given by tc_set_hash (the
@@ -95,6 +103,28 @@ void tc_set_hash(void *fn)
     xxh3 = (tc_hash_fn)fn;
 }
 
+/* XXH3-64's streaming functions of the same library (tc_set_hash_stream): a block in pieces */
+typedef void *(*tc_hs_create)(void);
+typedef int (*tc_hs_reset)(void *);
+typedef int (*tc_hs_update)(void *, const void *, size_t);
+typedef uint64_t (*tc_hs_digest)(const void *);
+typedef int (*tc_hs_free)(void *);
+static tc_hs_create hs_create;
+static tc_hs_reset hs_reset;
+static tc_hs_update hs_update;
+static tc_hs_digest hs_digest;
+static tc_hs_free hs_free;
+
+/* XXH3_createState, XXH3_64bits_reset, XXH3_64bits_update, XXH3_64bits_digest, XXH3_freeState */
+void tc_set_hash_stream(void *create, void *reset, void *update, void *digest, void *release)
+{
+    hs_create = (tc_hs_create)create;
+    hs_reset = (tc_hs_reset)reset;
+    hs_update = (tc_hs_update)update;
+    hs_digest = (tc_hs_digest)digest;
+    hs_free = (tc_hs_free)release;
+}
+
 /* One batch, struct of arrays (entry i of every array belongs to operation i). */
 typedef struct {
     int32_t kind;            /* TC_READ | TC_WRITE | TC_RENAME | TC_HASHONLY | TC_UNLINK */
@@ -127,7 +157,73 @@ typedef struct {
     int64_t *kept_ino;
     int64_t *kept_size;
     int32_t *kept_flags;
+    /* pieces (see above; seg_first may be NULL: no operation has pieces) */
+    const int64_t *seg_first; /* [n + 1] */
+    void *const *seg_ptr;
+    const int64_t *seg_len;
 } tc_batch;
+
+/* iovecs one vectored call of an operation passes (its header page and pieces; an operation
+ * of more pieces takes several calls) */
+#define TC_MAX_IOV 64
+
+static inline int64_t op_pieces(const tc_batch *b, int i)
+{
+    return b->seg_first ? b->seg_first[i + 1] - b->seg_first[i] : 0;
+}
+
+/* the iovecs (at most max) of operation i's bytes from byte off of its file on: the rest of
+ * the header page, then its data (data[i], or its pieces) */
+static int op_iov(const tc_batch *b, int i, int64_t off, struct iovec *v, int max)
+{
+    int k = 0;
+    if (off < TC_HEADER_BYTES) {
+        v[k++] = (struct iovec){(char *)b->head[i] + off, (size_t)(TC_HEADER_BYTES - off)};
+        off = 0;
+    } else {
+        off -= TC_HEADER_BYTES;
+    }
+    if (!op_pieces(b, i)) {
+        if (b->data_len[i] > off)
+            v[k++] = (struct iovec){(char *)b->data[i] + off, (size_t)(b->data_len[i] - off)};
+        return k;
+    }
+    for (int64_t s = b->seg_first[i]; s < b->seg_first[i + 1] && k < max; s++) {
+        if (off >= b->seg_len[s]) {
+            off -= b->seg_len[s];
+            continue;
+        }
+        v[k++] = (struct iovec){(char *)b->seg_ptr[s] + off, (size_t)(b->seg_len[s] - off)};
+        off = 0;
+    }
+    return k;
+}
+
+/* XXH3-64 of the first n bytes of operation i's data (its pieces read as one run); 0 where
+ * pieces have no streaming functions (the caller gives pieces only where they are set) */
+static uint64_t op_hash(const tc_batch *b, int i, int64_t n)
+{
+    int64_t k = op_pieces(b, i);
+    if (!k)
+        return xxh3(b->data[i], (size_t)n);
+    int64_t s = b->seg_first[i];
+    if (k == 1 || n <= b->seg_len[s])
+        return xxh3(b->seg_ptr[s], (size_t)n);
+    void *st = hs_create ? hs_create() : NULL;
+    if (!st)
+        return 0;
+    uint64_t h = 0;
+    if (hs_reset(st) == 0) {
+        for (; s < b->seg_first[i + 1] && n > 0; s++) {
+            int64_t m = b->seg_len[s] < n ? b->seg_len[s] : n;
+            hs_update(st, b->seg_ptr[s], (size_t)m);
+            n -= m;
+        }
+        h = hs_digest(st);
+    }
+    hs_free(st);
+    return h;
+}
 
 enum { TC_KEPT_DIRECT = 1, TC_KEPT_RDWR = 2 };
 
@@ -207,7 +303,7 @@ static void read_checks(const tc_batch *b, int i)
     uint64_t hash = 0;
     int hashed = 0;
     if ((b->flags[i] & TC_HASH) && b->hash && xxh3) {
-        hash = b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+        hash = b->hash[i] = op_hash(b, i, b->data_len[i]);
         hashed = 1;
     }
     if ((b->flags[i] & TC_CHECK) && b->verdict) {
@@ -218,7 +314,7 @@ static void read_checks(const tc_batch *b, int i)
          * kept; a shorter one fails the read of every byte before this) */
         if (ok && b->data_len[i] > 0)
             ok = b->data_len[i] == padded && (b->file_len[i] == TC_HEADER_BYTES + padded || given_fd(b, i) >= 0)
-                 && (hashed && n == b->data_len[i] ? hash : xxh3(b->data[i], (size_t)n)) == sum;
+                 && (hashed && n == b->data_len[i] ? hash : op_hash(b, i, n)) == sum;
         b->verdict[i] = ok;
     }
 }
@@ -244,7 +340,7 @@ static int make_head(const tc_batch *b, int i)
     size_t mlen = 8 + klen + 2 + tlen + 16 + 2;
     if (24 + mlen > TC_HEADER_BYTES)
         return EINVAL;
-    uint64_t sum = xxh3(b->data[i], (size_t)b->data_len[i]);
+    uint64_t sum = op_hash(b, i, b->data_len[i]);
     if (b->hash)
         b->hash[i] = sum;
     unsigned char *h = b->head[i];
@@ -549,21 +645,6 @@ static void drop_kept(const tc_batch *b, int i, int given)
     }
 }
 
-/* after a short vectored transfer of r bytes: the first of the 2 buffers of v not yet done
- * (from iov), trimmed by what was moved */
-static int advance(struct iovec *v, int iov, size_t r)
-{
-    while (iov < 2 && r >= v[iov].iov_len) {
-        r -= v[iov].iov_len;
-        iov++;
-    }
-    if (iov < 2) {
-        v[iov].iov_base = (char *)v[iov].iov_base + r;
-        v[iov].iov_len -= r;
-    }
-    return iov;
-}
-
 /* open a file to read: O_RDWR when it is to be kept (so it can be recycled later), falling back
  * to O_RDONLY where writing is not permitted */
 static int open_read(const tc_batch *b, int i, const char *name)
@@ -603,11 +684,10 @@ static void do_read(const tc_batch *b, int i)
         return;
     }
     int e = injected(TC_READ, name);
-    struct iovec v[2] = {{b->head[i], TC_HEADER_BYTES}, {b->data[i], (size_t)b->data_len[i]}};
-    int iov = 0;
+    struct iovec v[TC_MAX_IOV];
     int64_t want = TC_HEADER_BYTES + b->data_len[i];
     while (!e && total < want) {
-        ssize_t r = preadv(fd, v + iov, 2 - iov, total);
+        ssize_t r = preadv(fd, v, op_iov(b, i, total, v, TC_MAX_IOV), total);
         if (r < 0) {
             if (errno == EINTR)
                 continue;
@@ -617,7 +697,6 @@ static void do_read(const tc_batch *b, int i)
         if (r == 0)
             break; /* end of file: a truncated file, reported through got */
         total += r;
-        iov = advance(v, iov, (size_t)r);
     }
     b->got[i] = total;
     if (!e && total == want)
@@ -627,14 +706,13 @@ static void do_read(const tc_batch *b, int i)
 
 static int write_all(int fd, const tc_batch *b, int i)
 {
-    struct iovec v[2] = {{b->head[i], TC_HEADER_BYTES}, {b->data[i], (size_t)b->data_len[i]}};
-    int iov = 0;
+    struct iovec v[TC_MAX_IOV];
     int64_t off = 0, want = TC_HEADER_BYTES + b->data_len[i];
     int e = op_injected(b, i);
     if (e)
         return e;
     while (off < want) {
-        ssize_t r = pwritev(fd, v + iov, 2 - iov, off);
+        ssize_t r = pwritev(fd, v, op_iov(b, i, off, v, TC_MAX_IOV), off);
         if (r < 0) {
             if (errno == EINTR)
                 continue;
@@ -643,7 +721,6 @@ static int write_all(int fd, const tc_batch *b, int i)
         if (r == 0)
             return EIO;
         off += r;
-        iov = advance(v, iov, (size_t)r);
     }
     return 0;
 }
@@ -718,7 +795,7 @@ static void run_one(tc_job *j, int i)
     if (j->pass == TC_PASS_HASH) {
         const tc_batch *b = j->b;
         if (b->kind == TC_HASHONLY) {
-            b->hash[i] = xxh3(b->data[i], (size_t)b->data_len[i]);
+            b->hash[i] = op_hash(b, i, b->data_len[i]);
             b->err[i] = 0;
         } else if (b->kind == TC_WRITE) {
             if (b->flags[i] & TC_MAKEHEAD)
@@ -934,7 +1011,7 @@ typedef struct {
     int given;         /* fd is the caller's (not opened, not closed here) */
     int rdwr;          /* a read opens O_RDWR (TC_KEEP; cleared when refused) */
     int64_t off;       /* bytes moved so far (header included) */
-    struct iovec iov[2];
+    struct iovec iov[TC_MAX_IOV];
 } tc_file;
 
 static void prep_open(tc_ring *r, const tc_batch *b, tc_file *f, int i)
@@ -953,12 +1030,8 @@ static void prep_open(tc_ring *r, const tc_batch *b, tc_file *f, int i)
 
 static void prep_io(tc_ring *r, const tc_batch *b, tc_file *f, int i)
 {
-    int64_t off = f->off, hb = TC_HEADER_BYTES;
-    int k = 0;
-    if (off < hb)
-        f->iov[k++] = (struct iovec){(char *)b->head[i] + off, (size_t)(hb - off)};
-    int64_t d = off > hb ? off - hb : 0;
-    f->iov[k++] = (struct iovec){(char *)b->data[i] + d, (size_t)(b->data_len[i] - d)};
+    int64_t off = f->off;
+    int k = op_iov(b, i, off, f->iov, TC_MAX_IOV);
     struct io_uring_sqe *sqe = ring_sqe(r);
     sqe->opcode = b->kind == TC_WRITE ? IORING_OP_WRITEV : IORING_OP_READV;
     sqe->fd = f->fd;
@@ -1280,7 +1353,7 @@ int tc_run(void *pool, const tc_batch *b, int n)
             return pool_run(p, b, n, TC_PASS_HASH, NULL);
         /* small: on the calling thread (a hand-off to the pool costs more than the hashes) */
         for (int i = 0; i < n; i++) {
-            b->hash[i] = xxh3 ? xxh3(b->data[i], (size_t)b->data_len[i]) : 0;
+            b->hash[i] = xxh3 ? op_hash(b, i, b->data_len[i]) : 0;
             b->err[i] = xxh3 ? 0 : ENOSYS;
         }
         return count_failed(b, n);

@@ -31,12 +31,20 @@ warnings.filterwarnings("ignore")
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
-from tiercache.bench.benchsglang import page_bytes_at, run_sglang_bench, sglang_host_pool  # noqa: E402
+from tiercache.bench.benchsglang import (  # noqa: E402
+    format_sglang_report,
+    page_bytes_at,
+    run_sglang_bench,
+    sglang_host_pool,
+)
 from tiercache.bench.benchsglang import storage_config as bench_storage_config  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.integrations.sglang import TierCacheHiCacheStorage, page_key, parse_config  # noqa: E402
 
-PS, LAYERS, HEADS, HD, TOKENS = 4, 3, 2, 8, 256
+# pages of whole 4 KiB pieces (page_first 8 KiB, layer_first 4 KiB, MLA 36 KiB): the backend moves
+# them in place (zero_copy) or, asked, through its staging rows
+PS, LAYERS, HEADS, HD = 16, 2, 4, 32
+TOKENS = 64 * PS
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 CONNECT = {"backend_name": "tiercache", "module_path": "tiercache.integrations.sglang",
            "class_name": "TierCacheHiCacheStorage", "interface_v1": 1}
@@ -90,12 +98,14 @@ def hexkeys(rng, n):
     return [rng.bytes(32).hex() for _ in range(n)]
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_pages_set_and_get_through_sglangs_controller_byte_exact(tmp_path, rng, kind, layout):
+def test_pages_set_and_get_through_sglangs_controller_byte_exact(tmp_path, rng, kind, layout, zero_copy):
     pool = host_pool(kind, layout, int(rng.integers(1 << 30)))
-    be = backend(tmp_path, pool, kind, layout, staging_bytes=1 << 20)
+    be = backend(tmp_path, pool, kind, layout, staging_bytes=1 << 20, zero_copy=zero_copy)
     assert isinstance(be, TierCacheHiCacheStorage)
+    assert be.zero_copy == zero_copy  # pages in place, or through the staging rows
     keys = hexkeys(rng, 24)
     src = [int(p) for p in rng.choice(np.arange(0, 30), 24, replace=False)]
     want = [page_bytes(pool, p * PS) for p in src]
@@ -110,17 +120,18 @@ def test_pages_set_and_get_through_sglangs_controller_byte_exact(tmp_path, rng, 
     be.close()
     # a restarted backend finds every page (the root's saved index)
     pool2 = host_pool(kind, layout, 7)
-    be2 = backend(tmp_path, pool2, kind, layout)
+    be2 = backend(tmp_path, pool2, kind, layout, zero_copy=not zero_copy)  # either way reads either's files
     assert be2.batch_exists(keys) == 24
     assert get(be2, keys, list(range(40, 64))) == 24
     assert [page_bytes(pool2, p * PS) for p in range(40, 64)] == want
     be2.close()
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_a_damaged_page_stops_the_prefix_and_never_reaches_the_pool(tmp_path, rng, damage):
+def test_a_damaged_page_stops_the_prefix_and_never_reaches_the_pool(tmp_path, rng, damage, zero_copy):
     pool = host_pool("mha", "page_first", int(rng.integers(1 << 30)))
-    be = backend(tmp_path, pool, "mha", "page_first")
+    be = backend(tmp_path, pool, "mha", "page_first", zero_copy=zero_copy)
     keys = hexkeys(rng, 8)
     assert put(be, keys, list(range(8)))
     be.close()
@@ -137,13 +148,15 @@ def test_a_damaged_page_stops_the_prefix_and_never_reaches_the_pool(tmp_path, rn
         os.truncate(path, inside)
     else:
         path.unlink()
-    be = backend(tmp_path, pool, "mha", "page_first")
+    be = backend(tmp_path, pool, "mha", "page_first", zero_copy=zero_copy)
     before = [page_bytes(pool, p * PS) for p in range(32, 40)]
+    assert all(any(b) for b in before)  # random bytes there: what is left after is visible
     got = get(be, keys, list(range(32, 40)))
     assert got == bad
     after = [page_bytes(pool, p * PS) for p in range(32, 40)]
     assert after[:bad] == [page_bytes(pool, p * PS) for p in range(bad)]
-    assert after[bad] == before[bad]  # the bad page's slots are untouched
+    # the bad page's slots: untouched (read into staging), or zeroed (read in place and failed)
+    assert after[bad] == (bytes(len(before[bad])) if zero_copy else before[bad])
     assert be.batch_exists(keys) == bad  # it left the store
     be.close()
 
@@ -311,13 +324,18 @@ def test_page_keys():
 
 
 
-def test_the_bench_runs_both_backends_through_the_controller(tmp_path):
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_the_bench_runs_both_backends_through_the_controller(tmp_path, zero_copy):
     rep = run_sglang_bench(tmp_path, models=("tiny-llama",), page_tokens=16, total_bytes=4 << 20, batch=8, fio=False,
-                           seed=3)
+                           seed=3, zero_copy=zero_copy)
     assert rep["ok"]
     run = rep["runs"][0]
     for b in ("file", "tiercache"):
         res = run["backends"][b]
         assert res["wrong_pages"] == 0 and res["get"]["pages_read"] == run["pages"] and res["set"]["gbps"] > 0
     assert set(run["tiercache_over_file"]) == {"set", "get"}
+    # tiny-llama's 16-token pages are whole 4 KiB pieces: in place unless asked otherwise
+    assert run["backends"]["tiercache"]["in_place"] == zero_copy and rep["zero_copy"] == zero_copy
+    assert isinstance(run["pool_page_aligned"], bool) and not run["pool_pinned"]
+    assert ("in place" if zero_copy else "through staging rows") in format_sglang_report(rep)
     assert not list(tmp_path.glob("sglang-storage-*"))  # removed without keep

@@ -39,6 +39,7 @@ from tiercache.errors import (
     TransferError,
     UnknownPoolError,
 )
+from tiercache.files import BlockPieces
 from tiercache.geometry import PoolSpec
 from tiercache.rowstore import KeyState, RowJobResult, RowStore
 from tiercache.transfer import sm_carveout
@@ -56,6 +57,7 @@ __all__ = [
     "AsyncTierCache",
     "DevicePools",
     "RowStore",
+    "BlockPieces",
     "RowJobResult",
     "KeyState",
     "CacheConfig",

@@ -59,6 +59,7 @@ from tiercache.errors import (
 from tiercache.files import (
     FREE_FILES,
     SUBDIRS,
+    BlockPieces,
     FileTier,
     IOPath,
     Outcome,
@@ -147,6 +148,8 @@ class _Job:
     futures: list = field(default_factory=list)
     #: a load read by the file tier's row reads: its errors by index into ``items``
     outcome: Outcome | None = None
+    #: the job's blocks are in pieces of the caller's memory (``items``' rows index it), not rows
+    pieces: BlockPieces | None = None
 
 
 class RowStore:
@@ -316,7 +319,25 @@ class RowStore:
         return count
 
     # -- keys and rows -----------------------------------------------------------------------
-    def _keys_rows(self, keys, rows) -> tuple[list[bytes], list[int]]:
+    def pieces_fit(self, pieces: BlockPieces) -> bool:
+        """Whether :meth:`submit_store` and :meth:`submit_load` take ``pieces``: blocks of
+        :attr:`row_bytes` each in pieces of the caller's memory
+        (:class:`~tiercache.files.blockpieces.BlockPieces`), moved in place by the native
+        engine (the row reads and writes, with the native XXH3-64 and its streaming form)."""
+        ft = self.ft
+        return pieces.block_bytes == self.row_bytes and ft.row_reads is not None and ft.row_writes is not None \
+            and len(ft.pools) == 1 and ft.row_reads.applies(POOL, pieces) and ft.row_writes.applies(POOL, pieces)
+
+    def _check_pieces(self, pieces: BlockPieces | None) -> int:
+        """The number of blocks jobs may address: rows, or blocks of ``pieces``."""
+        if pieces is None:
+            return self.num_rows
+        if not isinstance(pieces, BlockPieces) or not self.pieces_fit(pieces):
+            raise ConfigError(f"pieces = {pieces!r:.80}: need a BlockPieces of {self.row_bytes}-byte blocks that "
+                              "this store's native engine can move (RowStore.pieces_fit)")
+        return len(pieces)
+
+    def _keys_rows(self, keys, rows, num_rows: int | None = None) -> tuple[list[bytes], list[int]]:
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
             raise InvalidKeyError(f"keys = {keys!r:.60}: give a sequence of content keys (bytes)")
         if isinstance(rows, (str, bytes)) or not isinstance(rows, (Iterable, np.ndarray)):
@@ -328,9 +349,10 @@ class RowStore:
         rs = [_row_index(r) for r in (rows.tolist() if isinstance(rows, np.ndarray) else rows)]
         if len(ks) != len(rs):
             raise ConfigError(f"{len(ks)} keys but {len(rs)} rows: give one row per key")
-        bad = [r for r in rs if not 0 <= r < self.num_rows]
+        num_rows = self.num_rows if num_rows is None else num_rows
+        bad = [r for r in rs if not 0 <= r < num_rows]
         if bad:
-            raise SlotRangeError(f"row {bad[0]} outside [0, {self.num_rows})")
+            raise SlotRangeError(f"row {bad[0]} outside [0, {num_rows})")
         return ks, rs
 
     def _items(self, pairs: list[tuple[bytes, int]]) -> list[tuple[bytes, dict]]:
@@ -388,7 +410,7 @@ class RowStore:
         return len(self.index) - len(self._storing)
 
     # -- jobs --------------------------------------------------------------------------------
-    def submit_store(self, keys, rows, job_id: Hashable = None) -> Hashable:
+    def submit_store(self, keys, rows, job_id: Hashable = None, *, pieces: BlockPieces | None = None) -> Hashable:
         """Write rows ``rows[i]`` as the blocks of ``keys[i]``; returns ``job_id`` at once.
 
         Keys already stored, or being stored, are skipped (content keys: the same bytes).
@@ -400,15 +422,19 @@ class RowStore:
             keys: content keys (bytes, 1..64 each).
             rows: row indices, one per key (a list or an integer array).
             job_id: any hashable id for the result (default: an increasing integer).
+            pieces: blocks in pieces of the caller's memory
+                (:class:`~tiercache.files.blockpieces.BlockPieces`, :meth:`pieces_fit`):
+                ``rows`` then index its blocks, written from in place (no copy to a row).
 
         Raises:
             InvalidKeyError, SlotRangeError, ConfigError: bad keys, rows out of range, or
-                lengths that differ (nothing is submitted).
+                lengths that differ, or ``pieces`` this store cannot take (nothing is
+                submitted).
             ClosedError: after :meth:`close`.
         """
         with self._lock:
             self._check_open()
-            ks, rs = self._keys_rows(keys, rows)
+            ks, rs = self._keys_rows(keys, rows, self._check_pieces(pieces))
             job_id = self._job_id(job_id)
             result = RowJobResult(job_id, "store", ks)
             self._apply()
@@ -433,7 +459,7 @@ class RowStore:
                     "read or written")
             new = new[:room]
             self.counters["dropped_stores"] += len(result.failed)
-            job = _Job(result, new, time.monotonic())
+            job = _Job(result, new, time.monotonic(), pieces=pieces)
             for k, _ in new:  # before the index: a lock-free state() sees PENDING, never PRESENT too early
                 self._storing[k] = job
             self.index.add([k for k, _ in new])
@@ -444,7 +470,7 @@ class RowStore:
             self._launch(job, "write", deps)
             return job_id
 
-    def submit_load(self, keys, rows, job_id: Hashable = None) -> Hashable:
+    def submit_load(self, keys, rows, job_id: Hashable = None, *, pieces: BlockPieces | None = None) -> Hashable:
         """Read the blocks of ``keys[i]`` into rows ``rows[i]``; returns ``job_id`` at once.
 
         A key that is not stored (or still being stored) fails at once
@@ -455,6 +481,8 @@ class RowStore:
         it was read) fails with :class:`TornReadError`, its row zeroed, and the key and its
         file are kept. The keys read are
         protected from eviction until the job finishes, and marked most recently used.
+        With ``pieces`` (as :meth:`submit_store`), ``rows`` index its blocks, read into in
+        place, and a failed key's pieces are zeroed.
 
         Raises:
             InvalidKeyError, SlotRangeError, ConfigError: as :meth:`submit_store`; also
@@ -463,9 +491,9 @@ class RowStore:
         """
         with self._lock:
             self._check_open()
-            if not self.rows.flags.writeable:
+            if pieces is None and not self.rows.flags.writeable:
                 raise ConfigError("the row buffer is read-only: loads need a writable buffer")
-            ks, rs = self._keys_rows(keys, rows)
+            ks, rs = self._keys_rows(keys, rows, self._check_pieces(pieces))
             if len(set(rs)) != len(rs):
                 dup = next(r for i, r in enumerate(rs) if r in rs[:i])
                 raise SlotRangeError(f"row {dup} appears twice in one load")
@@ -480,10 +508,10 @@ class RowStore:
                 else:
                     why = "is still being stored" if k in self._storing else "is not stored"
                     result.failed[k] = KeyNotFoundError(f"block {k.hex()} {why} in {self.root}")
-                    self.rows[r].fill(0)  # as for any failed load: no stale byte looks like the block
+                    self._zero(pieces, r)  # as for any failed load: no stale byte looks like the block
             self._pins.update(k for k, _ in go)
             self.index.touch(k for k, _ in go)
-            job = _Job(result, go, time.monotonic())
+            job = _Job(result, go, time.monotonic(), pieces=pieces)
             self._launch(job, "read", [])
             return job_id
 
@@ -513,10 +541,12 @@ class RowStore:
         keys = [k for k, _ in job.items]
         rows = [r for _, r in job.items]
         # the row reads and writes (tiercache/files/rowreads.py, rowwrites.py): a request as arrays
+        src = self.rows if job.pieces is None else job.pieces
         if kind == "read":
-            job.outcome = self.ft.submit_rows(keys, POOL, self.rows, rows, deps)
+            job.outcome = self.ft.submit_rows(keys, POOL, src, rows, deps)
         else:
-            job.outcome = self.ft.submit_row_writes(keys, POOL, self.rows, rows, deps)
+            job.outcome = self.ft.submit_row_writes(keys, POOL, src, rows, deps)
+        assert job.outcome is not None or job.pieces is None  # pieces only where pieces_fit
         if job.outcome is not None:
             outcome = job.outcome
             self._outcomes[job.result.job_id] = outcome
@@ -546,7 +576,7 @@ class RowStore:
                                     "and is kept: do not write into the rows of a load in flight", [k])
             res.failed[k] = exc
             if res.kind == "load":
-                self.rows[r].fill(0)  # no unverified byte stays in the row
+                self._zero(job.pieces, r)  # no unverified byte stays in the row
                 if isinstance(exc, CorruptBlockError):
                     self.ft.quarantine_block(k, str(exc))
         res.seconds = time.monotonic() - job.start
@@ -555,6 +585,12 @@ class RowStore:
             self._cv.notify_all()
         if self.on_finish is not None:
             self.on_finish(res.job_id)
+
+    def _zero(self, pieces: BlockPieces | None, r: int) -> None:
+        if pieces is None:
+            self.rows[r].fill(0)
+        else:
+            pieces.zero(r)
 
     def _victims(self, count: int, protect: set[bytes]) -> list[bytes]:
         return self.eviction.victims(  # type: ignore[return-value]  # a row store's keys are bytes

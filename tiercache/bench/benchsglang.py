@@ -154,8 +154,9 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
 
 
-def _backend(name: str, roots: list[Path], pool, io_threads: int):
-    """Backend ``name`` over ``roots`` (SGLang's ``file`` backend takes the first)."""
+def _backend(name: str, roots: list[Path], pool, io_threads: int, zero_copy: bool = True):
+    """Backend ``name`` over ``roots`` (SGLang's ``file`` backend takes the first; tiercache's
+    with its ``zero_copy`` setting)."""
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
     if name == "file":
@@ -165,14 +166,14 @@ def _backend(name: str, roots: list[Path], pool, io_threads: int):
         cfg = storage_config({"backend_name": "tiercache", "module_path": "tiercache.integrations.sglang",
                               "class_name": "TierCacheHiCacheStorage", "interface_v1": 1,
                               "root": [str(r) for r in roots] if len(roots) > 1 else str(roots[0]),
-                              "fsync": "none", "io_threads": io_threads})
+                              "fsync": "none", "io_threads": io_threads, "zero_copy": zero_copy})
         be = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     be.register_mem_pool_host(pool)
     return be
 
 
 def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batch: int, seed: int,
-            io_threads: int, log=lambda s: None, array: list[Path] | None = None) -> dict:
+            io_threads: int, log=lambda s: None, array: list[Path] | None = None, zero_copy: bool = True) -> dict:
     """One model geometry: both backends on ``work`` (with ``array``: tiercache over those
     directories, SGLang's ``file`` backend on the first; see the module's doc)."""
     import torch
@@ -185,8 +186,12 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
     keys = [rng.bytes(32).hex() for _ in range(pages)]
     src = list(range(pages))
     want = [page_bytes_at(pool, p * page_tokens) for p in src]
+    ptrs, _ = pool.get_page_buffer_meta(torch.arange(page_tokens))
     out: dict = {"model": name, "page_tokens": page_tokens, "page_bytes": pb, "pages": pages, "batch": batch,
-                 "backends": {}}
+                 # a pinned pool (CUDA) is page-aligned; a CPU tensor is where torch's allocator
+                 # aligns large blocks (THP_MEM_ALLOC_ENABLE=1): O_DIRECT in place needs it
+                 "pool_pinned": bool(torch.cuda.is_available()),
+                 "pool_page_aligned": all(int(a) % 4096 == 0 for a in ptrs), "backends": {}}
 
     def slots(ps):
         return torch.cat([torch.arange(p * page_tokens, (p + 1) * page_tokens) for p in ps]).to(torch.int64)
@@ -196,7 +201,7 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
         for root in roots:
             shutil.rmtree(root, ignore_errors=True)
             root.mkdir(parents=True)
-        be = _backend(bname, roots, pool, io_threads)
+        be = _backend(bname, roots, pool, io_threads, zero_copy)
         calls = ControllerCalls(be, pool, zero_copy=bname == "tiercache")
         res: dict = {}
         times = []
@@ -224,6 +229,8 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
         res["get"] = {"pages_per_s": pages / dt, "gbps": pages * pb / dt / 1e9, "batch_p50_ms": 1e3 * _pct(times, 50),
                       "batch_p99_ms": 1e3 * _pct(times, 99), "pages_read": got}
         res["wrong_pages"] = sum(page_bytes_at(pool, dst[i] * page_tokens) != want[i] for i in range(pages))
+        if bname == "tiercache":
+            res["in_place"] = bool(be.zero_copy)  # pages moved in place, not through staging rows
         if hasattr(be, "close"):
             be.close()
         out["backends"][bname] = res
@@ -244,11 +251,12 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
 def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b", "tiny-llama"), page_tokens: int = 64,
                      total_bytes: int = 1 << 30, batch: int = 32, fio: bool = True, fio_runtime: float = 5.0,
                      io_threads: int = 16, seed: int | None = None, keep: bool = False, log=lambda s: None,
-                     array: list[Path] | None = None) -> dict:
+                     array: list[Path] | None = None, zero_copy: bool = True) -> dict:
     """The bench (see the module's doc): per model, ``total_bytes`` of pages (at least 2 * ``batch``
     pages) under a fresh work directory in ``directory``; with ``array`` (directories, one per
     device), tiercache's backend over all of them (a root array), SGLang's ``file`` backend on
-    the first, and fio over all of them. Returns the report (JSON-ready).
+    the first, and fio over all of them; ``zero_copy``: tiercache's setting of that name (False:
+    its pages through staging rows, for comparison). Returns the report (JSON-ready).
 
     Raises:
         ConfigError: SGLang missing, a bad model, a bad size, or a backend that failed.
@@ -262,7 +270,7 @@ def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b",
     directory.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="sglang-storage-", dir=directory))
     report: dict = {"sglang": sglang.__version__, "seed": seed, "directory": str(directory), "runs": [],
-                    "array": [str(d) for d in array] if array else None}
+                    "array": [str(d) for d in array] if array else None, "zero_copy": zero_copy}
     try:
         for i, model in enumerate(models):
             name, cfg = model_config(model)
@@ -270,7 +278,7 @@ def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b",
             pb = kv_tok * page_tokens
             pages = max(2 * batch, total_bytes // pb)
             log(f"sglang-storage: {name}, {pages} pages of {page_tokens} tokens ({pb} bytes)")
-            rep = run_one(work, name, cfg, pages, page_tokens, batch, seed + i, io_threads, log, array)
+            rep = run_one(work, name, cfg, pages, page_tokens, batch, seed + i, io_threads, log, array, zero_copy)
             if fio:
                 from tiercache.bench.fiobase import best_fio
 
@@ -306,6 +314,10 @@ def format_sglang_report(rep: dict) -> str:
                 lines.append(f"  {b:10} {op:4} {o['pages_per_s']:9.0f} {o['gbps']:7.2f} {o['batch_p50_ms']:8.1f} "
                              f"{o['batch_p99_ms']:8.1f} {fio:>6}  {res['wrong_pages']}")
         t = r["tiercache_over_file"]
+        moved = "in place" if r["backends"]["tiercache"].get("in_place") else "through staging rows"
+        aligned = "page-aligned" if r.get("pool_page_aligned") else "not page-aligned (no O_DIRECT in place)"
+        pinned = "pinned" if r.get("pool_pinned") else "not pinned"
+        lines.append(f"  tiercache's pages {moved}; the host pool {pinned}, {aligned}")
         lines.append(f"  tiercache / file: set {t['set']:.2f}x, get {t['get']:.2f}x"
                      + ("" if r["backends"]["tiercache"]["page_cache_dropped"] else " (page cache not dropped: gets "
                         "may come from memory)"))

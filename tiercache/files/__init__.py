@@ -20,6 +20,7 @@
 - :mod:`.indexfile`: the root's saved index (what an open starts from instead of every header);
 - :mod:`.rowreads`: reads into the rows of one host buffer with no Python per block;
 - :mod:`.rowwrites`: writes from the rows of one host buffer, laid out as arrays;
+- :mod:`.blockpieces`: blocks in pieces of the caller's host memory, read and written in place;
 - :mod:`.iothreads`: the I/O threads (reads that wait for nothing go ahead of queued writes);
 - :mod:`.file_tier`: :class:`FileTier`: index rebuild, quarantine, submitting I/O.
 
@@ -45,6 +46,7 @@ from .blockfile import (
     parse_filename,
     usual_header_tail,
 )
+from .blockpieces import BlockPieces
 from .devicepath import IOPath, select_io_path
 from .file_tier import FileTier, ScanResult
 from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
@@ -60,6 +62,7 @@ from .nativeio import (
     Ops,
     choose_engine,
     native_hash,
+    native_pieces,
     native_status,
     uring_status,
 )
@@ -96,6 +99,7 @@ from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 
 __all__ = [
     "verify_file",
+    "BlockPieces",
     "BlockFuture",
     "ARRAY",
     "ArrayRecord",
@@ -156,6 +160,7 @@ __all__ = [
     "load_index",
     "lock_holder",
     "native_hash",
+    "native_pieces",
     "native_status",
     "parse_filename",
     "save_index",

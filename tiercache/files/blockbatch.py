@@ -69,6 +69,7 @@ from tiercache.files.nativeio import (
     block_names,
     error_for,
     native_hash,
+    native_pieces,
 )
 from tiercache.files.openfiles import Entry, OpenFiles
 from tiercache.files.rootdir import RootDir, RootPath
@@ -465,22 +466,38 @@ class BlockBatches:
             return False
         return not self.direct_io or (rows.strides[0] % ALIGN == 0 and rows.__array_interface__["data"][0] % ALIGN == 0)
 
-    def row_ops(self, keys: list, pool: str, rows: np.ndarray, idx: np.ndarray, flags: int) -> Ops:
+    def pieces_fit(self, pool: str, pieces) -> bool:
+        """Whether blocks in ``pieces`` (:class:`~tiercache.files.blockpieces.BlockPieces`) are
+        each one block of ``pool`` of whole pages, and the native engine can move blocks in
+        pieces (:func:`~tiercache.files.nativeio.native_pieces`). Pieces that are not
+        page-aligned are read and written without O_DIRECT."""
+        p = self.pools.get(pool)
+        return p is not None and pieces.block_bytes == p.block_nbytes and p.block_nbytes % ALIGN == 0 \
+            and native_pieces()
+
+    def row_ops(self, keys: list, pool: str, rows, idx: np.ndarray, flags: int) -> Ops:
         """A batch for the blocks of ``keys`` in ``pool`` at rows ``rows[idx]`` (rows that
         :meth:`rows_fit`; ``idx`` ``int64``, one per key): each file's data address from the
         rows' base and stride, its lengths, ``flags`` (plus ``DIRECT`` where the tier uses
         O_DIRECT), the pool's usual header text (what ``CHECK`` compares and ``MAKEHEAD``
         writes), and the final names (:attr:`Ops.name_blob`, :attr:`Ops.name_off`) and their
         subdirectories' descriptors (:attr:`Ops.dirs`) made in C: the row reads' and writes'
-        layout, with no Python per block."""
+        layout, with no Python per block. ``rows`` may instead be a
+        :class:`~tiercache.files.blockpieces.BlockPieces` that :meth:`pieces_fit` (block
+        ``idx[i]`` of it, read into and written from in place)."""
         spec = self.pools[pool]
         n = len(keys)
         ops = Ops(n, self.native.heads(n))
-        ops.data[:] = (np.uint64(rows.__array_interface__["data"][0])
-                       + idx.astype(np.uint64) * np.uint64(rows.strides[0]))
+        direct = self.direct_io
+        if isinstance(rows, np.ndarray):
+            ops.data[:] = (np.uint64(rows.__array_interface__["data"][0])
+                           + idx.astype(np.uint64) * np.uint64(rows.strides[0]))
+        else:
+            ops.set_pieces(rows.addresses[idx], rows.piece_bytes)
+            direct = direct and rows.aligned
         ops.data_len[:] = spec.block_nbytes
         ops.file_len[:] = file_size(spec.block_nbytes)
-        ops.flags[:] = flags | (DIRECT if self.direct_io else 0)
+        ops.flags[:] = flags | (DIRECT if direct else 0)
         ops.expect_usual()
         assert ops.expect is not None and ops.expect_len is not None and ops.nbytes is not None
         _, ops.expect[:], ops.expect_len[:], ops.nbytes[:] = self.tails[pool]

@@ -600,7 +600,7 @@ class FileTier:
         read = kind == "read" and not deps
         return [(key, self._executor.submit(task, i, key, bufs, read=read)) for i, (key, bufs) in enumerate(items)]
 
-    def submit_rows(self, keys: list[bytes], pool: str, rows: np.ndarray, row_idx, deps: Sequence = ()
+    def submit_rows(self, keys: list[bytes], pool: str, rows, row_idx, deps: Sequence = ()
                     ) -> Outcome | None:
         """Start reading the blocks of ``keys[i]`` (bytes keys) in ``pool`` into
         ``rows[row_idx[i]]`` (``rows``: 2-D host ``uint8``, one block per row, page-aligned)
@@ -608,13 +608,15 @@ class FileTier:
         request's :class:`~tiercache.files.blockbatch.Outcome` (errors by index into ``keys``,
         as :meth:`submit` raises them per block), or None where this path does not apply
         (the ``python`` engine, ``verify`` off, no native XXH3-64, rows that are not one
-        aligned block each): then use :meth:`submit`. The caller keeps the keys from being
+        aligned block each): then use :meth:`submit`. ``rows`` may be a
+        :class:`~tiercache.files.blockpieces.BlockPieces` instead (block ``row_idx[i]`` of it
+        read in place; None where the engine cannot move blocks in pieces). The caller keeps the keys from being
         written or evicted until the outcome is settled (the row store pins them)."""
         if self.row_reads is None or not self.row_reads.applies(pool, rows):
             return None
         return self.row_reads.submit(keys, pool, rows, row_idx, deps)
 
-    def submit_row_writes(self, keys: Sequence[Key], pool: str, rows: np.ndarray, row_idx, deps: Sequence = ()
+    def submit_row_writes(self, keys: Sequence[Key], pool: str, rows, row_idx, deps: Sequence = ()
                           ) -> Outcome | None:
         """Start writing ``rows[row_idx[i]]`` as the block of ``keys[i]`` (int or bytes keys) in
         ``pool`` (``rows``: 2-D host ``uint8``, one block per row) with the request laid out as
@@ -624,7 +626,8 @@ class FileTier:
         ``python`` engine, no native XXH3-64, rows that are not one aligned block each, a key
         with extra header metadata): then use :meth:`submit`. A one-pool tier only (every
         pool's file of a block is written by one request). The rows must not change until the
-        outcome is settled."""
+        outcome is settled. ``rows`` may be a :class:`~tiercache.files.blockpieces.BlockPieces`
+        instead, as for :meth:`submit_rows`."""
         if self.row_writes is None or len(self.pools) != 1 or not self.row_writes.applies(pool, rows):
             return None
         if self.block_meta and any(self.block_meta.get(k) for k in keys):

@@ -60,7 +60,8 @@ class _Batch(ctypes.Structure):
         ("dirs", ctypes.c_void_p), ("hash", ctypes.c_void_p),
         ("expect", ctypes.c_void_p), ("expect_len", ctypes.c_void_p), ("nbytes", ctypes.c_void_p),
         ("verdict", ctypes.c_void_p), ("kept_ino", ctypes.c_void_p), ("kept_size", ctypes.c_void_p),
-        ("kept_flags", ctypes.c_void_p),
+        ("kept_flags", ctypes.c_void_p), ("seg_first", ctypes.c_void_p), ("seg_ptr", ctypes.c_void_p),
+        ("seg_len", ctypes.c_void_p),
     ]
 
 
@@ -86,6 +87,38 @@ def _xxh3_address() -> int | None:
     if fn(probe, len(probe)) != xxhash.xxh3_64_intdigest(probe):
         return None
     return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _xxh3_stream() -> tuple[int, ...] | None:
+    """The addresses of XXH3-64's streaming functions in the same extension (create, reset,
+    update, digest, free: a block in pieces, :attr:`Ops.seg_first`), checked against the
+    one-shot digest of two pieces; None where they are not exported."""
+    try:
+        import xxhash._xxhash as ext
+
+        lib = ctypes.CDLL(ext.__file__)
+        fns = [getattr(lib, n) for n in ("XXH3_createState", "XXH3_64bits_reset", "XXH3_64bits_update",
+                                         "XXH3_64bits_digest", "XXH3_freeState")]
+    except (ImportError, OSError, AttributeError):
+        return None
+    create, reset, update, digest, free = fns
+    create.restype, digest.restype = ctypes.c_void_p, ctypes.c_uint64
+    reset.argtypes, free.argtypes, digest.argtypes = [ctypes.c_void_p], [ctypes.c_void_p], [ctypes.c_void_p]
+    update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    import xxhash
+
+    st = create()
+    if not st:
+        return None
+    try:
+        reset(st)
+        for part in (b"tier", b"cache"):
+            update(st, part, len(part))
+        if digest(st) != xxhash.xxh3_64_intdigest(b"tiercache"):
+            return None
+    finally:
+        free(st)
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value or 0 for f in fns)
 
 
 @functools.cache
@@ -114,6 +147,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.tc_int_block_names.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.tc_set_hash(_xxh3_address())
+    lib.tc_set_hash_stream.argtypes = [ctypes.c_void_p] * 5
+    stream = _xxh3_stream()
+    if stream is not None:
+        lib.tc_set_hash_stream(*stream)
     return lib, "kernels/blockio.c built and loaded"
 
 
@@ -121,6 +158,12 @@ def native_hash() -> bool:
     """Whether the native engine computes XXH3-64 itself (``HASH`` reads, ``HASHONLY``
     batches): the ``xxhash`` extension exports ``XXH3_64bits``."""
     return _library()[0] is not None and _xxh3_address() is not None
+
+
+def native_pieces() -> bool:
+    """Whether the native engine reads and writes blocks in pieces (:attr:`Ops.seg_first`):
+    :func:`native_hash` and XXH3-64's streaming functions in the ``xxhash`` extension."""
+    return native_hash() and _xxh3_stream() is not None
 
 
 def native_status() -> tuple[bool, str]:
@@ -306,6 +349,21 @@ class Ops:
         self.kept_ino = np.zeros(n, np.int64)
         self.kept_size = np.zeros(n, np.int64)
         self.kept_flags = np.zeros(n, np.int32)
+        #: a block in pieces (:meth:`set_pieces`): operation ``i``'s data is pieces
+        #: ``seg_first[i] .. seg_first[i + 1] - 1`` (``seg_ptr`` addresses, ``seg_len`` bytes),
+        #: read into and written from in place; None: each operation's :attr:`data`
+        self.seg_first: np.ndarray | None = None
+        self.seg_ptr: np.ndarray | None = None
+        self.seg_len: np.ndarray | None = None
+
+    def set_pieces(self, addresses: np.ndarray, piece_bytes: int) -> None:
+        """Operation ``i``'s data is ``addresses[i, j]`` (``[n, k]``, ``j`` in order) of
+        ``piece_bytes`` bytes each (needs :func:`native_pieces`)."""
+        n, k = addresses.shape
+        self.seg_first = np.arange(0, n * k + 1, k, dtype=np.int64)
+        self.seg_ptr = np.ascontiguousarray(addresses, dtype=np.uint64).reshape(-1)
+        self.seg_len = np.full(n * k, piece_bytes, np.int64)
+        self.data[:] = self.seg_ptr[::k]
 
     def expect_usual(self) -> None:
         """Give this batch the arrays of ``CHECK`` reads (zeroed: no operation checked until
@@ -392,7 +450,7 @@ class NativeIO:
                    host_address(ops.dirs) if ops.dirs is not None else None, host_address(ops.hash),
                    *((host_address(a) if a is not None else None)
                      for a in (ops.expect, ops.expect_len, ops.nbytes, ops.verdict,
-                               ops.kept_ino, ops.kept_size, ops.kept_flags)))
+                               ops.kept_ino, ops.kept_size, ops.kept_flags, ops.seg_first, ops.seg_ptr, ops.seg_len)))
         return self._lib.tc_run(self._pool, ctypes.byref(b), n)  # the GIL is released meanwhile
 
     def close(self) -> None:

@@ -43,16 +43,21 @@ class RowReads:
     def __init__(self, batches: BlockBatches) -> None:
         self.b = batches
 
-    def applies(self, pool: str, rows: np.ndarray) -> bool:
+    def applies(self, pool: str, rows) -> bool:
         """Whether rows of ``rows`` (2-D host ``uint8``, writable) can take blocks of ``pool``
-        here (:meth:`~tiercache.files.blockbatch.BlockBatches.rows_fit`)."""
+        here (:meth:`~tiercache.files.blockbatch.BlockBatches.rows_fit`); or, ``rows`` a
+        :class:`~tiercache.files.blockpieces.BlockPieces`, whether its blocks can
+        (:meth:`~tiercache.files.blockbatch.BlockBatches.pieces_fit`)."""
+        if not isinstance(rows, np.ndarray):
+            return self.b.pieces_fit(pool, rows)
         return rows.flags.writeable and self.b.rows_fit(pool, rows)
 
-    def submit(self, keys: list[bytes], pool: str, rows: np.ndarray, row_idx, deps=()) -> Outcome:
+    def submit(self, keys: list[bytes], pool: str, rows, row_idx, deps=()) -> Outcome:
         """Read the block of ``keys[i]`` (int or bytes keys) in ``pool`` into ``rows[row_idx[i]]``;
         returns the request's :class:`Outcome` (its errors by index into ``keys``), settled
-        once every file is read and checked. ``rows`` must pass :meth:`applies`; ``deps``:
-        jobs the reads wait for first.
+        once every file is read and checked. ``rows`` must pass :meth:`applies` (rows, or a
+        :class:`~tiercache.files.blockpieces.BlockPieces`: block ``row_idx[i]`` of it read in
+        place); ``deps``: jobs the reads wait for first.
 
         Errors per block are the general path's: :class:`FileNotFoundError` for a missing
         file, :class:`~tiercache.errors.CorruptBlockError` for one that does not verify
@@ -89,7 +94,7 @@ class RowReads:
             self.b.queue(outcome, chunk, lo, min(n, lo + step), read=not deps)
         return outcome
 
-    def _read(self, keys: list[bytes], lo: int, hi: int, pool: str, rows: np.ndarray, idx: np.ndarray,
+    def _read(self, keys: list[bytes], lo: int, hi: int, pool: str, rows, idx: np.ndarray,
               errors: dict) -> None:
         b = self.b
         spec = b.pools[pool]
@@ -98,6 +103,8 @@ class RowReads:
         for j in np.flatnonzero((ops.err != 0) | (ops.verdict == 0)).tolist():
             key = keys[lo + j]
             try:  # what the C threads did not vouch for: a header with extra fields, an error
-                b.check_read(ops, j, key, spec, rows[idx[lo + j]], b.dir.block_path(key, pool))
+                r = int(idx[lo + j])
+                host = rows[r] if isinstance(rows, np.ndarray) else rows.gather(r)
+                b.check_read(ops, j, key, spec, host, b.dir.block_path(key, pool))
             except BaseException as exc:
                 errors[lo + j] = exc

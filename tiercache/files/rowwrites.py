@@ -49,17 +49,22 @@ class RowWrites:
     def __init__(self, batches: BlockBatches) -> None:
         self.b = batches
 
-    def applies(self, pool: str, rows: np.ndarray) -> bool:
+    def applies(self, pool: str, rows) -> bool:
         """Whether rows of ``rows`` (2-D host ``uint8``) can give blocks of ``pool`` here
-        (:meth:`~tiercache.files.blockbatch.BlockBatches.rows_fit`)."""
+        (:meth:`~tiercache.files.blockbatch.BlockBatches.rows_fit`); or, ``rows`` a
+        :class:`~tiercache.files.blockpieces.BlockPieces`, whether its blocks can
+        (:meth:`~tiercache.files.blockbatch.BlockBatches.pieces_fit`)."""
+        if not isinstance(rows, np.ndarray):
+            return self.b.pieces_fit(pool, rows)
         return self.b.rows_fit(pool, rows)
 
-    def submit(self, keys: Sequence, pool: str, rows: np.ndarray, row_idx, deps=()) -> Outcome:
+    def submit(self, keys: Sequence, pool: str, rows, row_idx, deps=()) -> Outcome:
         """Write ``rows[row_idx[i]]`` as the block of ``keys[i]`` (int or bytes keys) in
         ``pool``; returns the request's :class:`Outcome` (errors by index into ``keys``),
         settled once every block is published (or failed, none of its files left). ``rows``
-        must pass :meth:`applies` and stay unchanged until then; ``deps``: jobs the writes
-        wait for first.
+        must pass :meth:`applies` (rows, or a :class:`~tiercache.files.blockpieces.BlockPieces`:
+        block ``row_idx[i]`` of it written from in place) and stay unchanged until then;
+        ``deps``: jobs the writes wait for first.
 
         Errors per block are the general path's (:meth:`FileTier.submit
         <tiercache.files.FileTier.submit>`): the :class:`OSError` of the failed file
@@ -88,7 +93,7 @@ class RowWrites:
             b.queue(o, self._chunk, c, items, pool, rows, idx, deps, o, None)
         return all_settled(outcomes)
 
-    def _chunk(self, c: list[int], items: list[tuple], pool: str, rows: np.ndarray, idx: np.ndarray, deps,
+    def _chunk(self, c: list[int], items: list[tuple], pool: str, rows, idx: np.ndarray, deps,
                outcome: Outcome | None, group: GroupCommit | None) -> None:
         """One chunk (a task of the I/O threads): its batch laid out as arrays, then the
         general path's names, write and publication."""

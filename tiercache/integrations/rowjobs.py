@@ -44,13 +44,14 @@ class RowJobs:
         if ev is not None:
             ev.set()
 
-    def submit(self, fn, keys: list[bytes], rows) -> int:
-        """``fn(keys, rows, job_id=...)`` (the store's ``submit_store`` or ``submit_load``);
-        returns the job's id for :meth:`wait`. Errors of ``fn`` propagate (nothing submitted)."""
+    def submit(self, fn, keys: list[bytes], rows, **kwargs) -> int:
+        """``fn(keys, rows, job_id=..., **kwargs)`` (the store's ``submit_store`` or
+        ``submit_load``; ``kwargs``: e.g. their ``pieces``); returns the job's id for
+        :meth:`wait`. Errors of ``fn`` propagate (nothing submitted)."""
         jid = next(self._ids)
         self._events[jid] = threading.Event()
         try:
-            fn(keys, rows, job_id=jid)
+            fn(keys, rows, job_id=jid, **kwargs)
         except BaseException:
             self._events.pop(jid, None)
             raise

@@ -51,6 +51,7 @@ import torch
 
 from tiercache.arrays import aligned_empty, prefault
 from tiercache.errors import ConfigError
+from tiercache.files import BlockPieces, native_pieces
 from tiercache.integrations import sglangcompat as compat
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
 from tiercache.integrations.rowjobs import RowJobs
@@ -63,7 +64,7 @@ log = logging.getLogger("tiercache")
 DEFAULTS: dict[str, Any] = {
     "root": None, "capacity_bytes": 0, "capacity_blocks": None, "sharing": "exclusive", "fsync": "data",
     "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
-    "check_root_owner": True, "staging_bytes": 512 << 20, "probe_wait_s": 0.5,
+    "check_root_owner": True, "staging_bytes": 512 << 20, "probe_wait_s": 0.5, "zero_copy": True,
 }
 #: keys of the same extra config that SGLang itself reads (ignored here)
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "interface_v2",
@@ -91,6 +92,8 @@ def parse_config(extra: dict[str, Any] | None) -> dict[str, Any]:
         raise ConfigError(f"{who}: {exc}") from None
     check_positive(who, out, "staging_bytes", 1 << 20)
     check_positive(who, out, "capacity_blocks", optional=True)
+    if not isinstance(out["zero_copy"], bool):
+        raise ConfigError(f"{who}: 'zero_copy' = {out['zero_copy']!r} must be true or false")
     w = out["probe_wait_s"]
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 60:
         raise ConfigError(f"{who}: 'probe_wait_s' = {w!r} must be seconds in [0, 60]")
@@ -171,6 +174,18 @@ class PageLayout:
         index = ((offs // g)[:, None] + np.arange(per, dtype=np.int64)).reshape(-1)
         return view, torch.from_numpy(index)
 
+    def page_pieces(self, host_indices, pages: int) -> BlockPieces:
+        """The host memory of ``pages`` pages starting at token slots ``host_indices[i *
+        page_size]``, as the blocks of a :class:`~tiercache.files.blockpieces.BlockPieces` (page
+        ``i``'s pieces in file order), for reads and writes in place."""
+        idx = host_indices[:pages * self.page_size]
+        if isinstance(idx, torch.Tensor):
+            idx = idx.to("cpu", torch.int64)
+        else:
+            idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+        ptrs, _ = self.pool.get_page_buffer_meta(idx)
+        return BlockPieces(np.asarray(ptrs, dtype=np.int64).reshape(pages, self.pieces), self.piece_bytes)
+
 
 def rank_dir(cfg, layout: PageLayout) -> str:
     """The directory name of this rank's pages under each root (see the module's doc)."""
@@ -215,6 +230,7 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         self.layout: PageLayout = None  # type: ignore[assignment]
         self.staging: torch.Tensor = None  # type: ignore[assignment]  # [slabs * slab_rows, page_bytes] uint8
         self.slab_rows = 0  # pages per staging slab
+        self.zero_copy = False  # pages moved in place (set at registration)
         self._slabs = 0
         self.jobs = RowJobs(help=True)  # a get or set waits for its pieces in turn: it runs their I/O itself
         self.writer = bool(compat.is_storage_writer(storage_config))
@@ -242,7 +258,9 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
             sharing = "shared"  # every rank reads the one copy its writer rank stores
             log.info("tiercache: HiCache storage: MLA pages over %d ranks: the root is shared",
                      self.storage_config.tp_size)
-        rows = max(2, s["staging_bytes"] // self.layout.page_bytes)
+        # pages moved in place (below) need no staging rows but the store's two
+        in_place = s["zero_copy"] and s["verify"] and s["io_engine"] != "python" and native_pieces()
+        rows = 2 if in_place else max(2, s["staging_bytes"] // self.layout.page_bytes)
         self.slab_rows = max(1, min(compat.STORAGE_BATCH_SIZE, rows // 4))
         slabs = max(2, rows // self.slab_rows)
         shape = (slabs * self.slab_rows, self.layout.page_bytes)
@@ -260,10 +278,18 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         self.store = RowStore(self.staging.numpy(), roots if len(roots) > 1 else roots[0],
                               capacity_blocks=s["capacity_blocks"], on_finish=self.jobs.finished_hook, **settings)
         self.jobs.attach(self.store)
+        # pages read into and written from the host pool in place, where the native engine can
+        # (a page's pieces by vectored I/O); else through the staging rows
+        self.zero_copy = in_place and self.store.pieces_fit(
+            BlockPieces(np.zeros((1, self.layout.pieces), np.int64), self.layout.piece_bytes))
+        if in_place and not self.zero_copy:
+            log.warning("tiercache: HiCache storage: pages of %d bytes cannot move in place here; they go through "
+                        "two staging rows", self.layout.page_bytes)
         self._register_metrics(sub)
         log.info("tiercache: HiCache storage: pages of %d bytes (%d pieces of %d), %d staging slab(s) of %d pages, "
-                 "root %s (%d pages held), I/O engine %s", self.layout.page_bytes, self.layout.pieces,
-                 self.layout.piece_bytes, slabs, self.slab_rows, roots[0], len(self.store), self.store.ft.engine)
+                 "root %s (%d pages held), I/O engine %s, %s", self.layout.page_bytes, self.layout.pieces,
+                 self.layout.piece_bytes, slabs, self.slab_rows, roots[0], len(self.store), self.store.ft.engine,
+                 "pages moved in place" if self.zero_copy else "pages through the staging rows")
 
     def _register_metrics(self, sub: str) -> None:
         """tiercache's Prometheus series of the store (``prometheus_client``'s default registry,
@@ -368,6 +394,16 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         t0 = time.perf_counter()
         bkeys = [page_key(k) for k in keys]
         self._discover(bkeys)
+        if self.zero_copy:
+            res = self.jobs.wait(self.jobs.submit(store.submit_load, bkeys, list(range(n)),
+                                                  pieces=self.layout.page_pieces(host_indices, n)))
+            for i, k in enumerate(bkeys):
+                out[i] = k not in res.failed
+            if res.failed:
+                log.debug("tiercache: HiCache storage: %d of %d page(s) not read: %s", len(res.failed), n,
+                          next(iter(res.failed.values())))
+            self._count_get(n, sum(out), t0)
+            return out
         slabs = self._take_slabs(self._depth(n))
         pending: list = []
         try:
@@ -386,12 +422,14 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
             for p in pending:
                 self.jobs.wait(p[3])
             self._give_slabs(slabs)
-        good = sum(out)
+        self._count_get(n, sum(out), t0)
+        return out
+
+    def _count_get(self, n: int, good: int, t0: float) -> None:
         self.counters["get_pages"] += good
         self.counters["get_failed_pages"] += n - good
         self.counters["get_bytes"] += good * self.layout.page_bytes
         self._record("get", good, t0)
-        return out
 
     def _land_get(self, item, host_indices, out: list[bool]) -> None:
         lo, slab, m, jid, bkeys = item
@@ -425,6 +463,12 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
             out[i] = True
         self.counters["set_skipped_pages"] += n - len(todo)
         if not todo:
+            return out
+        if self.zero_copy:
+            pieces = self.layout.page_pieces(host_indices, n)
+            self._land_set((todo, None, self.jobs.submit(store.submit_store, [bkeys[i] for i in todo], todo,
+                                                         pieces=pieces)), out)
+            self._record("set", len(todo), t0)
             return out
         slabs = self._take_slabs(self._depth(len(todo)))
         pending: list = []
