@@ -155,13 +155,7 @@ class PageLayout:
         ``view`` that make up the pages, in file order (``pages * page_bytes / g`` rows); or
         ``(None, addresses)`` where the pieces' addresses have no common divisor of at least
         :data:`MIN_ROW_BYTES` (then each piece is copied by itself)."""
-        idx = host_indices[:pages * self.page_size]
-        if isinstance(idx, torch.Tensor):
-            idx = idx.to("cpu", torch.int64)
-        else:
-            idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-        ptrs, _ = self.pool.get_page_buffer_meta(idx)
-        ptrs = np.asarray(ptrs, dtype=np.int64)
+        ptrs = self._addresses(host_indices, pages)
         base = int(ptrs.min())
         offs = ptrs - base
         g = int(np.gcd.reduce(np.append(offs, self.piece_bytes)))
@@ -178,13 +172,18 @@ class PageLayout:
         """The host memory of ``pages`` pages starting at token slots ``host_indices[i *
         page_size]``, as the blocks of a :class:`~tiercache.files.blockpieces.BlockPieces` (page
         ``i``'s pieces in file order), for reads and writes in place."""
+        return BlockPieces(self._addresses(host_indices, pages).reshape(pages, self.pieces), self.piece_bytes)
+
+    def _addresses(self, host_indices, pages: int) -> np.ndarray:
+        """The pool's piece addresses (``int64``, file order) of ``pages`` pages at
+        ``host_indices``."""
         idx = host_indices[:pages * self.page_size]
         if isinstance(idx, torch.Tensor):
             idx = idx.to("cpu", torch.int64)
         else:
             idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         ptrs, _ = self.pool.get_page_buffer_meta(idx)
-        return BlockPieces(np.asarray(ptrs, dtype=np.int64).reshape(pages, self.pieces), self.piece_bytes)
+        return np.asarray(ptrs, dtype=np.int64)
 
 
 def rank_dir(cfg, layout: PageLayout) -> str:
