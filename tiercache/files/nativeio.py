@@ -65,6 +65,7 @@ class _Batch(ctypes.Structure):
     ]
 
 
+@functools.cache
 def _xxh3_address() -> int | None:
     """The address of ``XXH3_64bits`` in the ``xxhash`` package's extension (the same
     function :func:`tiercache.files.blockfile.checksum` calls), or None where it is not
@@ -89,6 +90,7 @@ def _xxh3_address() -> int | None:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+@functools.cache
 def _xxh3_stream() -> tuple[int, ...] | None:
     """The addresses of XXH3-64's streaming functions in the same extension (create, reset,
     update, digest, free: a block in pieces, :attr:`Ops.seg_first`), checked against the
