@@ -199,30 +199,36 @@ static int op_iov(const tc_batch *b, int i, int64_t off, struct iovec *v, int ma
     return k;
 }
 
-/* XXH3-64 of the first n bytes of operation i's data (its pieces read as one run); 0 where
- * pieces have no streaming functions (the caller gives pieces only where they are set) */
-static uint64_t op_hash(const tc_batch *b, int i, int64_t n)
+/* XXH3-64 of the first n bytes of operation i's data (its pieces read as one run) into *h;
+ * returns 0, or ENOMEM where the streaming state could not be made (ENOSYS: pieces without
+ * streaming functions; the caller gives pieces only where they are set) */
+static int op_hash(const tc_batch *b, int i, int64_t n, uint64_t *h)
 {
     int64_t k = op_pieces(b, i);
-    if (!k)
-        return xxh3(b->data[i], (size_t)n);
-    int64_t s = b->seg_first[i];
-    if (k == 1 || n <= b->seg_len[s])
-        return xxh3(b->seg_ptr[s], (size_t)n);
-    void *st = hs_create ? hs_create() : NULL;
-    if (!st)
+    if (!k) {
+        *h = xxh3(b->data[i], (size_t)n);
         return 0;
-    uint64_t h = 0;
-    if (hs_reset(st) == 0) {
-        for (; s < b->seg_first[i + 1] && n > 0; s++) {
-            int64_t m = b->seg_len[s] < n ? b->seg_len[s] : n;
-            hs_update(st, b->seg_ptr[s], (size_t)m);
-            n -= m;
-        }
-        h = hs_digest(st);
     }
+    int64_t s = b->seg_first[i];
+    if (k == 1 || n <= b->seg_len[s]) {
+        *h = xxh3(b->seg_ptr[s], (size_t)n);
+        return 0;
+    }
+    if (!hs_create)
+        return ENOSYS;
+    void *st = hs_create();
+    if (!st)
+        return ENOMEM;
+    int e = hs_reset(st) == 0 ? 0 : ENOMEM;
+    for (; !e && s < b->seg_first[i + 1] && n > 0; s++) {
+        int64_t m = b->seg_len[s] < n ? b->seg_len[s] : n;
+        e = hs_update(st, b->seg_ptr[s], (size_t)m) == 0 ? 0 : ENOMEM;
+        n -= m;
+    }
+    if (!e)
+        *h = hs_digest(st);
     hs_free(st);
-    return h;
+    return e;
 }
 
 enum { TC_KEPT_DIRECT = 1, TC_KEPT_RDWR = 2 };
@@ -303,8 +309,10 @@ static void read_checks(const tc_batch *b, int i)
     uint64_t hash = 0;
     int hashed = 0;
     if ((b->flags[i] & TC_HASH) && b->hash && xxh3) {
-        hash = b->hash[i] = op_hash(b, i, b->data_len[i]);
-        hashed = 1;
+        /* unhashed (no memory for a streaming state): hash[i] stays 0, no verdict; Python's
+         * check then finds a mismatch, and the row store's own re-read keeps the file */
+        hashed = op_hash(b, i, b->data_len[i], &hash) == 0;
+        b->hash[i] = hash;
     }
     if ((b->flags[i] & TC_CHECK) && b->verdict) {
         uint64_t sum;
@@ -312,9 +320,11 @@ static void read_checks(const tc_batch *b, int i)
         int ok = usual_header(b, i, &sum);
         /* the file's size: from its open (a given descriptor's file was sized when it was
          * kept; a shorter one fails the read of every byte before this) */
-        if (ok && b->data_len[i] > 0)
+        if (ok && b->data_len[i] > 0) {
+            uint64_t got = hash;
             ok = b->data_len[i] == padded && (b->file_len[i] == TC_HEADER_BYTES + padded || given_fd(b, i) >= 0)
-                 && (hashed && n == b->data_len[i] ? hash : op_hash(b, i, n)) == sum;
+                 && ((hashed && n == b->data_len[i]) || op_hash(b, i, n, &got) == 0) && got == sum;
+        }
         b->verdict[i] = ok;
     }
 }
@@ -324,7 +334,7 @@ static void read_checks(const tc_batch *b, int i)
  * the bytes tiercache/files/blockfile.py's encode_header makes for a block without "extra",
  * byte for byte (magic, version, metadata length and XXH3-64, the metadata, zeros to the
  * page's end). The data's checksum also goes to hash[i]. Returns the error (EINVAL: a name
- * or header that does not fit). */
+ * or header that does not fit; ENOMEM / ENOSYS: pieces whose checksum could not be made). */
 static int make_head(const tc_batch *b, int i)
 {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -340,7 +350,10 @@ static int make_head(const tc_batch *b, int i)
     size_t mlen = 8 + klen + 2 + tlen + 16 + 2;
     if (24 + mlen > TC_HEADER_BYTES)
         return EINVAL;
-    uint64_t sum = op_hash(b, i, b->data_len[i]);
+    uint64_t sum = 0;
+    int e = op_hash(b, i, b->data_len[i], &sum);
+    if (e)
+        return e; /* no checksum, no header: the write fails */
     if (b->hash)
         b->hash[i] = sum;
     unsigned char *h = b->head[i];
@@ -795,8 +808,8 @@ static void run_one(tc_job *j, int i)
     if (j->pass == TC_PASS_HASH) {
         const tc_batch *b = j->b;
         if (b->kind == TC_HASHONLY) {
-            b->hash[i] = op_hash(b, i, b->data_len[i]);
-            b->err[i] = 0;
+            b->hash[i] = 0;
+            b->err[i] = op_hash(b, i, b->data_len[i], &b->hash[i]);
         } else if (b->kind == TC_WRITE) {
             if (b->flags[i] & TC_MAKEHEAD)
                 b->err[i] = make_head(b, i);
@@ -1353,8 +1366,8 @@ int tc_run(void *pool, const tc_batch *b, int n)
             return pool_run(p, b, n, TC_PASS_HASH, NULL);
         /* small: on the calling thread (a hand-off to the pool costs more than the hashes) */
         for (int i = 0; i < n; i++) {
-            b->hash[i] = xxh3 ? op_hash(b, i, b->data_len[i]) : 0;
-            b->err[i] = xxh3 ? 0 : ENOSYS;
+            b->hash[i] = 0;
+            b->err[i] = xxh3 ? op_hash(b, i, b->data_len[i], &b->hash[i]) : ENOSYS;
         }
         return count_failed(b, n);
     }

@@ -65,7 +65,7 @@ def test_pieces_round_trip_in_place_and_make_the_files_rows_make(tmp_path, rng, 
     want = [pool.page(p) for p in range(n)]
     roots = [str(tmp_path / f"d{i}") for i in range(members)]
     rows = aligned_empty(n * k * piece).reshape(n, k * piece)
-    keys = [rng.bytes(int(rng.integers(1, 65))) for _ in range(n)]
+    keys = [rng.bytes(int(rng.integers(8, 65))) for _ in range(n)]  # 8+ bytes: no two alike
     with RowStore(rows, roots if members > 1 else roots[0], fsync="data", io_engine=engine) as st_:
         src = rng.permutation(n)  # page src[i] stored as keys[i]
         res = _done(st_, st_.submit_store(keys, list(range(n)), pieces=pool.pieces(src)))
@@ -124,3 +124,29 @@ def test_what_the_store_cannot_take_is_refused_up_front(tmp_path, rng):
         BlockPieces(np.zeros((3, 1), np.int64), 0)
     assert BlockPieces(np.array([[4096, 8192]]), 4096).aligned
     assert not BlockPieces(np.array([[4096, 8200]]), 4096).aligned
+
+
+def test_a_write_whose_checksum_cannot_be_made_fails_and_leaves_no_file(tmp_path, rng):
+    """Without the streaming functions (as where no state could be allocated) a block in
+    several pieces gets no header: its write fails, nothing is published, and the store still
+    takes the same pieces once they are back."""
+    lib = nativeio._library()[0]
+    stream = nativeio._xxh3_stream()
+    assert lib is not None and stream is not None
+    n, k, piece = 4, 2, 8192
+    pool = Pool(rng, n, k, piece)
+    want = [pool.page(p) for p in range(n)]
+    rows = aligned_empty(n * k * piece).reshape(n, k * piece)
+    keys = [rng.bytes(16) for _ in range(n)]
+    with RowStore(rows, tmp_path / "r", fsync="none") as st_:
+        lib.tc_set_hash_stream(None, None, None, None, None)
+        try:
+            res = _done(st_, st_.submit_store(keys, list(range(n)), pieces=pool.pieces(range(n))))
+        finally:
+            lib.tc_set_hash_stream(*stream)
+        assert set(res.failed) == set(keys) and all(isinstance(e, OSError) for e in res.failed.values())
+        assert not list((tmp_path / "r").rglob("block_*.bin")) and all(st_.state(key).name == "ABSENT" for key in keys)
+        assert [pool.page(p) for p in range(n)] == want  # the source is untouched
+        assert _done(st_, st_.submit_store(keys, list(range(n)), pieces=pool.pieces(range(n)))).success
+        assert _done(st_, st_.submit_load(keys, list(range(n)))).success
+        assert [rows[i].tobytes() for i in range(n)] == want
