@@ -38,8 +38,10 @@ def _model(kind: str, device: str, dtype):
 def _generate(model, ids, cache, new_tokens):
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                              past_key_values=cache, pad_token_id=0)
+        # min_new_tokens: a random model's greedy tokens may hit its EOS early, and then fewer tokens
+        # than asked pass through the cache (the token counts below would not hold)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, past_key_values=cache, pad_token_id=0)
 
 
 def _check_modes(kind, device, dtype, tmp_path, batch, prompt, new_tokens, tpb):
