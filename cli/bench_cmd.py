@@ -653,7 +653,11 @@ def sglang_storage_cmd(
     size: Annotated[
         Optional[str], typer.Option("--size", help="Bytes of pages per model (default 1g; --quick 64m).")
     ] = None,
-    batch: Annotated[int, typer.Option(help="Pages per controller call.", min=1, max=1024)] = 32,
+    batch: Annotated[
+        Optional[int],
+        typer.Option(help="Pages per controller call [default: SGLang's own STORAGE_BATCH_SIZE, 128; "
+                     "16 with --quick].", min=1, max=1024),
+    ] = None,
     io_threads: Annotated[int, typer.Option(help="tiercache's I/O threads.", min=1, max=256)] = 16,
     seed: SeedOpt = None,
     no_baseline: NoBaselineOpt = False,
@@ -683,7 +687,8 @@ def sglang_storage_cmd(
     try:
         total = parse_size(size, "--size") if size else (64 << 20 if quick else 1 << 30)
         rep = run_sglang_bench(_base(None, root), models=tuple(model or ("llama-3.1-8b", "tiny-llama")),
-                               page_tokens=page_tokens, total_bytes=total, batch=batch, fio=not no_baseline,
+                               page_tokens=page_tokens, total_bytes=total,
+                               batch=batch if batch or not quick else 16, fio=not no_baseline,
                                fio_runtime=2.0 if quick else 5.0, io_threads=io_threads, seed=seed, keep=keep,
                                log=_log(output_format), array=list(array) if array else None,
                                zero_copy=zero_copy)

@@ -309,6 +309,23 @@ def test_fio_runs_one_job_on_several_directories_at_once(tmp_path):
     assert not [p for d in dirs for p in d.iterdir()]
 
 
+@pytest.mark.skipif(shutil.which("fio") is None and not os.environ.get("TIERCACHE_FIO"), reason="fio not installed")
+def test_best_fio_reports_every_grid_point_and_the_best_of_them(tmp_path):
+    """fio's best is the largest of the grid it reports, point by point (a report shows how far
+    the best is from the other points: at large blocks on a 300 MiB-cache CPU, fio's best read
+    reuses buffers that fit in that cache)."""
+    from tiercache.bench.fiobase import FIO_GRID, best_fio
+
+    r = best_fio(tmp_path, 65536, 2 << 20, 0.2)
+    assert "errors" not in r, r.get("errors")
+    for op in ("read", "write"):
+        grid = r[f"{op}_grid"]
+        assert set(grid) == {f"numjobs={n} iodepth={d}" for n, d in FIO_GRID}
+        best = max(grid, key=grid.get)
+        assert r[f"{op}_gbps"] == grid[best] > 0 and r[f"{op}_config"].startswith(best + " ")
+    assert not (tmp_path / "fio").exists()
+
+
 def test_format_limit_writes_publishes_and_reads_every_file_then_removes_them(tmp_path):
     """The format's limit (kernels/formatlimit.c) over two directories: every file is written
     under its temporary name and renamed (the read pass would fail on a missing final name),

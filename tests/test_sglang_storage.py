@@ -339,3 +339,17 @@ def test_the_bench_runs_both_backends_through_the_controller(tmp_path, zero_copy
     assert isinstance(run["pool_page_aligned"], bool) and not run["pool_pinned"]
     assert ("in place" if zero_copy else "through staging rows") in format_sglang_report(rep)
     assert not list(tmp_path.glob("sglang-storage-*"))  # removed without keep
+
+
+def test_the_bench_calls_hold_as_many_pages_as_sglangs_controller_by_default(tmp_path):
+    """Without a batch, a call holds SGLang's own STORAGE_BATCH_SIZE pages (two calls at least
+    per op); with keep, each backend's root is left with every page's file in it."""
+    from tiercache.integrations.sglangcompat import STORAGE_BATCH_SIZE
+
+    rep = run_sglang_bench(tmp_path, models=("tiny-llama",), page_tokens=16, total_bytes=1 << 20, fio=False,
+                           seed=4, keep=True)
+    run = rep["runs"][0]
+    assert rep["ok"] and run["batch"] == STORAGE_BATCH_SIZE and run["pages"] == 2 * STORAGE_BATCH_SIZE
+    (work,) = tmp_path.glob("sglang-storage-*")
+    assert len(list((work / "root-file").rglob("*.bin"))) == run["pages"]  # SGLang's file backend: a file a page
+    assert len([p for p in (work / "root-tiercache").rglob("block_*") if p.is_file()]) == run["pages"]

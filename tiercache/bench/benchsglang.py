@@ -6,7 +6,8 @@ For each model geometry (``configs/models``: KV heads, head_dim and layers of a 
 real SGLang host pool (``MHATokenToKVPoolHost``, layout ``page_first``, on the CPU, random
 bytes) of ``pages`` pages of ``page_tokens`` tokens; then for each backend:
 
-1. **set**: every page, in batches of ``batch`` pages, through the controller's page-set path
+1. **set**: every page, in batches of ``batch`` pages (by default as many as SGLang's controller
+   puts in one storage call, its ``STORAGE_BATCH_SIZE``), through the controller's page-set path
    for that backend (``_generic_page_set`` for ``file``, which SGLang uses for it;
    ``_page_set_zero_copy`` for tiercache, which ``interface_v1`` selects);
 2. the page cache dropped where this process may (``/proc/sys/vm/drop_caches``: SGLang's file
@@ -39,6 +40,8 @@ from tiercache.bench.benchvllmserve import head_dim, model_config
 from tiercache.errors import ConfigError
 
 BACKENDS = ("file", "tiercache")
+#: SGLang's environment variable for its file backend's directory (the only one 0.5.10 reads)
+FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 
 
 def sglang_host_pool(cfg: dict, pages: int, page_tokens: int, layout: str = "page_first", mla: bool = False,
@@ -160,8 +163,22 @@ def _backend(name: str, roots: list[Path], pool, io_threads: int, zero_copy: boo
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
     if name == "file":
+        # its directory: the extra config's "file_storage_path" where the release reads it
+        # (0.5.23), else only SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR (0.5.10: otherwise /tmp/hicache)
         cfg = storage_config({"file_storage_path": str(roots[0])})
-        be = StorageBackendFactory.create_backend("file", cfg, pool)
+        before = os.environ.get(FILE_DIR_ENV)
+        os.environ[FILE_DIR_ENV] = str(roots[0])
+        try:
+            be = StorageBackendFactory.create_backend("file", cfg, pool)
+        finally:
+            if before is None:
+                os.environ.pop(FILE_DIR_ENV, None)
+            else:
+                os.environ[FILE_DIR_ENV] = before
+        where = Path(getattr(be, "file_path", roots[0]))
+        if where.resolve() != roots[0].resolve():
+            raise ConfigError(f"sglang-storage: SGLang's file backend writes to {where}, not {roots[0]}: "
+                              "the comparison would not be on one directory")
     else:
         cfg = storage_config({"backend_name": "tiercache", "module_path": "tiercache.integrations.sglang",
                               "class_name": "TierCacheHiCacheStorage", "interface_v1": 1,
@@ -173,9 +190,12 @@ def _backend(name: str, roots: list[Path], pool, io_threads: int, zero_copy: boo
 
 
 def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batch: int, seed: int,
-            io_threads: int, log=lambda s: None, array: list[Path] | None = None, zero_copy: bool = True) -> dict:
+            io_threads: int, log=lambda s: None, array: list[Path] | None = None, zero_copy: bool = True,
+            keep: bool = False) -> dict:
     """One model geometry: both backends on ``work`` (with ``array``: tiercache over those
-    directories, SGLang's ``file`` backend on the first; see the module's doc)."""
+    directories, SGLang's ``file`` backend on the first; see the module's doc). Each backend's
+    files are removed once it is measured (``keep``: left), so that a directory in memory
+    (tmpfs) holds one backend's pages at a time."""
     import torch
 
     pool = sglang_host_pool(
@@ -234,7 +254,7 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
         if hasattr(be, "close"):
             be.close()
         out["backends"][bname] = res
-        if array:
+        if not keep:
             for root in roots:
                 shutil.rmtree(root, ignore_errors=True)
         log(f"  {name}: {bname}: set {res['set']['gbps']:.2f} GB/s, get {res['get']['gbps']:.2f} GB/s, "
@@ -249,11 +269,12 @@ def run_one(work: Path, name: str, cfg: dict, pages: int, page_tokens: int, batc
 
 
 def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b", "tiny-llama"), page_tokens: int = 64,
-                     total_bytes: int = 1 << 30, batch: int = 32, fio: bool = True, fio_runtime: float = 5.0,
+                     total_bytes: int = 1 << 30, batch: int | None = None, fio: bool = True, fio_runtime: float = 5.0,
                      io_threads: int = 16, seed: int | None = None, keep: bool = False, log=lambda s: None,
                      array: list[Path] | None = None, zero_copy: bool = True) -> dict:
     """The bench (see the module's doc): per model, ``total_bytes`` of pages (at least 2 * ``batch``
-    pages) under a fresh work directory in ``directory``; with ``array`` (directories, one per
+    pages; ``batch`` None: SGLang's own ``STORAGE_BATCH_SIZE``, the pages its controller puts in
+    one storage call, 128) under a fresh work directory in ``directory``; with ``array`` (directories, one per
     device), tiercache's backend over all of them (a root array), SGLang's ``file`` backend on
     the first, and fio over all of them; ``zero_copy``: tiercache's setting of that name (False:
     its pages through staging rows, for comparison). Returns the report (JSON-ready).
@@ -263,6 +284,9 @@ def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b",
     """
     import sglang
 
+    from tiercache.integrations.sglangcompat import STORAGE_BATCH_SIZE
+
+    batch = STORAGE_BATCH_SIZE if batch is None else batch
     if batch < 1 or page_tokens < 1 or total_bytes < 1:
         raise ConfigError(f"sglang-storage: batch={batch}, page_tokens={page_tokens}, total_bytes={total_bytes} "
                           "must be positive")
@@ -278,7 +302,7 @@ def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b",
             pb = kv_tok * page_tokens
             pages = max(2 * batch, total_bytes // pb)
             log(f"sglang-storage: {name}, {pages} pages of {page_tokens} tokens ({pb} bytes)")
-            rep = run_one(work, name, cfg, pages, page_tokens, batch, seed + i, io_threads, log, array, zero_copy)
+            rep = run_one(work, name, cfg, pages, page_tokens, batch, seed + i, io_threads, log, array, zero_copy, keep)
             if fio:
                 from tiercache.bench.fiobase import best_fio
 
@@ -325,6 +349,8 @@ def format_sglang_report(rep: dict) -> str:
         if f.get("read_gbps"):
             lines.append(f"  fio at the page size: read {f['read_gbps']:.2f} GB/s ({f.get('read_config')}), "
                          f"write {f.get('write_gbps', 0):.2f} GB/s ({f.get('write_config')})")
+            if f.get("read_grid"):
+                lines.append("  fio's reads by point: " + ", ".join(f"{k} {v:.2f}" for k, v in f["read_grid"].items()))
     lines.append("ok" if rep["ok"] else "FAILED: wrong or missing pages")
     return "\n".join(lines)
 

@@ -129,8 +129,11 @@ def best_fio(work: Path | list[Path], bs: int, total_bytes: int, runtime: float,
     random reads (``"read"`` in ``ops``) and sequential writes (``"write"``). Several ``work``
     directories (one per device): each grid point runs on all of them at once (``numjobs`` jobs
     each, ``total_bytes`` spread over them), so the best is the devices' aggregate. Returns
-    ``{"version", "read_gbps", "read_config", "write_gbps", "write_config"}`` (GB/s; an
-    ``"error"`` where fio is missing, ``"errors"`` of the grid points that failed)."""
+    ``{"version", "read_gbps", "read_config", "write_gbps", "write_config", "read_grid",
+    "write_grid"}`` (GB/s; the grids: every point's GB/s by ``"numjobs=N iodepth=D"``, since
+    the best may be a point whose buffers stay in the CPU's cache while a cache's reads land
+    in memory that does not; an ``"error"`` where fio is missing, ``"errors"`` of the grid
+    points that failed)."""
     dirs = _dirs(work)
     binary = fio_binary()
     if binary is None:
@@ -150,6 +153,7 @@ def best_fio(work: Path | list[Path], bs: int, total_bytes: int, runtime: float,
                 best.setdefault("errors", []).append(str(exc))
                 continue
             gbps = r["bw_bytes"] / 1e9
+            best.setdefault(f"{op}_grid", {})[f"numjobs={numjobs} iodepth={iodepth}"] = gbps
             if gbps > best.get(f"{op}_gbps", 0.0):
                 best[f"{op}_gbps"], best[f"{op}_config"] = (
                     gbps,
