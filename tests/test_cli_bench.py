@@ -310,19 +310,29 @@ def test_fio_runs_one_job_on_several_directories_at_once(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("fio") is None and not os.environ.get("TIERCACHE_FIO"), reason="fio not installed")
-def test_best_fio_reports_every_grid_point_and_the_best_of_them(tmp_path):
+def test_best_fio_reports_every_grid_point_and_the_best_of_them(tmp_path, monkeypatch):
     """fio's best is the largest of the grid it reports, point by point (a report shows how far
     the best is from the other points: at large blocks on a 300 MiB-cache CPU, fio's best read
     reuses buffers that fit in that cache)."""
+    import tiercache.bench.fiobase as fiobase
     from tiercache.bench.fiobase import FIO_GRID, best_fio
 
+    size = fiobase.last_level_cache_bytes()
+    assert size is None or size >= 1 << 20  # this machine's own: a last-level cache of a MiB or more
+    cache_bytes = 4 << 20  # of the grid's points at 64 KiB, 1x128 and 16x8 (8 MiB of buffers) exceed it
+    monkeypatch.setattr(fiobase, "last_level_cache_bytes", lambda: cache_bytes)
     r = best_fio(tmp_path, 65536, 2 << 20, 0.2)
     assert "errors" not in r, r.get("errors")
+    assert r["cache_bytes"] == cache_bytes
+    beyond = {f"numjobs={n} iodepth={d}" for n, d in FIO_GRID if n * d * 65536 > cache_bytes}
+    assert beyond == {"numjobs=1 iodepth=128", "numjobs=16 iodepth=8"}
     for op in ("read", "write"):
         grid = r[f"{op}_grid"]
         assert set(grid) == {f"numjobs={n} iodepth={d}" for n, d in FIO_GRID}
         best = max(grid, key=grid.get)
         assert r[f"{op}_gbps"] == grid[best] > 0 and r[f"{op}_config"].startswith(best + " ")
+        far = max(beyond, key=grid.get)
+        assert r[f"{op}_beyond_cache_gbps"] == grid[far] and r[f"{op}_beyond_cache_config"] == far
     assert not (tmp_path / "fio").exists()
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiercache.bench.fiobase import best_fio
+from tiercache.bench.fiobase import best_fio, beyond_cache_text
 from tiercache.bench.fiorun import run_job
 from tiercache.bench.fiospec import FioJob
 from tiercache.bench.formatlimit import format_limit
@@ -249,6 +249,7 @@ def format_size(row: dict, partial: bool = False) -> str:
             lines.append(
                 f"{bs >> 10:>6} KiB{fs}  fio's best: read {best.get('read_gbps', 0):.2f} GB/s "
                 f"({best.get('read_config')}), write {best.get('write_gbps', 0):.2f} GB/s ({best.get('write_config')})"
+                + beyond_cache_text(best)
             )
     for name, v in row["paths"].items():
         runs = v["runs"] if isinstance(v, dict) else v

@@ -123,6 +123,29 @@ def run_fio(job: FioJob, block_bytes: int, blocks: int, directory: Path | list[P
 FIO_GRID = ((1, 1), (1, 32), (1, 128), (4, 8), (16, 1), (16, 8))
 
 
+def last_level_cache_bytes() -> int | None:
+    """The size in bytes of CPU 0's last-level (highest-level unified or data) cache, from
+    ``/sys/devices/system/cpu/cpu0/cache``; None where Linux does not say."""
+    best: tuple[int, int] | None = None
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((d / "level").read_text())
+            kind = (d / "type").read_text().strip()
+            text = (d / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or not text:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper(), 1)
+        try:
+            size = int(text.rstrip("KkMmGg")) * mult
+        except ValueError:
+            continue
+        if best is None or level > best[0]:
+            best = (level, size)
+    return best[1] if best else None
+
+
 def best_fio(work: Path | list[Path], bs: int, total_bytes: int, runtime: float, ops=("read", "write")) -> dict:
     """The best fio over :data:`FIO_GRID` at ``bs`` bytes per I/O, O_DIRECT, ``runtime``
     seconds each, on files of ``total_bytes`` in all under ``work/fio`` (removed after):
@@ -133,12 +156,17 @@ def best_fio(work: Path | list[Path], bs: int, total_bytes: int, runtime: float,
     "write_grid"}`` (GB/s; the grids: every point's GB/s by ``"numjobs=N iodepth=D"``, since
     the best may be a point whose buffers stay in the CPU's cache while a cache's reads land
     in memory that does not; an ``"error"`` where fio is missing, ``"errors"`` of the grid
-    points that failed)."""
+    points that failed). Also ``"cache_bytes"`` (:func:`last_level_cache_bytes`) and, where
+    some point's buffers (numjobs x iodepth x ``bs`` per directory, over all directories)
+    exceed it, ``"read_beyond_cache_gbps"`` / ``"read_beyond_cache_config"`` (and ``write_``):
+    the best of those points, the speed the devices give reads that land in memory no cache
+    holds (a host pool of GiBs)."""
     dirs = _dirs(work)
     binary = fio_binary()
     if binary is None:
         return {"error": "fio is not installed (apt-get install fio), or set TIERCACHE_FIO"}
-    best: dict = {"version": fio_version(binary)}
+    cache = last_level_cache_bytes()
+    best: dict = {"version": fio_version(binary), "cache_bytes": cache}
     for op, rw in (("read", "randread"), ("write", "write")):
         if op not in ops:
             continue
@@ -153,7 +181,11 @@ def best_fio(work: Path | list[Path], bs: int, total_bytes: int, runtime: float,
                 best.setdefault("errors", []).append(str(exc))
                 continue
             gbps = r["bw_bytes"] / 1e9
-            best.setdefault(f"{op}_grid", {})[f"numjobs={numjobs} iodepth={iodepth}"] = gbps
+            point = f"numjobs={numjobs} iodepth={iodepth}"
+            best.setdefault(f"{op}_grid", {})[point] = gbps
+            if cache is not None and numjobs * iodepth * bs * len(dirs) > cache \
+                    and gbps > best.get(f"{op}_beyond_cache_gbps", 0.0):
+                best[f"{op}_beyond_cache_gbps"], best[f"{op}_beyond_cache_config"] = gbps, point
             if gbps > best.get(f"{op}_gbps", 0.0):
                 best[f"{op}_gbps"], best[f"{op}_config"] = (
                     gbps,
@@ -163,3 +195,13 @@ def best_fio(work: Path | list[Path], bs: int, total_bytes: int, runtime: float,
         for d in dirs:
             shutil.rmtree(d / "fio", ignore_errors=True)
     return best
+
+
+def beyond_cache_text(best: dict) -> str:
+    """The part of a report line that gives :func:`best_fio`'s best points beyond the CPU's
+    last-level cache (empty where no point went beyond it)."""
+    parts = [f"{op} {best[f'{op}_beyond_cache_gbps']:.2f} GB/s ({best[f'{op}_beyond_cache_config']})"
+             for op in ("read", "write") if best.get(f"{op}_beyond_cache_gbps")]
+    if not parts:
+        return ""
+    return f"; with more buffers than the CPU's {best['cache_bytes'] >> 20} MiB cache: " + ", ".join(parts)
