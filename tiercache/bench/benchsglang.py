@@ -33,6 +33,7 @@ import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 
@@ -167,15 +168,8 @@ def _backend(name: str, roots: list[Path], pool, io_threads: int, zero_copy: boo
         # its directory: the extra config's "file_storage_path" where the release reads it
         # (0.5.23), else only SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR (0.5.10: otherwise /tmp/hicache)
         cfg = storage_config({"file_storage_path": str(roots[0])})
-        before = os.environ.get(FILE_DIR_ENV)
-        os.environ[FILE_DIR_ENV] = str(roots[0])
-        try:
+        with mock.patch.dict(os.environ, {FILE_DIR_ENV: str(roots[0])}):
             be = StorageBackendFactory.create_backend("file", cfg, pool)
-        finally:
-            if before is None:
-                os.environ.pop(FILE_DIR_ENV, None)
-            else:
-                os.environ[FILE_DIR_ENV] = before
         where = Path(getattr(be, "file_path", roots[0]))
         if where.resolve() != roots[0].resolve():
             raise ConfigError(f"sglang-storage: SGLang's file backend writes to {where}, not {roots[0]}: "
