@@ -76,7 +76,11 @@ def _stored(rng, root, n: int, bs: int, key_bytes=lambda rng: 16):
     are stored under random keys: ``(store, rows, copy of the first n rows, keys)``."""
     rows = _rows(rng, 2 * n, bs)
     want = rows[:n].copy()
-    keys = [rng.bytes(key_bytes(rng)) for _ in range(n)]
+    keys: list[bytes] = []
+    while len(keys) < n:  # distinct keys (short ones may be drawn twice)
+        k = rng.bytes(key_bytes(rng))
+        if k not in keys:
+            keys.append(k)
     with RowStore(rows, root, capacity_blocks=2 * n, fsync="none") as st_:
         st_.submit_store(keys, list(range(n)))
         st_.drain()
