@@ -341,6 +341,35 @@ def test_the_bench_runs_both_backends_through_the_controller(tmp_path, zero_copy
     assert not list(tmp_path.glob("sglang-storage-*"))  # removed without keep
 
 
+LEAK_CHILD = r'''
+import gc, sys, weakref
+from pathlib import Path
+import tiercache.bench.benchsglang as bs
+pools = []
+real = bs.sglang_host_pool
+def pool(*a, **k):
+    p = real(*a, **k)
+    pools.append(weakref.ref(p))
+    return p
+bs.sglang_host_pool = pool
+rep = bs.run_sglang_bench(Path(sys.argv[1]), models=("tiny-llama",), page_tokens=16, total_bytes=1 << 20, batch=8,
+                          fio=False, seed=5)
+gc.collect()
+print(rep["ok"], len(pools), sum(r() is not None for r in pools))
+'''
+
+
+def test_the_bench_frees_each_models_pool_in_a_fresh_process(tmp_path):
+    """In a process that first meets SGLang in the bench, a model's host pool is gone once its
+    run ends (SGLang keeps the traceback of an optional import that failed; first imported
+    from the function that built a pool, it held that pool, and the next model's pool was
+    refused for want of free memory)."""
+    out = subprocess.run([sys.executable, "-c", LEAK_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["True", "1", "0"], out.stdout[-500:]
+
+
 def test_the_bench_calls_hold_as_many_pages_as_sglangs_controller_by_default(tmp_path):
     """Without a batch, a call holds SGLang's own STORAGE_BATCH_SIZE pages (two calls at least
     per op); with keep, each backend's root is left with every page's file in it."""

@@ -46,6 +46,30 @@ BACKENDS = ("file", "tiercache")
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 
 
+def import_sglang() -> None:
+    """Import every SGLang module the bench uses, before any pool exists. SGLang's imports try
+    optional packages (vLLM's kernels among them) and keep a failed attempt's exception, whose
+    traceback holds the frames of the import chain up to the function that first imported: were
+    that a function holding a host pool, the pool (GiBs) would outlive it, and SGLang would refuse
+    the next model's pool for want of free memory.
+
+    Raises:
+        ConfigError: SGLang is not importable.
+    """
+    try:
+        import sglang.srt.managers.cache_controller  # noqa: F401
+        import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+        import sglang.srt.mem_cache.memory_pool  # noqa: F401
+        import sglang.srt.mem_cache.storage  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"sglang-storage: SGLang is not installed ({exc}); see README.md, 'Quick start'") from None
+    try:
+        import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
+        import sglang.srt.mem_cache.pool_host.mla  # noqa: F401
+    except ImportError:
+        import sglang.srt.mem_cache.memory_pool_host  # noqa: F401
+
+
 def sglang_host_pool(cfg: dict, pages: int, page_tokens: int, layout: str = "page_first", mla: bool = False,
                      seed: int = 0, pin: bool = False):
     """A real SGLang host pool on the CPU for model config ``cfg`` (``num_hidden_layers``,
@@ -61,10 +85,9 @@ def sglang_host_pool(cfg: dict, pages: int, page_tokens: int, layout: str = "pag
     import torch
 
     warnings.filterwarnings("ignore", module="sglang")
-    try:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-    except ImportError as exc:
-        raise ConfigError(f"sglang-storage: SGLang is not installed ({exc}); see README.md, 'Quick start'") from None
+    import_sglang()
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
     try:
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -277,6 +300,7 @@ def run_sglang_bench(directory: Path, models: tuple[str, ...] = ("llama-3.1-8b",
     Raises:
         ConfigError: SGLang missing, a bad model, a bad size, or a backend that failed.
     """
+    import_sglang()
     import sglang
 
     from tiercache.integrations.sglangcompat import STORAGE_BATCH_SIZE
