@@ -326,9 +326,16 @@ def test_page_keys():
 
 @pytest.mark.parametrize("zero_copy", [True, False])
 def test_the_bench_runs_both_backends_through_the_controller(tmp_path, zero_copy):
+    left: list[list[str]] = []  # at each backend's report line: the backends' roots still there
+
+    def log(line: str) -> None:
+        if ": set " in line:
+            left.append(sorted(p.name for p in tmp_path.glob("sglang-storage-*/root-*")))
+
     rep = run_sglang_bench(tmp_path, models=("tiny-llama",), page_tokens=16, total_bytes=4 << 20, batch=8, fio=False,
-                           seed=3, zero_copy=zero_copy)
+                           seed=3, zero_copy=zero_copy, log=log)
     assert rep["ok"]
+    assert left == [[], []]  # each backend's pages removed once it is measured (a tmpfs holds one at a time)
     run = rep["runs"][0]
     for b in ("file", "tiercache"):
         res = run["backends"][b]
