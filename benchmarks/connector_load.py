@@ -11,6 +11,10 @@ previous upload, submitting, issuing uploads).
     python3 benchmarks/connector_load.py /dev/shm/cl --model llama-3.1-8b --blocks 512 \\
         --set io_threads=16 --set io_threads=16,io_engine=threads
 
+``--set io_mode=compat`` (or ``gds``) measures the loads that kvikio reads straight into device
+slabs. vLLM need not be installed: the worker uses none of it, and where it is missing empty
+stand-ins for its connector base classes let the connector's module import.
+
 ``--stores``: a prompt's stores behind a forward pass's stand-in (``--forward-ms`` of matmuls on
 the engine's stream) instead: the host time of ``after_forward``, the GPU time it adds to the
 engine's stream, and when the blocks are free, per run; ``--profile`` adds a cProfile of one.
@@ -21,17 +25,43 @@ Reproduces docs/vllm.md, "The direct path: status".
 from __future__ import annotations
 
 import argparse
+import enum
+import importlib.util
 import json
 import os
 import shutil
 import statistics
+import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 
-from tiercache.integrations.vllmconnector import BlockTransfer, ConnectorWorker, parse_config
-from tiercache.resources import models_dir
+
+def _stand_in_for_vllm() -> None:
+    """The worker uses nothing of vLLM; the connector's module imports vLLM's connector base
+    classes. Where vLLM is not installed (a GPU machine without it), empty classes of those
+    names stand in, so that the worker alone can be measured there."""
+    try:
+        if importlib.util.find_spec("vllm") is not None:
+            return
+    except ValueError:
+        return
+    names = ["vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
+             "vllm.distributed.kv_transfer.kv_connector.v1", "vllm.distributed.kv_transfer.kv_connector.v1.base"]
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    base = sys.modules[names[-1]]
+    base.KVConnectorBase_V1 = type("KVConnectorBase_V1", (), {})  # type: ignore[attr-defined]
+    base.KVConnectorMetadata = type("KVConnectorMetadata", (), {})  # type: ignore[attr-defined]
+    base.KVConnectorRole = enum.Enum("KVConnectorRole", "SCHEDULER WORKER")  # type: ignore[attr-defined]
+
+
+_stand_in_for_vllm()
+
+from tiercache.integrations.vllmconnector import BlockTransfer, ConnectorWorker, parse_config  # noqa: E402
+from tiercache.resources import models_dir  # noqa: E402
 
 
 def _value(v: str):
@@ -205,8 +235,6 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0, help="small kernels queued behind the forward (--stores)")
     a = ap.parse_args()
     if a.switch_interval:
-        import sys
-
         sys.setswitchinterval(a.switch_interval)
     for spec in a.set or [""]:
         extra = dict(kv.split("=", 1) for kv in spec.split(",") if kv)

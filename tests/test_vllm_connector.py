@@ -63,11 +63,16 @@ def _caches(layout: str = "flash", device: str = "cpu") -> dict:
 
 @pytest.fixture(params=["cpu", "cpu-engine", pytest.param("cuda", marks=pytest.mark.gpu),
                         pytest.param("cuda-side", marks=pytest.mark.gpu),
-                        pytest.param("cuda-engine", marks=pytest.mark.gpu)])
+                        pytest.param("cuda-engine", marks=pytest.mark.gpu),
+                        pytest.param("cuda-compat", marks=pytest.mark.gpu)])
 def device(request):
     """Where the KV caches live: the CPU (torch's copies), or a GPU (the pinned staging, the
-    copy kernels and events; on the current stream, or ``-side``: on side streams); stores
-    gathered by the connector's gatherer thread, or (``-engine``) on the engine's thread."""
+    copy kernels and events; on the current stream, or ``-side``: on side streams; or
+    ``-compat``: loads read by kvikio straight into device slabs, in its compatibility mode,
+    the path GDS takes); stores gathered by the connector's gatherer thread, or (``-engine``)
+    on the engine's thread."""
+    if request.param == "cuda-compat":
+        pytest.importorskip("kvikio")
     return request.param
 
 
@@ -79,6 +84,8 @@ class _Engine:
             device, extra = "cuda", {"copy_streams": "side", **extra}
         if device.endswith("-engine"):
             device, extra = device.removesuffix("-engine"), {"store_gathers": "engine", **extra}
+        if device == "cuda-compat":
+            device, extra = "cuda", {"io_mode": "compat", **extra}
         cfg = _config(root, **extra)
         kvc = SimpleNamespace(num_blocks=NB)
         self.sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
@@ -311,6 +318,9 @@ def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng,
     a.step(new=[(req, ids, n * BS, BS)])
     assert [a.block(x) for x in ids[:n]] == want
     assert w.counters["loaded_blocks"] == n and not a.worker.get_block_ids_with_load_errors()
+    assert w.counters[f"loads_{w.load_path.name}"] == 1  # the path it took, reported
+    if device == "cuda-compat":  # read by kvikio into a ring of device slabs, not pinned staging
+        assert w.load_path.name == "compat" and w.device_reads and w.dev_loads.shape[0] == w.DEVICE_LOAD_SLABS
     a.close()
 
 
@@ -428,6 +438,9 @@ def test_the_config_is_checked():
         parse_config({"root": "/x", "copy_kernel": "fast"})
     with pytest.raises(ConfigError, match="fsync"):
         parse_config({"root": "/x", "fsync": "sometimes"})
+    with pytest.raises(ConfigError, match="io_mode.*'dma'"):
+        parse_config({"root": "/x", "io_mode": "dma"})
+    assert parse_config({"root": "/x"})["io_mode"] == "auto"
     assert parse_config({"root": ["/a", "/b"]})["root"] == ["/a", "/b"]
     assert [p.name for p in rank_roots(["/a"], "d1g", "org/Llama-3.1 8B/", 1)] == ["Llama-3.1-8B_d1g_c_r1"]
 

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -65,6 +65,7 @@ from tiercache.files import (
     Outcome,
     block_subdir_index,
     file_size,
+    select_io_path,
     when_all_settled,
     write_stats,
 )
@@ -150,6 +151,8 @@ class _Job:
     outcome: Outcome | None = None
     #: the job's blocks are in pieces of the caller's memory (``items``' rows index it), not rows
     pieces: BlockPieces | None = None
+    #: a load into rows of this device array (``items``' rows index it), not the host rows
+    device_rows: Any = None
 
 
 class RowStore:
@@ -189,12 +192,18 @@ class RowStore:
         on_finish: called with a job's id from the I/O thread that settles its last file, once
             :meth:`finished` can report it (a waiter's wake-up; it must not call back into the
             store, and must be quick).
+        device: the CUDA device whose memory loads may also go straight into (rows of a device array,
+            :meth:`submit_load`'s ``device_rows``), by the path ``io_mode`` selects
+            (:func:`~tiercache.files.select_io_path`: ``auto`` takes GDS where the cuFile driver
+            reports it, else tiercache's POSIX reads through pinned staging; ``compat``: kvikio's
+            compatibility mode); :attr:`device_path` is the path taken and why.
         **settings: single ``[file]`` and ``[sharing]`` settings by name (``fsync="none"``,
             ``sharing="shared"``), over the two sections. Their defaults are the cache's
             (:mod:`tiercache.settings`).
 
     Raises:
         ConfigError: a bad value (named, with the valid range).
+        IOPathError: with a ``device``, an ``io_mode`` of ``gds`` or ``compat`` that cannot run here.
         ArrayMismatchError: ``rows`` is not a C-contiguous buffer of at least one row.
         RootError: see :class:`~tiercache.files.FileTier` (another process holds the root in
             another mode, a root that is not tiercache's, ...).
@@ -203,7 +212,8 @@ class RowStore:
     def __init__(self, rows, root: str | os.PathLike | Sequence[str | os.PathLike], *,
                  capacity_blocks: int | None = None,
                  file_settings: FileSettings | None = None, sharing_settings: SharingSettings | None = None,
-                 on_finish: Callable[[Hashable], None] | None = None, **settings) -> None:
+                 on_finish: Callable[[Hashable], None] | None = None, device: int | None = None,
+                 **settings) -> None:
         self.on_finish = on_finish
         self.rows = _row_view(rows)
         self._row_views: list[np.ndarray | None] | None = None
@@ -232,8 +242,10 @@ class RowStore:
         # recycled files (exclusive roots) take disk space too: they come out of the capacity
         free_files = 0 if self.shared else min(FREE_FILES, self.capacity_blocks // 16)
         CompactSlots.check_fits("file", self.capacity_blocks)  # before anything is created on disk
-        self.ft = FileTier((self.pool,), self.capacity_blocks, IOPath("posix", "host rows"), fs, ss,
-                           free_files=free_files)
+        #: how loads into device rows reach the files (with a ``device``; ``io_mode`` chooses)
+        self.device_path: IOPath | None = select_io_path(fs.io_mode) if device is not None else None
+        self.ft = FileTier((self.pool,), self.capacity_blocks, self.device_path or IOPath("posix", "host rows"), fs,
+                           ss, device_id=device or 0, free_files=free_files)
         self.capacity_blocks -= free_files
         self._lock = threading.RLock()
         self._cv = threading.Condition(threading.Lock())  # completions -> drain()
@@ -470,7 +482,8 @@ class RowStore:
             self._launch(job, "write", deps)
             return job_id
 
-    def submit_load(self, keys, rows, job_id: Hashable = None, *, pieces: BlockPieces | None = None) -> Hashable:
+    def submit_load(self, keys, rows, job_id: Hashable = None, *, pieces: BlockPieces | None = None,
+                    device_rows=None) -> Hashable:
         """Read the blocks of ``keys[i]`` into rows ``rows[i]``; returns ``job_id`` at once.
 
         A key that is not stored (or still being stored) fails at once
@@ -482,18 +495,25 @@ class RowStore:
         file are kept. The keys read are
         protected from eviction until the job finishes, and marked most recently used.
         With ``pieces`` (as :meth:`submit_store`), ``rows`` index its blocks, read into in
-        place, and a failed key's pieces are zeroed.
+        place, and a failed key's pieces are zeroed. With ``device_rows`` (a store made with
+        a ``device``: a CuPy ``uint8`` array ``[n, row_bytes]`` on the GPU, or anything
+        ``cupy.asarray`` takes without a copy, such as a CUDA tensor), ``rows`` index its rows,
+        read by :attr:`device_path` (GDS: DMA from the file into the row; the header is checked
+        on the host and the data's checksum from a copy through pinned staging), and a failed
+        key's device row is zeroed.
 
         Raises:
             InvalidKeyError, SlotRangeError, ConfigError: as :meth:`submit_store`; also
-                ``rows`` is read-only.
+                ``rows`` is read-only, or ``device_rows`` on a store made without
+                a ``device`` or not of ``[n, row_bytes]`` bytes.
             ClosedError: after :meth:`close`.
         """
         with self._lock:
             self._check_open()
-            if pieces is None and not self.rows.flags.writeable:
+            dev = None if device_rows is None else self._device_rows(device_rows)
+            if pieces is None and dev is None and not self.rows.flags.writeable:
                 raise ConfigError("the row buffer is read-only: loads need a writable buffer")
-            ks, rs = self._keys_rows(keys, rows, self._check_pieces(pieces))
+            ks, rs = self._keys_rows(keys, rows, dev.shape[0] if dev is not None else self._check_pieces(pieces))
             if len(set(rs)) != len(rs):
                 dup = next(r for i, r in enumerate(rs) if r in rs[:i])
                 raise SlotRangeError(f"row {dup} appears twice in one load")
@@ -508,10 +528,10 @@ class RowStore:
                 else:
                     why = "is still being stored" if k in self._storing else "is not stored"
                     result.failed[k] = KeyNotFoundError(f"block {k.hex()} {why} in {self.root}")
-                    self._zero(pieces, r)  # as for any failed load: no stale byte looks like the block
+                    self._zero(pieces, r, dev)  # as for any failed load: no stale byte looks like the block
             self._pins.update(k for k, _ in go)
             self.index.touch(k for k, _ in go)
-            job = _Job(result, go, time.monotonic(), pieces=pieces)
+            job = _Job(result, go, time.monotonic(), pieces=pieces, device_rows=dev)
             self._launch(job, "read", [])
             return job_id
 
@@ -533,10 +553,27 @@ class RowStore:
         self._open_ids.add(job_id)
         return job_id
 
+    def _device_rows(self, device_rows):
+        """``device_rows`` as a CuPy ``[n, row_bytes]`` uint8 array (no copy), checked."""
+        if self.device_path is None:
+            raise ConfigError("device_rows: this RowStore was made without a device (RowStore(..., device=0))")
+        import cupy
+
+        dev = cupy.asarray(device_rows)
+        if dev.ndim != 2 or dev.shape[1] * dev.itemsize != self.row_bytes or not dev.flags.c_contiguous:
+            raise ConfigError(f"device_rows of shape {tuple(dev.shape)} and dtype {dev.dtype}: give a C-contiguous "
+                              f"[n, {self.row_bytes}] array of bytes")
+        return dev.view(cupy.uint8)
+
     def _launch(self, job: _Job, kind: str, deps: list) -> None:
         self._jobs_in_flight += 1
         if not job.items:
             self._finish(job)
+            return
+        if job.device_rows is not None:  # the general path: kvikio (GDS, compat) or staged POSIX reads
+            futures = self.ft.submit(kind, [(k, {POOL: job.device_rows[r]}) for k, r in job.items], deps=deps)
+            job.futures = [f for _, f in futures]
+            when_all_settled(job.futures, lambda: self._finish(job))
             return
         keys = [k for k, _ in job.items]
         rows = [r for _, r in job.items]
@@ -576,7 +613,7 @@ class RowStore:
                                     "and is kept: do not write into the rows of a load in flight", [k])
             res.failed[k] = exc
             if res.kind == "load":
-                self._zero(job.pieces, r)  # no unverified byte stays in the row
+                self._zero(job.pieces, r, job.device_rows)  # no unverified byte stays in the row
                 if isinstance(exc, CorruptBlockError):
                     self.ft.quarantine_block(k, str(exc))
         res.seconds = time.monotonic() - job.start
@@ -586,8 +623,10 @@ class RowStore:
         if self.on_finish is not None:
             self.on_finish(res.job_id)
 
-    def _zero(self, pieces: BlockPieces | None, r: int) -> None:
-        if pieces is None:
+    def _zero(self, pieces: BlockPieces | None, r: int, device_rows=None) -> None:
+        if device_rows is not None:
+            device_rows[r].fill(0)
+        elif pieces is None:
             self.rows[r].fill(0)
         else:
             pieces.zero(r)
@@ -676,7 +715,8 @@ class RowStore:
             self.counters["corrupt_blocks"] += sum(isinstance(res.failed[k], CorruptBlockError) for k in bad)
             self.counters["quarantined_files"] += sum(isinstance(res.failed[k], CorruptBlockError) for k in bad)
             self.counters["vanished_blocks"] += sum(isinstance(res.failed[k], FileNotFoundError) for k in bad)
-            self.transfer_stats.record("file", "host", "posix", n_ok, n_ok * self.row_bytes, len(bad), res.seconds)
+            to, path = ("device", self.ft.io_path.name) if job.device_rows is not None else ("host", "posix")
+            self.transfer_stats.record("file", to, path, n_ok, n_ok * self.row_bytes, len(bad), res.seconds)
             if n_ok and self.shared:
                 self._touch_q.append([k for k, _ in job.items if k not in res.failed])
                 self._wake()
@@ -817,7 +857,9 @@ class RowStore:
                 "sharing": self.sharing, "on_disk_blocks": self.on_disk_blocks, "fsync": self.fsync,
             }}
             return {
-                "io_path": {"name": "posix", "label": "POSIX", "reason": "host rows"},
+                "io_path": ({"name": "posix", "label": "POSIX", "reason": "host rows"} if self.device_path is None
+                            else {"name": self.device_path.name, "label": self.device_path.label,
+                                  "reason": self.device_path.reason}),
                 "tiers": tiers, "pools": [self.pool.describe()], "blocks": used,
                 "pinned_blocks": len(self._pins), "jobs_in_flight": self._jobs_in_flight,
                 "counters": dict(self.counters), "metrics_name": self.metrics_name,

@@ -61,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from tiercache.arrays import aligned_empty
 from tiercache.errors import ConfigError
-from tiercache.files import SUBDIRS, parse_filename
+from tiercache.files import SUBDIRS, IOPath, parse_filename, select_io_path
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
 from tiercache.integrations.loadcost import POLICIES as LOAD_POLICIES
 from tiercache.integrations.loadcost import PROBE_EVERY, LoadCost
@@ -77,7 +77,7 @@ DEFAULTS: dict[str, Any] = {
     "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
     "copy_streams": "compute", "load_policy": "faster", "device_staging_bytes": 512 << 20,
-    "store_gathers": "thread",
+    "store_gathers": "thread", "io_mode": "auto",
 }
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
@@ -96,7 +96,12 @@ COPY_KERNELS = ("auto", "kernel", "torch")
 #: the engine's stream, the launches waited for the GPU: a Llama-3.1-8B prompt's gathers held
 #: the engine's thread for 240-280 ms, the length of its prefill (docs/vllm.md)
 STORE_GATHERS = ("thread", "engine")
-SETTING_KEYS = ROWSTORE_KEYS
+#: ``io_mode``: how loads reach vLLM's GPU blocks (:func:`~tiercache.files.select_io_path`):
+#: ``auto``, GDS (kvikio's ``CuFile`` reads straight into device slabs) where the cuFile driver
+#: reports it, else the native engine's reads into pinned staging and one copy up per piece;
+#: ``gds`` (an error where GDS is not available), ``compat`` (kvikio in its compatibility mode,
+#: into device slabs), ``posix`` (pinned staging)
+SETTING_KEYS = {**ROWSTORE_KEYS, "io_mode": "io_mode"}
 
 
 def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -454,6 +459,9 @@ class ConnectorWorker:
     WRITE_WAIT_S = 30.0
     #: seconds a load on a shared root waits for the store to find other engines' files
     PROBE_WAIT_S = 2.0
+    #: device slabs of ``piece`` blocks that kvikio reads loads into (GDS, compat): one being
+    #: scattered into its blocks while the next ones are read
+    DEVICE_LOAD_SLABS = 3
 
     def __init__(self, settings: dict, roots: list[Path]) -> None:
         self.settings = settings
@@ -509,6 +517,10 @@ class ConnectorWorker:
         self.row_bytes = int(self.offsets[-1])
         self.device = views[0].device
         self.cuda = views[0].is_cuda
+        #: how loads reach the blocks: kvikio (GDS, compat) into device slabs, or (posix) the
+        #: native engine into pinned staging, then one copy up per piece
+        self.load_path = select_io_path(self.settings["io_mode"]) if self.cuda else IOPath("posix", "CPU tensors")
+        self.device_reads = self.load_path.kvikio
         total = max(4, self.settings["staging_bytes"] // self.row_bytes)
         self.piece = max(1, min(self.settings["piece_blocks"], total // 4))
         slabs = total // self.piece
@@ -516,14 +528,18 @@ class ConnectorWorker:
         # a whole prompt's blocks are gathered at once and freed (finished_sending) without
         # waiting for the writes of earlier slabs
         self.load_slabs = min(max(3, slabs // 4), 8)
-        store_slabs = max(2, slabs - self.load_slabs)
-        rows = (self.load_slabs + store_slabs) * self.piece
+        # reads into device slabs take no pinned load slab (DEVICE_LOAD_SLABS in VRAM instead)
+        pinned_load = 0 if self.device_reads else self.load_slabs
+        if self.device_reads:
+            self.load_slabs = self.DEVICE_LOAD_SLABS
+        store_slabs = max(2, slabs - pinned_load)
+        rows = (pinned_load + store_slabs) * self.piece
         if self.cuda:
             self.staging = torch.empty((rows, self.row_bytes), dtype=torch.uint8, pin_memory=True)  # page-aligned
         else:  # page-aligned too: O_DIRECT from and to the rows in place, and the row reads apply
             self.staging = torch.from_numpy(aligned_empty(rows * self.row_bytes).reshape(rows, self.row_bytes))
         self._slab_events = [None] * self.load_slabs
-        self._free_slabs = list(range(self.load_slabs, self.load_slabs + store_slabs))
+        self._free_slabs = list(range(pinned_load, pinned_load + store_slabs))
         self.max_queued = 4 * store_slabs * self.piece
         # per region: device address of block 0, bytes between blocks, bytes; grouped by size
         self.view_ptrs = np.array([v.data_ptr() for v in views], dtype=np.int64)
@@ -534,7 +550,11 @@ class ConnectorWorker:
         if self.cuda:
             if self.settings["copy_streams"] == "side":
                 self._streams = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
-            self.dev_load = torch.empty((self.piece, self.row_bytes), dtype=torch.uint8, device=self.device)
+            # loads: one device slab that each piece goes up into (pinned staging), or a ring of
+            # them that kvikio reads the pieces into (GDS, compat)
+            self.dev_loads = torch.empty((self.load_slabs if self.device_reads else 1, self.piece, self.row_bytes),
+                                         dtype=torch.uint8, device=self.device)
+            self.dev_load = self.dev_loads[0]
             # stores gather into a ring of device slabs whose copies to the host run on a stream
             # of their own: the engine's stream holds the gather kernels only
             n_dev = max(2, min(store_slabs, self.settings["device_staging_bytes"] // (self.piece * self.row_bytes)))
@@ -558,7 +578,9 @@ class ConnectorWorker:
             [str(r) for r in self.roots] if len(self.roots) > 1 else str(self.roots[0]),
             capacity_blocks=s["capacity_blocks"],
             on_finish=self.jobs.finished_hook,
-            **{name: s[k] for k, name in SETTING_KEYS.items()},
+            device=(self.device.index or 0) if self.device_reads else None,
+            **{name: s[k] for k, name in SETTING_KEYS.items() if k != "io_mode"},
+            io_mode=self.load_path.name,
         )
         self.jobs.attach(self.store)
         self._writer = threading.Thread(target=self._write_loop, name="tiercache-vllm-connector-writer", daemon=True)
@@ -568,9 +590,10 @@ class ConnectorWorker:
                                               daemon=True)
             self._gatherer.start()
         log.info("tiercache: vLLM connector worker: %d region(s) per block, %d bytes per block file, pieces of %d "
-                 "blocks, %d load and %d store slab(s) of pinned staging, copies by %s, I/O engine %s, root %s "
-                 "(%d blocks held)", len(views), self.row_bytes, self.piece, self.load_slabs, store_slabs,
-                 self.copy_path, self.store.ft.engine, self.roots[0], len(self.store))
+                 "blocks, %d load slab(s) (%s) and %d store slab(s) of pinned staging, loads by %s (%s), copies "
+                 "by %s, I/O engine %s, root %s (%d blocks held)", len(views), self.row_bytes, self.piece,
+                 self.load_slabs, "device" if self.device_reads else "pinned", store_slabs, self.load_path.label,
+                 self.load_path.reason, self.copy_path, self.store.ft.engine, self.roots[0], len(self.store))
 
     @property
     def stream(self):
@@ -650,7 +673,12 @@ class ConnectorWorker:
                     ev.synchronize()  # the slab's previous piece is up
                     self.counters["slab_wait_us"] += int((time.perf_counter() - t0) * 1e6)
                 t0 = time.perf_counter()
-                inflight.append((lo, keys, ids, slab, self._submit(self.store.submit_load, keys, slab * self.piece)))
+                if self.device_reads:  # straight into device slab ``slab`` (kvikio: GDS or its compat mode)
+                    job = self.jobs.submit(self.store.submit_load, keys, list(range(len(keys))),
+                                           device_rows=self.dev_loads[slab])
+                else:
+                    job = self._submit(self.store.submit_load, keys, slab * self.piece)
+                inflight.append((lo, keys, ids, slab, job))
                 self.counters["submit_us"] += int((time.perf_counter() - t0) * 1e6)
                 if len(inflight) >= self.load_slabs - 1:
                     # one slab of slack: the slab read next is the one landed a piece ago, whose
@@ -668,6 +696,7 @@ class ConnectorWorker:
                 self._errors.update(t.block_ids[failed_from:])
             self.counters["load_error_blocks"] += len(t.block_ids) - failed_from
         self.counters["loaded_blocks"] += len(t.block_ids) if failed_from is None else failed_from
+        self.counters[f"loads_{self.load_path.name}"] += 1
 
     def _land(self, item, failed_from: int | None) -> int | None:
         """Wait for a piece's reads, then send its good leading rows up into their blocks."""
@@ -706,6 +735,15 @@ class ConnectorWorker:
             idx = torch.tensor(ids, dtype=torch.long)
             for v, off in zip(self.views, self.offsets):
                 v.index_copy_(0, idx, src[:, off:off + v.shape[1]])
+            return
+        if self.device_reads:  # the piece is in device slab ``slab`` already
+            with torch.cuda.stream(self.stream):
+                t0 = time.perf_counter()
+                self._device_copy(self.dev_loads[slab], ids, self.stream, to_pages=True, launcher=self.launcher)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                self._slab_events[slab] = ev  # kvikio may read the next piece into it once this is done
+                self.counters["scatter_issue_us"] += int((time.perf_counter() - t0) * 1e6)
             return
         with torch.cuda.stream(self.stream):
             t0 = time.perf_counter()
