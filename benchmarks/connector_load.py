@@ -15,6 +15,9 @@ previous upload, submitting, issuing uploads).
 slabs. vLLM need not be installed: the worker uses none of it, and where it is missing empty
 stand-ins for its connector base classes let the connector's module import.
 
+``--reads-only`` skips the uploads (what the reads alone take); every load's process CPU per
+block (user, system; the C threads' included) is reported beside its time.
+
 ``--stores``: a prompt's stores behind a forward pass's stand-in (``--forward-ms`` of matmuls on
 the engine's stream) instead: the host time of ``after_forward``, the GPU time it adds to the
 engine's stream, and when the blocks are free, per run; ``--profile`` adds a cProfile of one.
@@ -96,10 +99,16 @@ def _worker(root: str, extra: dict) -> ConnectorWorker:
     return ConnectorWorker(settings, [Path(r) for r in roots])
 
 
-def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: bool = False) -> dict:
+def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: bool = False,
+        reads_only: bool = False) -> dict:
+    """Loads of ``blocks`` stored blocks, ``runs`` times: GB/s, the worker's split and the
+    process's CPU per block (user and system, us; the C threads' included). ``reads_only``:
+    the uploads are skipped (what the reads alone take; no bytes to check then)."""
     caches, nb = _caches(model, blocks)
     w = _worker(root, extra)
     w.register(caches, nb)
+    if reads_only:
+        w._upload = types.MethodType(lambda self, slab, ids: None, w)
     keys = [os.urandom(16) for _ in range(blocks)]
     src = list(range(blocks))
     w.plan_stores([BlockTransfer("s", keys, src)])
@@ -107,7 +116,7 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
     while w.get_finished({"s"})[0] is None:
         time.sleep(0.001)
     assert w.drain(120), "the stores did not finish"
-    times = []
+    times, cpu = [], []
     for r in range(runs):
         dst = list(range(blocks + 8, 2 * blocks + 8))
         for t in caches.values():
@@ -120,9 +129,11 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
 
             prof = cProfile.Profile()
             prof.enable()
-        t0 = time.perf_counter()
+        c0, t0 = os.times(), time.perf_counter()
         w.load([BlockTransfer(f"l{r}", keys, dst)])
         times.append(time.perf_counter() - t0)
+        c1 = os.times()
+        cpu.append(((c1.user - c0.user) / blocks * 1e6, (c1.system - c0.system) / blocks * 1e6))
         if prof is not None:
             import io
             import pstats
@@ -133,7 +144,7 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
             print(buf.getvalue(), flush=True)
         got = w.get_finished(set())[1]
         assert got == {f"l{r}"} and not w.load_errors(), (got, w.load_errors())
-        for t in caches.values():
+        for t in caches.values() if not reads_only else ():
             assert torch.equal(t[:, :blocks].view(torch.int16), t[:, blocks + 8:].view(torch.int16)), "bytes differ"
         split = {k: (w.counters[k] - before.get(k, 0)) / 1e3 for k in
                  ("read_wait_us", "slab_wait_us", "submit_us", "upload_issue_us",
@@ -142,7 +153,10 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
     med = statistics.median(times)
     return {"settings": extra, "gbps": blocks * w.row_bytes / med / 1e9, "ms": med * 1e3,
             "ms_runs": [round(x * 1e3, 1) for x in times], "last_split_ms": split, "piece": w.piece,
-            "load_slabs": w.load_slabs, "engine": w.store.ft.engine, "copies": w.copy_path}
+            "load_slabs": w.load_slabs, "engine": w.store.ft.engine, "copies": w.copy_path,
+            "load_path": w.load_path.name, "reads_only": reads_only,
+            "cpu_us_per_block": {"user": statistics.median(c[0] for c in cpu),
+                                 "sys": statistics.median(c[1] for c in cpu)}}
 
 
 def _busy(ms: float, kernels: int = 0) -> None:
@@ -232,6 +246,7 @@ def main() -> None:
     ap.add_argument("--stores", action="store_true", help="the stores behind a forward pass instead of loads")
     ap.add_argument("--forward-ms", type=float, default=200.0, help="the forward pass's stand-in (--stores)")
     ap.add_argument("--profile", action="store_true", help="cProfile of the last load (or store)")
+    ap.add_argument("--reads-only", action="store_true", help="skip the uploads: what the reads alone take")
     ap.add_argument("--kernels", type=int, default=0, help="small kernels queued behind the forward (--stores)")
     a = ap.parse_args()
     if a.switch_interval:
@@ -243,7 +258,7 @@ def main() -> None:
             out = stores(a.root, a.model, a.blocks, a.runs, extra, a.forward_ms, a.profile, a.kernels)
             print(out.pop("profile", ""), flush=True)
         else:
-            out = run(a.root, a.model, a.blocks, a.runs, extra, a.profile)
+            out = run(a.root, a.model, a.blocks, a.runs, extra, a.profile, a.reads_only)
         print(out, flush=True)
 
 
