@@ -22,7 +22,8 @@ block (user, system; the C threads' included) is reported beside its time.
 the engine's stream) instead: the host time of ``after_forward``, the GPU time it adds to the
 engine's stream, and when the blocks are free, per run; ``--profile`` adds a cProfile of one.
 
-Reproduces docs/vllm.md, "The direct path: status".
+Reproduces docs/vllm.md, "The direct path: status" and "Checksums on the GPU", and
+docs/performance/vllm.md, "A load taken apart".
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
     caches, nb = _caches(model, blocks)
     w = _worker(root, extra)
     w.register(caches, nb)
-    if reads_only:
+    if reads_only:  # nothing goes up: no checksum of the GPU's to compare either
         w._upload = types.MethodType(lambda self, slab, ids: None, w)
+        w._hash_slab = types.MethodType(lambda self, n, out: None, w)
+        w._check_sums = types.MethodType(lambda self, t, failed_from, *check: failed_from, w)
     keys = [os.urandom(16) for _ in range(blocks)]
     src = list(range(blocks))
     w.plan_stores([BlockTransfer("s", keys, src)])
@@ -154,7 +157,8 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
     return {"settings": extra, "gbps": blocks * w.row_bytes / med / 1e9, "ms": med * 1e3,
             "ms_runs": [round(x * 1e3, 1) for x in times], "last_split_ms": split, "piece": w.piece,
             "load_slabs": w.load_slabs, "engine": w.store.ft.engine, "copies": w.copy_path,
-            "load_path": w.load_path.name, "reads_only": reads_only,
+            "load_path": w.load_path.name, "reads_only": reads_only, "checksums": w.verify_where,
+            "gpu_checked_blocks": w.counters["gpu_checked_blocks"],
             "cpu_us_per_block": {"user": statistics.median(c[0] for c in cpu),
                                  "sys": statistics.median(c[1] for c in cpu)}}
 

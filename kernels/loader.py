@@ -10,7 +10,7 @@ import functools
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("copy_blocks.cu", "copy_bulk.cu", "kv_append.cu")
+SOURCES = ("copy_blocks.cu", "copy_bulk.cu", "kv_append.cu", "xxh3.cu")
 
 
 def kernel_sources() -> list[Path]:

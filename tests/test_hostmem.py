@@ -195,3 +195,17 @@ def test_recycled_arrays_are_never_shared_between_threads(rng):
         t.join()
     assert not bad, bad[:3]
     assert recycled.pool_stats()["kept_bytes"] <= recycled.POOL_BYTES
+
+
+@pytest.mark.gpu
+def test_pinned_memory_starts_on_a_page_after_other_pinned_allocations(rng):
+    """CuPy's pinned pool hands out 512-byte-aligned pieces of its allocations: after small
+    pinned allocations of others, the host memory tiercache asks for still starts on a page
+    (what O_DIRECT and the row reads need), and is pinned."""
+    cupy = pytest.importorskip("cupy")
+    held = [cupy.cuda.alloc_pinned_memory(int(n)) for n in rng.integers(1, 3000, 8)]
+    for _ in range(6):
+        arr, owner = alloc_host(int(rng.integers(1, 1 << 20)), pinned=True)
+        assert arr.__array_interface__["data"][0] % PAGE == 0 and owner.pinned
+        arr[:] = 7  # the whole of it is there
+        held.append(owner)

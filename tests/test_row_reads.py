@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tiercache import RowStore
 from tiercache.arrays import aligned_empty
 from tiercache.bench.benchvllmserve import damage_file
-from tiercache.errors import CorruptBlockError
+from tiercache.errors import ConfigError, CorruptBlockError
 from tiercache.files import nativeio
 from tiercache.files.blockfile import FANOUT, SUBDIRS, block_location
 from tiercache.files.nativeio import block_names, native_hash
@@ -216,3 +216,52 @@ def test_the_cache_reads_files_into_host_rows_on_the_row_path(tmp_path, rng, row
             got = c.get(rest, pool=p.name)
             assert np.array_equal(got.reshape(len(rest), -1).view(np.uint8), data[p.name][order[4:20]])
     assert [m for m in os.listdir(tmp_path / "root" / "quarantine") if "block_" in m]
+
+
+def _sums_load(st: RowStore, keys, rows, sums):
+    jid = st.submit_load(keys, rows, sums=sums)
+    st.drain()
+    return next(r for r in st.finished() if r.job_id == jid)
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_loads_can_leave_the_data_checksums_to_the_caller(tmp_path, rng, missing):
+    """``submit_load(..., sums=...)``: the C threads check headers and sizes, and give each
+    header's checksum (what the vLLM connector compares on the GPU); a flipped data byte
+    passes that, so the caller's own comparison finds it and :meth:`RowStore.reject`
+    quarantines the file and forgets the key; a truncated file fails in the load itself; a key
+    rejected whose file verifies is kept (the bytes changed on their way, not in the file)."""
+    import xxhash
+
+    n, row = 10, 3 * 4096
+    rows = aligned_empty((2 * n + 1) * row).reshape(2 * n + 1, row)
+    rows[:n] = rng.integers(0, 256, (n, row), dtype=np.uint8)
+    keys = random_keys(rng, n, "bytes")
+    root = tmp_path / "r"
+    with RowStore(rows, root, capacity_blocks=64, fsync="none", open_files=0) as st:
+        st.submit_store(keys, list(range(n)))
+        st.drain()
+        assert all(r.success for r in st.finished())
+        want = [xxhash.xxh3_64_intdigest(rows[i].tobytes()) for i in range(n)]
+        asked = keys + [rng.bytes(9)] if missing else keys  # a key never stored: no checksum
+        sums = np.full(len(asked), 7, dtype=np.uint64)
+        res = _sums_load(st, asked, list(range(n, n + len(asked))), sums)
+        assert res.sums_only and set(res.failed) == set(asked[n:])
+        assert sums[:n].tolist() == want and sums[n:].tolist() == [0] * (len(asked) - n)
+        assert np.array_equal(rows[n:2 * n], rows[:n])
+        flip, cut, good = (int(i) for i in rng.permutation(n)[:3])
+        damage_file(next(root.glob(f"*/block_x{keys[flip].hex()}_pool_*.bin")), "flip")
+        damage_file(next(root.glob(f"*/block_x{keys[cut].hex()}_pool_*.bin")), "truncate")
+        with pytest.raises(ConfigError, match="uint64 array of 10 checksums"):
+            st.submit_load(keys, list(range(n, 2 * n)), sums=np.zeros(n + 1, dtype=np.uint64))
+        sums = np.zeros(n, dtype=np.uint64)
+        res = _sums_load(st, keys, list(range(n, 2 * n)), sums)
+        assert set(res.failed) == {keys[cut]} and isinstance(res.failed[keys[cut]], CorruptBlockError)
+        got = [xxhash.xxh3_64_intdigest(rows[n + i].tobytes()) for i in range(n)]
+        mismatched = [i for i in range(n) if i != cut and got[i] != int(sums[i])]
+        assert mismatched == [flip]  # the header still gives the block's true checksum
+        out = st.reject([keys[flip], keys[good]], "data checksum mismatch on the GPU")
+        assert isinstance(out[keys[flip]], CorruptBlockError)
+        assert type(out[keys[good]]).__name__ == "TornReadError"
+        assert keys[flip] not in st and keys[cut] not in st and keys[good] in st
+        assert len(list((root / "quarantine").glob("*"))) >= 2

@@ -64,13 +64,15 @@ def _caches(layout: str = "flash", device: str = "cpu") -> dict:
 @pytest.fixture(params=["cpu", "cpu-engine", pytest.param("cuda", marks=pytest.mark.gpu),
                         pytest.param("cuda-side", marks=pytest.mark.gpu),
                         pytest.param("cuda-engine", marks=pytest.mark.gpu),
-                        pytest.param("cuda-compat", marks=pytest.mark.gpu)])
+                        pytest.param("cuda-compat", marks=pytest.mark.gpu),
+                        pytest.param("cuda-hostsum", marks=pytest.mark.gpu)])
 def device(request):
     """Where the KV caches live: the CPU (torch's copies), or a GPU (the pinned staging, the
-    copy kernels and events; on the current stream, or ``-side``: on side streams; or
-    ``-compat``: loads read by kvikio straight into device slabs, in its compatibility mode,
-    the path GDS takes); stores gathered by the connector's gatherer thread, or (``-engine``)
-    on the engine's thread."""
+    copy kernels and events, checksums compared on the GPU; on the current stream, or
+    ``-side``: on side streams; or ``-compat``: loads read by kvikio straight into device
+    slabs, in its compatibility mode, the path GDS takes; or ``-hostsum``: checksums compared
+    by the native engine's threads as each file is read); stores gathered by the connector's
+    gatherer thread, or (``-engine``) on the engine's thread."""
     if request.param == "cuda-compat":
         pytest.importorskip("kvikio")
     return request.param
@@ -86,6 +88,8 @@ class _Engine:
             device, extra = device.removesuffix("-engine"), {"store_gathers": "engine", **extra}
         if device == "cuda-compat":
             device, extra = "cuda", {"io_mode": "compat", **extra}
+        if device == "cuda-hostsum":
+            device, extra = "cuda", {"verify_on": "host", **extra}
         cfg = _config(root, **extra)
         kvc = SimpleNamespace(num_blocks=NB)
         self.sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
@@ -293,6 +297,9 @@ def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage,
     _, recvd, errors = b.poll(want_recv={"r2"}, timeout=0)
     assert recvd == {"r2"} and errors == {22, 23, 24}
     assert [b.block(x) for x in ids[:2]] == want[:2]  # the blocks before it loaded exact
+    w = b.worker._worker
+    # a flipped data byte passes the header's check: on the GPU path the kernel's checksum finds it
+    assert w.counters["gpu_checksum_mismatches"] == (damage == "flip" and w.hasher is not None)
     again = _request("r3", hashes, 5 * BS + 1)
     assert b.sched.get_num_new_matched_tokens(again, 0) == (2 * BS, True)  # the bad key left the index
     b.close()
@@ -319,6 +326,9 @@ def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng,
     assert [a.block(x) for x in ids[:n]] == want
     assert w.counters["loaded_blocks"] == n and not a.worker.get_block_ids_with_load_errors()
     assert w.counters[f"loads_{w.load_path.name}"] == 1  # the path it took, reported
+    # where the checksums were compared: the GPU for the pinned path's pieces unless told otherwise
+    assert (w.hasher is not None) is (device in ("cuda", "cuda-side", "cuda-engine"))
+    assert w.counters["gpu_checked_blocks"] == (n if w.hasher is not None else 0)
     if device == "cuda-compat":  # read by kvikio into a ring of device slabs, not pinned staging
         assert w.load_path.name == "compat" and w.device_reads and w.dev_loads.shape[0] == w.DEVICE_LOAD_SLABS
     a.close()
@@ -441,6 +451,8 @@ def test_the_config_is_checked():
     with pytest.raises(ConfigError, match="io_mode.*'dma'"):
         parse_config({"root": "/x", "io_mode": "dma"})
     assert parse_config({"root": "/x"})["io_mode"] == "auto"
+    with pytest.raises(ConfigError, match="verify_on.*'gpu'.*valid: auto, host, device"):
+        parse_config({"root": "/x", "verify_on": "gpu"})
     assert parse_config({"root": ["/a", "/b"]})["root"] == ["/a", "/b"]
     assert [p.name for p in rank_roots(["/a"], "d1g", "org/Llama-3.1 8B/", 1)] == ["Llama-3.1-8B_d1g_c_r1"]
 
@@ -477,3 +489,11 @@ def test_a_call_for_the_other_side_is_a_clear_error(tmp_path):
     worker = TierCacheConnector(cfg, KVConnectorRole.WORKER, kvc)
     with pytest.raises(ConfigError, match="scheduler-side call on a worker-side connector"):
         worker.request_finished(SimpleNamespace(request_id="r"), [])
+
+
+def test_checksums_on_the_gpu_asked_where_there_is_none_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="verify_on = 'device' cannot run here: CPU tensors"):
+        _Engine(tmp_path, device="cpu", verify_on="device")
+    e = _Engine(tmp_path / "b", device="cpu", verify_on="auto")
+    assert e.worker._worker.hasher is None and e.worker._worker.verify_where == "on the host (CPU tensors)"
+    e.close()

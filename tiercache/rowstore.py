@@ -116,6 +116,9 @@ class RowJobResult:
     skipped: list[bytes] = field(default_factory=list)
     nbytes: int = 0
     seconds: float = 0.0
+    #: loads given ``sums``: True where the data's checksums were left to the caller (the
+    #: headers' values are in ``sums``); False where they were verified here as usual
+    sums_only: bool = False
 
     @property
     def success(self) -> bool:
@@ -153,6 +156,8 @@ class _Job:
     pieces: BlockPieces | None = None
     #: a load into rows of this device array (``items``' rows index it), not the host rows
     device_rows: Any = None
+    #: a load whose data checksums go to the caller: ``uint64`` per key of the load, in order
+    sums: _Sums | None = None
 
 
 class RowStore:
@@ -483,7 +488,7 @@ class RowStore:
             return job_id
 
     def submit_load(self, keys, rows, job_id: Hashable = None, *, pieces: BlockPieces | None = None,
-                    device_rows=None) -> Hashable:
+                    device_rows=None, sums: np.ndarray | None = None) -> Hashable:
         """Read the blocks of ``keys[i]`` into rows ``rows[i]``; returns ``job_id`` at once.
 
         A key that is not stored (or still being stored) fails at once
@@ -502,6 +507,13 @@ class RowStore:
         on the host and the data's checksum from a copy through pinned staging), and a failed
         key's device row is zeroed.
 
+        With ``sums`` (``uint64 [len(keys)]``, host rows only), each file's header and size
+        are checked but its data is not hashed: ``sums[i]`` gets the data checksum of key
+        ``i``'s header (where the job's result says :attr:`RowJobResult.sums_only`; where the
+        row reads do not apply, the data is verified here as usual). The caller compares each
+        checksum with the data's (on the GPU, :mod:`tiercache.files.devicehash`) before it uses
+        the row, and hands the keys that do not match to :meth:`reject`.
+
         Raises:
             InvalidKeyError, SlotRangeError, ConfigError: as :meth:`submit_store`; also
                 ``rows`` is read-only, or ``device_rows`` on a store made without
@@ -517,6 +529,10 @@ class RowStore:
             if len(set(rs)) != len(rs):
                 dup = next(r for i, r in enumerate(rs) if r in rs[:i])
                 raise SlotRangeError(f"row {dup} appears twice in one load")
+            if sums is not None:
+                if dev is not None or pieces is not None or len(sums) != len(ks) or sums.dtype != np.uint64:
+                    raise ConfigError(f"sums: give a uint64 array of {len(ks)} checksums, for host rows only")
+                sums[:] = 0  # a key that is not read has no checksum to compare
             job_id = self._job_id(job_id)
             result = RowJobResult(job_id, "load", ks)
             self._apply()
@@ -531,7 +547,9 @@ class RowStore:
                     self._zero(pieces, r, dev)  # as for any failed load: no stale byte looks like the block
             self._pins.update(k for k, _ in go)
             self.index.touch(k for k, _ in go)
-            job = _Job(result, go, time.monotonic(), pieces=pieces, device_rows=dev)
+            pos = {k: i for i, k in enumerate(ks)}
+            job = _Job(result, go, time.monotonic(), pieces=pieces, device_rows=dev,
+                       sums=None if sums is None else _ordered_sums(sums, [pos[k] for k, _ in go]))
             self._launch(job, "read", [])
             return job_id
 
@@ -580,7 +598,9 @@ class RowStore:
         # the row reads and writes (tiercache/files/rowreads.py, rowwrites.py): a request as arrays
         src = self.rows if job.pieces is None else job.pieces
         if kind == "read":
-            job.outcome = self.ft.submit_rows(keys, POOL, src, rows, deps)
+            sums = job.sums.scratch if job.sums is not None else None
+            job.outcome = self.ft.submit_rows(keys, POOL, src, rows, deps, sums)
+            job.result.sums_only = job.outcome is not None and sums is not None
         else:
             job.outcome = self.ft.submit_row_writes(keys, POOL, src, rows, deps)
         assert job.outcome is not None or job.pieces is None  # pieces only where pieces_fit
@@ -599,6 +619,8 @@ class RowStore:
         the job; the index is updated by the owner thread (:meth:`_apply`)."""
         res = job.result
         self._outcomes.pop(res.job_id, None)
+        if job.sums is not None and res.sums_only:
+            job.sums.deliver()
         errors = job.outcome.errors if job.outcome is not None else None
         for i, (k, r) in enumerate(job.items):
             exc = errors.get(i) if errors is not None else job.futures[i].exception()
@@ -733,6 +755,32 @@ class RowStore:
         outcome = self._outcomes.get(job_id)
         if outcome is not None:
             outcome.help()
+
+    def reject(self, keys: Iterable[bytes], why: str) -> dict[bytes, BaseException]:
+        """Keys of finished loads (with ``sums``) whose data did not match their checksum in
+        the caller's own check: each key's file is read again and verified on the host. A file
+        that does not verify is quarantined and its key forgotten
+        (:class:`CorruptBlockError`); one that does is kept (:class:`TornReadError`: the bytes
+        changed on their way, not in the file). ``why`` says where the mismatch was seen.
+        Returns key -> that error; the caller treats every key given as not loaded."""
+        out: dict[bytes, BaseException] = {}
+        for k in keys:
+            problem = self.ft.confirm_bad(k)
+            if problem is None:
+                out[k] = TornReadError(f"block {k.hex()}: {why}; its file verifies and is kept", [k])
+                with self._lock:
+                    self.counters["torn_reads"] += 1
+                continue
+            exc = CorruptBlockError(f"block {k.hex()}: {why} ({problem})")
+            self.ft.quarantine_block(k, str(exc))
+            with self._lock:
+                if k in self.index and k not in self._storing:
+                    self.index.remove([k])
+                    self._removed.append(k)
+                self.counters["corrupt_blocks"] += 1
+                self.counters["quarantined_files"] += 1
+            out[k] = exc
+        return out
 
     def finished(self) -> list[RowJobResult]:
         """The jobs that finished since the last call (in the order they finished)."""
@@ -923,6 +971,27 @@ class RowStore:
 
 
 # -- validation ----------------------------------------------------------------------------------
+@dataclass
+class _Sums:
+    """A load's data checksums for the caller (:meth:`RowStore.submit_load`'s ``sums``): the
+    row reads write ``scratch`` (one per key read, in the job's order), delivered to the
+    caller's ``out[where]`` once the job settles."""
+
+    out: np.ndarray
+    where: np.ndarray | None  # None: the job reads every key, in order (scratch is out)
+    scratch: np.ndarray
+
+    def deliver(self) -> None:
+        if self.where is not None:
+            self.out[self.where] = self.scratch
+
+
+def _ordered_sums(out: np.ndarray, where: list[int]) -> _Sums:
+    if where == list(range(len(out))):
+        return _Sums(out, None, out)
+    return _Sums(out, np.asarray(where, dtype=np.int64), np.zeros(len(where), dtype=np.uint64))
+
+
 def _row_view(rows) -> np.ndarray:
     """``rows`` as ``uint8 [num_rows, row_bytes]`` over the same memory."""
     try:

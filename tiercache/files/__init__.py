@@ -10,6 +10,7 @@
 - :mod:`.kvikio_io`: ``CuFile`` reads and writes straight between VRAM and files (GDS or
   kvikio's compat mode);
 - :mod:`.devicepath`: which path device blocks take (GDS / compat / POSIX) and why;
+- :mod:`.devicehash`: block checksums (XXH3-64) of device memory, computed on the GPU;
 - :mod:`.blockio`: :class:`BlockIO`, one block's file between a buffer and the disk, chosen once
   from the device path (POSIX, or kvikio for device buffers);
 - :mod:`.rootdir`: the root's marker, single-writer lock, stats file and entry names;
@@ -47,6 +48,9 @@ from .blockfile import (
     usual_header_tail,
 )
 from .blockpieces import BlockPieces
+from .devicehash import DeviceHasher, device_checksums
+from .devicehash import applies as device_hash_applies
+from .devicehash import hasher as device_hasher
 from .devicepath import IOPath, select_io_path
 from .file_tier import FileTier, ScanResult
 from .indexfile import IndexUnusable, SavedIndex, changed_dirs, dir_times, index_summary, load_index, save_index
@@ -99,6 +103,10 @@ from .sharing import BOOT_TAG, tmp_abandoned, tmp_name, tmp_owner
 
 __all__ = [
     "verify_file",
+    "DeviceHasher",
+    "device_checksums",
+    "device_hash_applies",
+    "device_hasher",
     "BlockPieces",
     "BlockFuture",
     "ARRAY",

@@ -772,7 +772,7 @@ class BlockBatches:
         for j, (_, _, pool, _, _) in enumerate(files):
             _, ops.expect[j], ops.expect_len[j], ops.nbytes[j] = self.tails[pool.name]
 
-    def check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray, path) -> None:
+    def check_read(self, ops: Ops, j: int, key: Key, pool: PoolSpec, host: np.ndarray, path) -> int:
         code = int(ops.err[j])
         where = str(path)
         if code:
@@ -785,6 +785,7 @@ class BlockBatches:
         want = header_checksum(ops.heads[j], key, pool, where)
         if self.verify and (int(ops.hash[j]) if ops.flags[j] & HASH else checksum(host)) != want:
             raise CorruptBlockError(f"{where}: data checksum mismatch")
+        return want
 
     # -- writes ------------------------------------------------------------------------------
     def submit_write(self, items, deps=(), delay_s: float = 0.0, skip=None) -> list[tuple[Key, BlockFuture]]:

@@ -600,8 +600,8 @@ class FileTier:
         read = kind == "read" and not deps
         return [(key, self._executor.submit(task, i, key, bufs, read=read)) for i, (key, bufs) in enumerate(items)]
 
-    def submit_rows(self, keys: list[bytes], pool: str, rows, row_idx, deps: Sequence = ()
-                    ) -> Outcome | None:
+    def submit_rows(self, keys: list[bytes], pool: str, rows, row_idx, deps: Sequence = (),
+                    sums: np.ndarray | None = None) -> Outcome | None:
         """Start reading the blocks of ``keys[i]`` (bytes keys) in ``pool`` into
         ``rows[row_idx[i]]`` (``rows``: 2-D host ``uint8``, one block per row, page-aligned)
         with no Python per block (:class:`~tiercache.files.rowreads.RowReads`); returns the
@@ -611,10 +611,12 @@ class FileTier:
         aligned block each): then use :meth:`submit`. ``rows`` may be a
         :class:`~tiercache.files.blockpieces.BlockPieces` instead (block ``row_idx[i]`` of it
         read in place; None where the engine cannot move blocks in pieces). The caller keeps the keys from being
-        written or evicted until the outcome is settled (the row store pins them)."""
+        written or evicted until the outcome is settled (the row store pins them). With
+        ``sums`` the data's checksums are left to the caller (:meth:`RowReads.submit
+        <tiercache.files.rowreads.RowReads.submit>`)."""
         if self.row_reads is None or not self.row_reads.applies(pool, rows):
             return None
-        return self.row_reads.submit(keys, pool, rows, row_idx, deps)
+        return self.row_reads.submit(keys, pool, rows, row_idx, deps, sums)
 
     def submit_row_writes(self, keys: Sequence[Key], pool: str, rows, row_idx, deps: Sequence = ()
                           ) -> Outcome | None:

@@ -2,9 +2,11 @@
 
 The data of a block goes straight from (or to) its device slot with ``CuFile.pwrite``/
 ``pread`` at the 4 KiB-aligned data offset, so with GPUDirect Storage no CPU bounce copy is
-made. The header and checksum need the block's bytes on the host: they are computed from a
-copy into a pinned staging buffer (PCIe at tens of GB/s, far above disk speed), and the read
-side verifies the same way when ``verify_checksums`` is on.
+made. The data's checksum (for the header of a write, and each read's check when
+``verify_checksums`` is on) is computed on the GPU where the block is (XXH3-64 by
+``kernels/xxh3.cu``, :mod:`tiercache.files.devicehash`); only blocks that kernel does not take
+(under 241 bytes, or not on 8-byte boundaries) are copied into a pinned staging buffer and
+hashed on the host.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 from pathlib import Path
 
 from tiercache.errors import CorruptBlockError
+from tiercache.files import devicehash
 from tiercache.files.blockfile import DATA_OFFSET, checksum, encode_header
 from tiercache.files.posix_io import atomic_write, read_header
 from tiercache.files.rootdir import NotRegularFileError, RootPath, proc_path
@@ -31,7 +34,11 @@ def configure(num_threads: int, task_size: int | None = None, gds_threshold: int
 
 
 def _device_checksum(dev, staging) -> int:
-    """XXH3-64 of device buffer ``dev`` via host ``staging`` (pinned, same size or larger)."""
+    """XXH3-64 of device buffer ``dev`` (1-D CuPy ``uint8``): on the GPU where
+    :func:`~tiercache.files.devicehash.applies`, else via host ``staging`` (pinned, same size or
+    larger)."""
+    if devicehash.applies(dev.nbytes, dev.data.ptr):
+        return int(devicehash.device_checksums(dev.reshape(1, dev.nbytes))[0])
     host = staging[: dev.nbytes]
     dev.get(out=host)
     return checksum(host)

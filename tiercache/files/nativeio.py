@@ -44,6 +44,9 @@ DIRECT, FDATASYNC, PUBLISH, KEEP, EXCHANGE, KEEP_DIRECT, HASH, CHECK, MAKEHEAD =
 RECYCLE = 512
 #: an ``UNLINK`` whose ``Ops.fd`` (the deleted file's unused descriptor) is closed after it
 DROP_FD = 1024
+#: with ``CHECK``: check the header and size only, and give the header's data checksum in
+#: ``Ops.hash`` (the caller compares it, e.g. on the GPU: :mod:`tiercache.files.devicehash`)
+SUMONLY = 2048
 #: ``Ops.kept_flags`` bits: the kept descriptor is O_DIRECT / O_RDWR
 KEPT_DIRECT, KEPT_RDWR = 1, 2
 #: an operation's error code: the name is a symlink, directory, FIFO or other non-regular file

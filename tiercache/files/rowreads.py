@@ -29,7 +29,7 @@ import threading
 import numpy as np
 
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, Outcome, before_io
-from tiercache.files.nativeio import CHECK, HASH, READ
+from tiercache.files.nativeio import CHECK, HASH, READ, SUMONLY
 
 
 class RowReads:
@@ -52,7 +52,7 @@ class RowReads:
             return self.b.pieces_fit(pool, rows)
         return rows.flags.writeable and self.b.rows_fit(pool, rows)
 
-    def submit(self, keys: list[bytes], pool: str, rows, row_idx, deps=()) -> Outcome:
+    def submit(self, keys: list[bytes], pool: str, rows, row_idx, deps=(), sums: np.ndarray | None = None) -> Outcome:
         """Read the block of ``keys[i]`` (int or bytes keys) in ``pool`` into ``rows[row_idx[i]]``;
         returns the request's :class:`Outcome` (its errors by index into ``keys``), settled
         once every file is read and checked. ``rows`` must pass :meth:`applies` (rows, or a
@@ -62,6 +62,11 @@ class RowReads:
         Errors per block are the general path's: :class:`FileNotFoundError` for a missing
         file, :class:`~tiercache.errors.CorruptBlockError` for one that does not verify
         (truncated, wrong header, checksum mismatch), other :class:`OSError` s as raised.
+
+        With ``sums`` (``uint64 [len(keys)]``), the C threads check each file's header and size
+        but do not hash its data: ``sums[i]`` gets the data checksum its header gives, for the
+        caller to compare where the data goes (on the GPU: :mod:`tiercache.files.devicehash`).
+        A block Python checks (an unusual header) is verified whole on the host, as without.
         """
         idx = np.asarray(row_idx, dtype=np.int64)
         outcome = Outcome()
@@ -79,7 +84,7 @@ class RowReads:
             errs: dict[int, BaseException] = {}
             try:
                 before_io(lo, deps, 0.0, None)
-                self._read(keys, lo, hi, pool, rows, idx, errs)
+                self._read(keys, lo, hi, pool, rows, idx, errs, sums)
             except BaseException as exc:
                 for i in range(lo, hi):
                     errs.setdefault(i, exc)
@@ -95,16 +100,20 @@ class RowReads:
         return outcome
 
     def _read(self, keys: list[bytes], lo: int, hi: int, pool: str, rows, idx: np.ndarray,
-              errors: dict) -> None:
+              errors: dict, sums: np.ndarray | None = None) -> None:
         b = self.b
         spec = b.pools[pool]
-        ops = b.row_ops(keys[lo:hi], pool, rows, idx[lo:hi], HASH | CHECK)
+        ops = b.row_ops(keys[lo:hi], pool, rows, idx[lo:hi], CHECK | (HASH if sums is None else SUMONLY))
         b.native.run(READ, b.dir.fd, ops)
+        if sums is not None:
+            sums[lo:hi] = ops.hash
         for j in np.flatnonzero((ops.err != 0) | (ops.verdict == 0)).tolist():
             key = keys[lo + j]
             try:  # what the C threads did not vouch for: a header with extra fields, an error
                 r = int(idx[lo + j])
                 host = rows[r] if isinstance(rows, np.ndarray) else rows.gather(r)
-                b.check_read(ops, j, key, spec, host, b.dir.block_path(key, pool))
+                want = b.check_read(ops, j, key, spec, host, b.dir.block_path(key, pool))
+                if sums is not None:
+                    sums[lo + j] = want  # verified on the host whole: the data's checksum is the header's
             except BaseException as exc:
                 errors[lo + j] = exc

@@ -61,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from tiercache.arrays import aligned_empty
 from tiercache.errors import ConfigError
-from tiercache.files import SUBDIRS, IOPath, parse_filename, select_io_path
+from tiercache.files import SUBDIRS, IOPath, device_hash_applies, device_hasher, parse_filename, select_io_path
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
 from tiercache.integrations.loadcost import POLICIES as LOAD_POLICIES
 from tiercache.integrations.loadcost import PROBE_EVERY, LoadCost
@@ -77,7 +77,7 @@ DEFAULTS: dict[str, Any] = {
     "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
     "copy_streams": "compute", "load_policy": "faster", "device_staging_bytes": 512 << 20,
-    "store_gathers": "thread", "io_mode": "auto",
+    "store_gathers": "thread", "io_mode": "auto", "verify_on": "auto",
 }
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
@@ -102,6 +102,11 @@ STORE_GATHERS = ("thread", "engine")
 #: ``gds`` (an error where GDS is not available), ``compat`` (kvikio in its compatibility mode,
 #: into device slabs), ``posix`` (pinned staging)
 SETTING_KEYS = {**ROWSTORE_KEYS, "io_mode": "io_mode"}
+#: ``verify_on``: where a load's data checksums are compared (with ``verify`` on): ``auto``,
+#: on the GPU (:mod:`tiercache.files.devicehash`, the rows once up in the device slab) where
+#: the loads go through a device slab and its kernel applies, else on the host; ``host``: the
+#: native engine's threads, as each file is read; ``device`` (an error where it cannot)
+VERIFY_ON = ("auto", "host", "device")
 
 
 def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -133,6 +138,8 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"TierCacheConnector: 'copy_kernel' = {out['copy_kernel']!r}; valid: {', '.join(COPY_KERNELS)}"
         )
+    if out["verify_on"] not in VERIFY_ON:
+        raise ConfigError(f"TierCacheConnector: 'verify_on' = {out['verify_on']!r}; valid: {', '.join(VERIFY_ON)}")
     check_positive("TierCacheConnector", out, "capacity_blocks", optional=True)
     return out
 
@@ -572,6 +579,7 @@ class ConnectorWorker:
                     self.gather_launcher = _launcher(self.device)[0]
         else:
             self.copy_path = "torch (CPU)"
+        self.hasher, self.verify_where = self._device_hasher()
         s = self.settings
         self.store = RowStore(
             self.staging.numpy(),
@@ -590,10 +598,36 @@ class ConnectorWorker:
                                               daemon=True)
             self._gatherer.start()
         log.info("tiercache: vLLM connector worker: %d region(s) per block, %d bytes per block file, pieces of %d "
-                 "blocks, %d load slab(s) (%s) and %d store slab(s) of pinned staging, loads by %s (%s), copies "
-                 "by %s, I/O engine %s, root %s (%d blocks held)", len(views), self.row_bytes, self.piece,
-                 self.load_slabs, "device" if self.device_reads else "pinned", store_slabs, self.load_path.label,
-                 self.load_path.reason, self.copy_path, self.store.ft.engine, self.roots[0], len(self.store))
+                 "blocks, %d load slab(s) (%s) and %d store slab(s) of pinned staging, loads by %s (%s), checksums "
+                 "compared %s, copies by %s, I/O engine %s, root %s (%d blocks held)", len(views), self.row_bytes,
+                 self.piece, self.load_slabs, "device" if self.device_reads else "pinned", store_slabs,
+                 self.load_path.label, self.load_path.reason, self.verify_where, self.copy_path,
+                 self.store.ft.engine, self.roots[0], len(self.store))
+
+    def _device_hasher(self):
+        """(the :class:`~tiercache.files.devicehash.DeviceHasher` that checks the pinned path's
+        pieces once up in the device slab, or None; where checksums are compared, in words).
+
+        Raises:
+            ConfigError: ``verify_on = "device"`` where the GPU cannot check these loads.
+        """
+        s = self.settings
+        if not s["verify"]:
+            return None, "nowhere (verify = false)"
+        if self.device_reads:
+            return None, "on the GPU by the file tier's device reads"
+        why = ("verify_on = host" if s["verify_on"] == "host" else "CPU tensors" if not self.cuda else "")
+        if not why:
+            if device_hash_applies(self.row_bytes, self.dev_load.data_ptr(), self.row_bytes):
+                try:
+                    return device_hasher(self.device.index or 0), "on the GPU (each piece in the device slab)"
+                except Exception as exc:  # the kernel does not build here: the host compares
+                    why = f"the GPU's XXH3 kernel is not available ({exc})"
+            else:
+                why = f"blocks of {self.row_bytes} bytes are not for the GPU's XXH3 kernel"
+        if s["verify_on"] == "device":
+            raise ConfigError(f"TierCacheConnector: verify_on = 'device' cannot run here: {why}")
+        return None, f"on the host ({why})"
 
     @property
     def stream(self):
@@ -623,10 +657,13 @@ class ConnectorWorker:
         if not transfers:
             return
         t0 = time.perf_counter()
-        for t in transfers:
-            self._load(t)
+        landed = [self._load(t) for t in transfers]
         if self.cuda:
             self.stream.synchronize()  # in place before vLLM hears of it (get_finished)
+        for t, (failed_from, check) in zip(transfers, landed):
+            if check is not None:
+                failed_from = self._check_sums(t, failed_from, *check)
+            self._settle_load(t, failed_from)
         self._recving.update(t.req_id for t in transfers)
         self.counters["load_calls"] += 1
         self.counters["load_us"] += int((time.perf_counter() - t0) * 1e6)
@@ -654,12 +691,20 @@ class ConnectorWorker:
         if todo:
             self.counters["probe_timeouts"] += 1
 
-    def _load(self, t: BlockTransfer) -> None:
+    def _load(self, t: BlockTransfer):
+        """Read and send up ``t``'s blocks (the GPU's work enqueued on :attr:`stream`); returns
+        (the first block that failed on the host, or None; what :meth:`_check_sums` compares
+        once the stream is done, or None where the host checked every block)."""
         self._await_writes(t.keys)
         if self.store.shared:
             self._discover(t.keys)
         inflight: collections.deque = collections.deque()
         failed_from = None
+        check = None
+        if self.hasher is not None:  # the headers' checksums, and the GPU's of what went up
+            check = (np.zeros(len(t.keys), dtype=np.uint64),
+                     torch.zeros(len(t.keys), dtype=torch.int64, device=self.device),
+                     np.zeros(len(t.keys), dtype=bool))
         try:
             for lo in range(0, len(t.keys), self.piece):
                 if failed_from is not None:
@@ -676,6 +721,10 @@ class ConnectorWorker:
                 if self.device_reads:  # straight into device slab ``slab`` (kvikio: GDS or its compat mode)
                     job = self.jobs.submit(self.store.submit_load, keys, list(range(len(keys))),
                                            device_rows=self.dev_loads[slab])
+                elif check is not None:
+                    job = self.jobs.submit(self.store.submit_load, keys,
+                                           list(range(slab * self.piece, slab * self.piece + len(keys))),
+                                           sums=check[0][lo:lo + len(keys)])
                 else:
                     job = self._submit(self.store.submit_load, keys, slab * self.piece)
                 inflight.append((lo, keys, ids, slab, job))
@@ -683,14 +732,36 @@ class ConnectorWorker:
                 if len(inflight) >= self.load_slabs - 1:
                     # one slab of slack: the slab read next is the one landed a piece ago, whose
                     # upload has had the time of this piece's landing to finish
-                    failed_from = self._land(inflight.popleft(), failed_from)
+                    failed_from = self._land(inflight.popleft(), failed_from, check)
             while inflight:
-                failed_from = self._land(inflight.popleft(), failed_from)
+                failed_from = self._land(inflight.popleft(), failed_from, check)
         except Exception:
             log.exception("tiercache: vLLM connector: the load of request %s failed; vLLM recomputes it", t.req_id)
             failed_from = 0 if failed_from is None else failed_from
             for item in inflight:
                 self._wait(item[4])
+        return failed_from, check
+
+    def _check_sums(self, t: BlockTransfer, failed_from: int | None, sums: np.ndarray, dev_sums: torch.Tensor,
+                    on_gpu: np.ndarray) -> int | None:
+        """After the loads' stream is done: compare the GPU's checksums of ``t``'s blocks that
+        went up unchecked with their headers'; a block that does not match fails the load from
+        there on (its file checked again on the host, and quarantined where it is bad)."""
+        n = len(t.keys) if failed_from is None else failed_from
+        got = dev_sums[:n].cpu().numpy().view(np.uint64)
+        bad = np.flatnonzero(on_gpu[:n] & (got != sums[:n])).tolist()
+        self.counters["gpu_checked_blocks"] += int(on_gpu[:n].sum())
+        if not bad:
+            return failed_from
+        errors = self.store.reject([t.keys[i] for i in bad], "data checksum mismatch in device memory")
+        first = t.keys[bad[0]]
+        log.warning("tiercache: vLLM connector: block %s could not be loaded (%s); vLLM recomputes from there",
+                    first.hex(), errors[first])
+        self.counters["gpu_checksum_mismatches"] += len(bad)
+        return bad[0]
+
+    def _settle_load(self, t: BlockTransfer, failed_from: int | None) -> None:
+        """Report ``t``'s blocks from ``failed_from`` on as load errors (vLLM recomputes them)."""
         if failed_from is not None:
             with self._lock:
                 self._errors.update(t.block_ids[failed_from:])
@@ -698,8 +769,9 @@ class ConnectorWorker:
         self.counters["loaded_blocks"] += len(t.block_ids) if failed_from is None else failed_from
         self.counters[f"loads_{self.load_path.name}"] += 1
 
-    def _land(self, item, failed_from: int | None) -> int | None:
-        """Wait for a piece's reads, then send its good leading rows up into their blocks."""
+    def _land(self, item, failed_from: int | None, check=None) -> int | None:
+        """Wait for a piece's reads, then send its good leading rows up into their blocks (and,
+        with ``check``, hash them in the device slab on the way)."""
         lo, keys, ids, slab, job = item
         t0 = time.perf_counter()
         res = self._wait(job)
@@ -714,8 +786,19 @@ class ConnectorWorker:
         if good:
             t0 = time.perf_counter()
             self._upload(slab, ids[:good])
+            if check is not None and res.sums_only:
+                self._hash_slab(good, check[1][lo:lo + good])
+                check[2][lo:lo + good] = True
             self.counters["upload_issue_us"] += int((time.perf_counter() - t0) * 1e6)
         return failed_from
+
+    def _hash_slab(self, n: int, out: torch.Tensor) -> None:
+        """Enqueue the XXH3-64 of the device slab's first ``n`` rows into ``out`` on the loads'
+        stream (after the piece's copy up, before the next piece's)."""
+        cs = self._cupy_streams.get(self.stream.cuda_stream)
+        if cs is None:
+            cs = self._cupy_streams[self.stream.cuda_stream] = _cupy_stream(self.stream, self.device)
+        self.hasher.hash_rows(self.dev_load[:n], out, cs)
 
     def _segments(self, base: int, ids: list[int]):
         """Per region size: (device page addresses, staging addresses from ``base``) of every

@@ -167,8 +167,12 @@ def alloc_host(nbytes: int, pinned: bool | None = None, huge_pages: str = "off")
     if pinned:
         import cupy
 
-        mem = cupy.cuda.alloc_pinned_memory(size)
-        arr = np.frombuffer(mem, dtype=np.uint8, count=size)
+        # CuPy's pinned pool hands out pieces of larger allocations, 512-byte aligned: once
+        # anything else took pinned memory from it (CuPy's own staging of an asynchronous copy,
+        # for one), a piece need not start on a page, and O_DIRECT and the row reads need one
+        mem = cupy.cuda.alloc_pinned_memory(size + PAGE)
+        off = -mem.ptr % PAGE
+        arr = np.frombuffer(mem, dtype=np.uint8, count=size + PAGE)[off:off + size]
         return arr[:nbytes], HostMemory(nbytes, True, PAGE, "cudaHostAlloc", mem)
     # MAP_POPULATE faults the pages in now, not on the first copy into each block
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
