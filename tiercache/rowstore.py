@@ -23,7 +23,9 @@ tier's native I/O engine. Nothing is copied on the way beyond what the checksum 
   <tiercache.files.FileTier.sweep>`).
 - **Never a wrong byte.** A load whose file fails its header or checksum fails that key; the
   file is quarantined, the key forgotten, and the key's row is zeroed before the job is
-  reported, so no unverified byte stays in it. A store that fails leaves no file of its key.
+  reported, so no unverified byte stays in it (a load given ``sums`` leaves the data's
+  checksum to its caller, who compares it before using the row: the vLLM connector, on the
+  GPU). A store that fails leaves no file of its key.
 
 Depends on :mod:`tiercache.files` and :mod:`tiercache.placement`.
 """
@@ -970,7 +972,7 @@ class RowStore:
         self.close()
 
 
-# -- validation ----------------------------------------------------------------------------------
+# -- a load's checksums for the caller ---------------------------------------------------------
 @dataclass
 class _Sums:
     """A load's data checksums for the caller (:meth:`RowStore.submit_load`'s ``sums``): the
@@ -992,6 +994,7 @@ def _ordered_sums(out: np.ndarray, where: list[int]) -> _Sums:
     return _Sums(out, np.asarray(where, dtype=np.int64), np.zeros(len(where), dtype=np.uint64))
 
 
+# -- validation ----------------------------------------------------------------------------------
 def _row_view(rows) -> np.ndarray:
     """``rows`` as ``uint8 [num_rows, row_bytes]`` over the same memory."""
     try:
