@@ -643,8 +643,8 @@ class ConnectorWorker:
         return self._streams[1] if self._streams else torch.cuda.current_stream(self.device)
 
     # -- RowStore jobs -----------------------------------------------------------------------
-    def _submit(self, fn, keys: list[bytes], row0: int) -> int:
-        return self.jobs.submit(fn, keys, list(range(row0, row0 + len(keys))))
+    def _submit(self, fn, keys: list[bytes], row0: int, **kwargs) -> int:
+        return self.jobs.submit(fn, keys, list(range(row0, row0 + len(keys))), **kwargs)
 
     def _wait(self, jid: int):
         """Wait (GIL released) for RowStore job ``jid``; its :class:`RowJobResult`."""
@@ -721,12 +721,9 @@ class ConnectorWorker:
                 if self.device_reads:  # straight into device slab ``slab`` (kvikio: GDS or its compat mode)
                     job = self.jobs.submit(self.store.submit_load, keys, list(range(len(keys))),
                                            device_rows=self.dev_loads[slab])
-                elif check is not None:
-                    job = self.jobs.submit(self.store.submit_load, keys,
-                                           list(range(slab * self.piece, slab * self.piece + len(keys))),
-                                           sums=check[0][lo:lo + len(keys)])
-                else:
-                    job = self._submit(self.store.submit_load, keys, slab * self.piece)
+                else:  # into pinned staging; with ``check``, the data's checksums are the GPU's to compare
+                    sums = {} if check is None else {"sums": check[0][lo:lo + len(keys)]}
+                    job = self._submit(self.store.submit_load, keys, slab * self.piece, **sums)
                 inflight.append((lo, keys, ids, slab, job))
                 self.counters["submit_us"] += int((time.perf_counter() - t0) * 1e6)
                 if len(inflight) >= self.load_slabs - 1:
@@ -795,10 +792,14 @@ class ConnectorWorker:
     def _hash_slab(self, n: int, out: torch.Tensor) -> None:
         """Enqueue the XXH3-64 of the device slab's first ``n`` rows into ``out`` on the loads'
         stream (after the piece's copy up, before the next piece's)."""
-        cs = self._cupy_streams.get(self.stream.cuda_stream)
+        self.hasher.hash_rows(self.dev_load[:n], out, self._cupy(self.stream))
+
+    def _cupy(self, stream):
+        """CuPy's view of torch stream ``stream`` (made once per stream)."""
+        cs = self._cupy_streams.get(stream.cuda_stream)
         if cs is None:
-            cs = self._cupy_streams[self.stream.cuda_stream] = _cupy_stream(self.stream, self.device)
-        self.hasher.hash_rows(self.dev_load[:n], out, cs)
+            cs = self._cupy_streams[stream.cuda_stream] = _cupy_stream(stream, self.device)
+        return cs
 
     def _segments(self, base: int, ids: list[int]):
         """Per region size: (device page addresses, staging addresses from ``base``) of every
@@ -843,9 +844,7 @@ class ConnectorWorker:
         """Device slab rows <-> the pages of blocks ``ids``, on ``stream`` (current), by
         ``launcher`` (None: torch's copies)."""
         if launcher is not None:
-            cs = self._cupy_streams.get(stream.cuda_stream)
-            if cs is None:
-                cs = self._cupy_streams[stream.cuda_stream] = _cupy_stream(stream, self.device)
+            cs = self._cupy(stream)
             for size, pages, staged in self._segments(dev.data_ptr(), ids):
                 if to_pages:
                     launcher.copy_segments(pages, staged, size, cs, self._force)
