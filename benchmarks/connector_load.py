@@ -20,7 +20,10 @@ block (user, system; the C threads' included) is reported beside its time.
 
 ``--stores``: a prompt's stores behind a forward pass's stand-in (``--forward-ms`` of matmuls on
 the engine's stream) instead: the host time of ``after_forward``, the GPU time it adds to the
-engine's stream, and when the blocks are free, per run; ``--profile`` adds a cProfile of one.
+engine's stream, when the blocks are free and when their files are written, and the process's
+CPU per block from the plan to the files written (``--set verify_on=host`` against the default:
+the stores' checksums made by the C threads or on the GPU), per run; ``--profile`` adds a
+cProfile of one.
 
 Reproduces docs/vllm.md, "The direct path: status" and "Checksums on the GPU", and
 docs/performance/vllm.md, "A load taken apart".
@@ -202,7 +205,7 @@ def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_m
 
             prof = cProfile.Profile()
             prof.enable()
-        t0 = time.perf_counter()
+        c0, t0 = os.times(), time.perf_counter()
         w.plan_stores([BlockTransfer(f"s{r}", keys, list(range(blocks)))])
         w.after_forward()
         host = time.perf_counter() - t0
@@ -216,9 +219,14 @@ def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_m
             time.sleep(0.0005)
         freed = time.perf_counter() - t_fwd
         after.synchronize()
-        rows.append({"after_forward_host_ms": host * 1e3, "stream_added_ms": fwd_end.elapsed_time(after),
-                     "freed_after_forward_ms": freed * 1e3})
         assert w.drain(120), "the stores did not finish"
+        written = time.perf_counter() - t_fwd
+        c1 = os.times()
+        rows.append({"after_forward_host_ms": host * 1e3, "stream_added_ms": fwd_end.elapsed_time(after),
+                     "freed_after_forward_ms": freed * 1e3, "written_after_forward_ms": written * 1e3,
+                     # the process's CPU from the plan to the files written (the C threads' included)
+                     "cpu_user_us_per_block": (c1.user - c0.user) / blocks * 1e6,
+                     "cpu_sys_us_per_block": (c1.system - c0.system) / blocks * 1e6})
     want = [t[:, :blocks].clone() for t in caches.values()]
     dst = list(range(blocks + 8, 2 * blocks + 8))
     w.load([BlockTransfer("check", keys, dst)])
@@ -228,6 +236,7 @@ def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_m
     counters = dict(w.counters)
     w.close()
     out = {"settings": extra, "forward_ms": forward_ms, "kernels": kernels, "blocks": blocks, "runs": rows,
+           "store_checksums": w.store_sums_where,
            "median": {k: statistics.median(x[k] for x in rows) for k in rows[0]}, "counters": counters}
     if prof is not None:
         import io

@@ -345,7 +345,10 @@ static void read_checks(const tc_batch *b, int i)
  * with expect[i] after the key and the data's XXH3-64, written into head[i] before the write:
  * the bytes tiercache/files/blockfile.py's encode_header makes for a block without "extra",
  * byte for byte (magic, version, metadata length and XXH3-64, the metadata, zeros to the
- * page's end). The data's checksum also goes to hash[i]. Returns the error (EINVAL: a name
+ * page's end). The data's checksum also goes to hash[i]; with TC_SUMONLY it is taken from hash[i]
+ * as the caller gives it, and the data is not hashed (the vLLM connector's stores, whose blocks
+ * were hashed on the GPU: a wrong checksum there fails every later read of the file, never
+ * passes one). Returns the error (EINVAL: a name
  * or header that does not fit; ENOMEM / ENOSYS: pieces whose checksum could not be made). */
 static int make_head(const tc_batch *b, int i)
 {
@@ -363,11 +366,15 @@ static int make_head(const tc_batch *b, int i)
     if (24 + mlen > TC_HEADER_BYTES)
         return EINVAL;
     uint64_t sum = 0;
-    int e = op_hash(b, i, b->data_len[i], &sum);
-    if (e)
-        return e; /* no checksum, no header: the write fails */
-    if (b->hash)
-        b->hash[i] = sum;
+    if ((b->flags[i] & TC_SUMONLY) && b->hash) {
+        sum = b->hash[i]; /* the caller's checksum of the data (made on the GPU, where it was) */
+    } else {
+        int e = op_hash(b, i, b->data_len[i], &sum);
+        if (e)
+            return e; /* no checksum, no header: the write fails */
+        if (b->hash)
+            b->hash[i] = sum;
+    }
     unsigned char *h = b->head[i];
     char *m = (char *)h + 24, *d = m + 10 + klen + tlen;
     memcpy(m, "{\"key\":\"", 8);

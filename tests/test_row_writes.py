@@ -17,10 +17,12 @@ from helpers import spy_request_sizes
 
 from tiercache import PoolSpec, RowStore
 from tiercache.arrays import aligned_empty
+from tiercache.errors import ConfigError, CorruptBlockError
 from tiercache.files import FileTier, IOPath, nativeio
-from tiercache.files.blockfile import block_filename, block_location
+from tiercache.files.blockfile import block_filename, block_location, decode_header
 from tiercache.files.nativeio import native_hash
 from tiercache.files.rowwrites import RowWrites
+from tiercache.rowstore import POOL
 from tiercache.settings import sections
 
 NATIVE = [e for e in ("threads", "io_uring") if nativeio.native_status()[0]]
@@ -186,6 +188,54 @@ def test_a_row_stores_stores_take_the_row_path(tmp_path, rng, row_calls):
             assert {j.job_id: j for j in st.finished()}[jid].success
             assert np.array_equal(rows[perm], want)
     assert row_calls == [n] * 4
+
+
+def _result(st: RowStore, jid):
+    assert st.drain(30)
+    return {j.job_id: j for j in st.finished()}[jid]
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_stores_can_take_checksums_made_by_the_caller(tmp_path, rng, row_calls, engine):
+    """``submit_store(..., sums=...)`` (the vLLM connector's stores, hashed on the GPU): the
+    headers carry the caller's checksums as given, for the new keys of the call in their order
+    (stored keys skipped); the files are byte for byte a store's without ``sums``; a wrong
+    checksum is written as given (the data is not hashed) and that block then fails its read
+    and is quarantined, never read back as good; bad ``sums`` submit nothing."""
+    import xxhash
+
+    bs, n = 3 * 4096, 12
+    rows = _rows(rng, 2 * n, bs)
+    keys = [os.urandom(int(rng.integers(1, 40))) for _ in range(n)]
+    true = np.array([xxhash.xxh3_64_intdigest(rows[i].tobytes()) for i in range(n)], dtype=np.uint64)
+    with RowStore(rows, tmp_path / "plain", capacity_blocks=4 * n, fsync="none", io_engine=engine) as plain, \
+            RowStore(rows, tmp_path / "given", capacity_blocks=4 * n, fsync="none", io_engine=engine) as st:
+        assert _result(plain, plain.submit_store(keys, np.arange(n))).success
+        first = rng.permutation(n)[: n // 3]  # stored first: skipped by the second call
+        assert _result(st, st.submit_store([keys[i] for i in first], first, sums=true[first])).success
+        wrong = int(rng.choice(np.setdiff1d(np.arange(n), first)))
+        given = true.copy()
+        given[first] = 1  # the skipped keys' checksums are not used
+        given[wrong] ^= np.uint64(1 << int(rng.integers(0, 64)))
+        for bad in (np.zeros(n + 1, dtype=np.uint64), true.astype(np.int64), list(true)):
+            with pytest.raises(ConfigError, match=f"uint64 array of {n} checksums"):
+                st.submit_store(keys, np.arange(n), sums=bad)
+        res = _result(st, st.submit_store(keys, np.arange(n), sums=given))
+        assert res.success and res.sums_only and sorted(res.skipped) == sorted(keys[i] for i in first)
+        for i, k in enumerate(keys):
+            body = _file([tmp_path / "given"], k, POOL)
+            assert decode_header(body[:4096]).checksum == int(true[i] if i in first else given[i])
+            if i != wrong:
+                assert body == _file([tmp_path / "plain"], k, POOL)
+        rows[n:] = 0
+        order = rng.permutation(n)
+        res = _result(st, st.submit_load(keys, n + order))
+        assert set(res.failed) == {keys[wrong]} and isinstance(res.failed[keys[wrong]], CorruptBlockError)
+        good = np.flatnonzero(np.arange(n) != wrong)  # key i went to row n + order[i]
+        assert np.array_equal(rows[n + order[good]], rows[good])
+        assert not rows[n + order[wrong]].any()  # no unverified byte of the bad block stays in its row
+        assert keys[wrong] not in st and len(list((tmp_path / "given" / "quarantine").glob("*"))) == 1
+    assert row_calls == [n, len(first), n - len(first)]  # every store took the row path
 
 
 @pytest.mark.parametrize("kind", ["int", "bytes"])

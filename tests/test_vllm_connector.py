@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from tiercache.bench.benchvllmserve import damage_file  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.integrations.vllmconnector import TierCacheConnector, block_views, parse_config, rank_roots  # noqa: E402
+from tiercache.rootops import verify_root  # noqa: E402
 
 BS, LAYERS, HEADS, HD, NB = 16, 4, 2, 8, 64
 
@@ -180,6 +181,13 @@ def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng,
     want = _store(a, "r1", hashes, 5 * BS + 3, list(range(10, 16)))
     assert a.config.kv_transfer_config.kv_load_failure_policy == "recompute"
     a.close()
+    # the files' checksums (made on the GPU for the stores where it can) are the host library's
+    w = a.worker._worker
+    assert (w.store_hasher is not None) is (device not in ("cpu", "cpu-engine", "cuda-hostsum"))
+    assert w.counters["gpu_summed_store_blocks"] == (5 if w.store_hasher is not None else 0)
+    (root,) = [p for p in tmp_path.iterdir() if p.name.endswith("_c_r0")]
+    report = verify_root(root)
+    assert report["checked"] == 5 and not report["bad"]
     b = _Engine(tmp_path, layout, device)  # a restarted engine: the index comes from the files
     req = _request("r2", hashes[:5] + [rng.bytes(32)], 6 * BS + 1)
     assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
@@ -309,11 +317,16 @@ def test_a_damaged_file_is_a_load_error_from_its_block_on(tmp_path, rng, damage,
 def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng, device):
     """More pieces than load slabs (and, on a GPU, than device store slabs): each slab is read
     again only once its last piece is up, and a device slab takes the next gather only once
-    its copy to the host is done."""
+    its copy to the host is done. ``load_switch_s``: Python's switch interval while the load
+    runs, and Python's own again after it."""
+    import sys
+
     n = NB // 2 - 1
     hashes = [rng.bytes(32) for _ in range(n + 1)]
-    a = _Engine(tmp_path, device=device, piece_blocks=3)
+    a = _Engine(tmp_path, device=device, piece_blocks=3, load_switch_s=0.0003)
     w = a.worker._worker
+    seen, own, land = [], sys.getswitchinterval(), w._land
+    w._land = lambda *args: seen.append(sys.getswitchinterval()) or land(*args)
     w.load_slabs, w._slab_events = 2, [None, None]  # two slabs of 3 blocks for 31 blocks
     if w.cuda:
         w.dev_store, w._dev_events = w.dev_store[:2], [None, None]  # two device store slabs
@@ -326,6 +339,7 @@ def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng,
     assert [a.block(x) for x in ids[:n]] == want
     assert w.counters["loaded_blocks"] == n and not a.worker.get_block_ids_with_load_errors()
     assert w.counters[f"loads_{w.load_path.name}"] == 1  # the path it took, reported
+    assert seen and set(seen) == {0.0003} and sys.getswitchinterval() == own
     # where the checksums were compared: the GPU for the pinned path's pieces unless told otherwise
     assert (w.hasher is not None) is (device in ("cuda", "cuda-side", "cuda-engine"))
     assert w.counters["gpu_checked_blocks"] == (n if w.hasher is not None else 0)
@@ -453,6 +467,10 @@ def test_the_config_is_checked():
     assert parse_config({"root": "/x"})["io_mode"] == "auto"
     with pytest.raises(ConfigError, match="verify_on.*'gpu'.*valid: auto, host, device"):
         parse_config({"root": "/x", "verify_on": "gpu"})
+    for bad in (-0.001, 0.5, "fast", True):
+        with pytest.raises(ConfigError, match="load_switch_s.*valid: 0 .* or seconds up to 0.1"):
+            parse_config({"root": "/x", "load_switch_s": bad})
+    assert parse_config({"root": "/x", "load_switch_s": 0.0002})["load_switch_s"] == 0.0002
     assert parse_config({"root": ["/a", "/b"]})["root"] == ["/a", "/b"]
     assert [p.name for p in rank_roots(["/a"], "d1g", "org/Llama-3.1 8B/", 1)] == ["Llama-3.1-8B_d1g_c_r1"]
 
@@ -496,4 +514,6 @@ def test_checksums_on_the_gpu_asked_where_there_is_none_is_a_clear_error(tmp_pat
         _Engine(tmp_path, device="cpu", verify_on="device")
     e = _Engine(tmp_path / "b", device="cpu", verify_on="auto")
     assert e.worker._worker.hasher is None and e.worker._worker.verify_where == "on the host (CPU tensors)"
+    assert e.worker._worker.store_hasher is None
+    assert e.worker._worker.store_sums_where == "on the host (CPU tensors)"
     e.close()

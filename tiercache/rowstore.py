@@ -119,7 +119,9 @@ class RowJobResult:
     nbytes: int = 0
     seconds: float = 0.0
     #: loads given ``sums``: True where the data's checksums were left to the caller (the
-    #: headers' values are in ``sums``); False where they were verified here as usual
+    #: headers' values are in ``sums``); False where they were verified here as usual.
+    #: Stores given ``sums``: True where the headers took the caller's checksums; False where
+    #: the data was hashed here as usual
     sums_only: bool = False
 
     @property
@@ -160,6 +162,8 @@ class _Job:
     device_rows: Any = None
     #: a load whose data checksums go to the caller: ``uint64`` per key of the load, in order
     sums: _Sums | None = None
+    #: a store whose data checksums the caller made: ``uint64`` per item, in order
+    store_sums: np.ndarray | None = None
 
 
 class RowStore:
@@ -429,7 +433,8 @@ class RowStore:
         return len(self.index) - len(self._storing)
 
     # -- jobs --------------------------------------------------------------------------------
-    def submit_store(self, keys, rows, job_id: Hashable = None, *, pieces: BlockPieces | None = None) -> Hashable:
+    def submit_store(self, keys, rows, job_id: Hashable = None, *, pieces: BlockPieces | None = None,
+                     sums: np.ndarray | None = None) -> Hashable:
         """Write rows ``rows[i]`` as the blocks of ``keys[i]``; returns ``job_id`` at once.
 
         Keys already stored, or being stored, are skipped (content keys: the same bytes).
@@ -444,25 +449,37 @@ class RowStore:
             pieces: blocks in pieces of the caller's memory
                 (:class:`~tiercache.files.blockpieces.BlockPieces`, :meth:`pieces_fit`):
                 ``rows`` then index its blocks, written from in place (no copy to a row).
+            sums: ``uint64 [len(keys)]``: the XXH3-64 (seed 0) of each key's block as the
+                caller computed it (on the GPU, where the block was:
+                :mod:`tiercache.files.devicehash`); the files' headers carry these and the
+                data is not hashed again where the row writes take the job (elsewhere it is,
+                and ``sums`` goes unused). A wrong checksum makes its file fail every read
+                (a corrupt block, quarantined), never pass one.
 
         Raises:
             InvalidKeyError, SlotRangeError, ConfigError: bad keys, rows out of range, or
-                lengths that differ, or ``pieces`` this store cannot take (nothing is
-                submitted).
+                lengths that differ, ``pieces`` this store cannot take, or ``sums`` of the
+                wrong length or dtype (nothing is submitted).
             ClosedError: after :meth:`close`.
         """
         with self._lock:
             self._check_open()
             ks, rs = self._keys_rows(keys, rows, self._check_pieces(pieces))
+            if sums is not None and (not isinstance(sums, np.ndarray) or sums.shape != (len(ks),)
+                                     or sums.dtype != np.uint64):
+                got = f"{getattr(sums, 'dtype', type(sums).__name__)} of shape {getattr(sums, 'shape', None)}"
+                raise ConfigError(f"sums: give a uint64 array of {len(ks)} checksums, one per key; got {got}")
             job_id = self._job_id(job_id)
             result = RowJobResult(job_id, "store", ks)
             self._apply()
             new: list[tuple[bytes, int]] = []
-            for k, r, slot in zip(ks, rs, self.index.find_many(ks).tolist()):
+            where: list[int] = []  # each new key's place in ``keys`` (its checksum in ``sums``)
+            for i, (k, r, slot) in enumerate(zip(ks, rs, self.index.find_many(ks).tolist())):
                 if slot >= 0:
                     result.skipped.append(k)
                 else:
                     new.append((k, r))
+                    where.append(i)
             seen = {k for k, _ in new}
             room = self.index.free_count
             deps = []
@@ -478,7 +495,8 @@ class RowStore:
                     "read or written")
             new = new[:room]
             self.counters["dropped_stores"] += len(result.failed)
-            job = _Job(result, new, time.monotonic(), pieces=pieces)
+            job = _Job(result, new, time.monotonic(), pieces=pieces,
+                       store_sums=None if sums is None else sums[np.asarray(where[:room], dtype=np.int64)])
             for k, _ in new:  # before the index: a lock-free state() sees PENDING, never PRESENT too early
                 self._storing[k] = job
             self.index.add([k for k, _ in new])
@@ -604,7 +622,8 @@ class RowStore:
             job.outcome = self.ft.submit_rows(keys, POOL, src, rows, deps, sums)
             job.result.sums_only = job.outcome is not None and sums is not None
         else:
-            job.outcome = self.ft.submit_row_writes(keys, POOL, src, rows, deps)
+            job.outcome = self.ft.submit_row_writes(keys, POOL, src, rows, deps, job.store_sums)
+            job.result.sums_only = job.outcome is not None and job.store_sums is not None
         assert job.outcome is not None or job.pieces is None  # pieces only where pieces_fit
         if job.outcome is not None:
             outcome = job.outcome

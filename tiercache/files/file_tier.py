@@ -618,8 +618,8 @@ class FileTier:
             return None
         return self.row_reads.submit(keys, pool, rows, row_idx, deps, sums)
 
-    def submit_row_writes(self, keys: Sequence[Key], pool: str, rows, row_idx, deps: Sequence = ()
-                          ) -> Outcome | None:
+    def submit_row_writes(self, keys: Sequence[Key], pool: str, rows, row_idx, deps: Sequence = (),
+                          sums: np.ndarray | None = None) -> Outcome | None:
         """Start writing ``rows[row_idx[i]]`` as the block of ``keys[i]`` (int or bytes keys) in
         ``pool`` (``rows``: 2-D host ``uint8``, one block per row) with the request laid out as
         arrays (:class:`~tiercache.files.rowwrites.RowWrites`); returns the request's
@@ -629,12 +629,14 @@ class FileTier:
         with extra header metadata): then use :meth:`submit`. A one-pool tier only (every
         pool's file of a block is written by one request). The rows must not change until the
         outcome is settled. ``rows`` may be a :class:`~tiercache.files.blockpieces.BlockPieces`
-        instead, as for :meth:`submit_rows`."""
+        instead, as for :meth:`submit_rows`. With ``sums`` the headers carry the data
+        checksums the caller computed (:meth:`RowWrites.submit
+        <tiercache.files.rowwrites.RowWrites.submit>`)."""
         if self.row_writes is None or len(self.pools) != 1 or not self.row_writes.applies(pool, rows):
             return None
         if self.block_meta and any(self.block_meta.get(k) for k in keys):
             return None
-        return self.row_writes.submit(keys, pool, rows, row_idx, deps)
+        return self.row_writes.submit(keys, pool, rows, row_idx, deps, sums)
 
     def submit_row_pools(self, keys: list[Key], rows: dict[str, np.ndarray], row_idx, deps: Sequence = ()
                          ) -> list[tuple[Key, BlockFuture]] | None:

@@ -45,7 +45,9 @@ RECYCLE = 512
 #: an ``UNLINK`` whose ``Ops.fd`` (the deleted file's unused descriptor) is closed after it
 DROP_FD = 1024
 #: with ``CHECK``: check the header and size only, and give the header's data checksum in
-#: ``Ops.hash`` (the caller compares it, e.g. on the GPU: :mod:`tiercache.files.devicehash`)
+#: ``Ops.hash`` (the caller compares it, e.g. on the GPU: :mod:`tiercache.files.devicehash`);
+#: with ``MAKEHEAD``: the header takes the data checksum the caller put in ``Ops.hash``, and the
+#: data is not hashed
 SUMONLY = 2048
 #: ``Ops.kept_flags`` bits: the kept descriptor is O_DIRECT / O_RDWR
 KEPT_DIRECT, KEPT_RDWR = 1, 2

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, GroupCommit, Outcome, all_settled, before_io
-from tiercache.files.nativeio import MAKEHEAD
+from tiercache.files.nativeio import MAKEHEAD, SUMONLY
 from tiercache.files.rootdir import RootPath
 
 
@@ -58,7 +58,7 @@ class RowWrites:
             return self.b.pieces_fit(pool, rows)
         return self.b.rows_fit(pool, rows)
 
-    def submit(self, keys: Sequence, pool: str, rows, row_idx, deps=()) -> Outcome:
+    def submit(self, keys: Sequence, pool: str, rows, row_idx, deps=(), sums: np.ndarray | None = None) -> Outcome:
         """Write ``rows[row_idx[i]]`` as the block of ``keys[i]`` (int or bytes keys) in
         ``pool``; returns the request's :class:`Outcome` (errors by index into ``keys``),
         settled once every block is published (or failed, none of its files left). ``rows``
@@ -69,6 +69,11 @@ class RowWrites:
         Errors per block are the general path's (:meth:`FileTier.submit
         <tiercache.files.FileTier.submit>`): the :class:`OSError` of the failed file
         operation, or of the group commit's ``syncfs`` or rename.
+
+        With ``sums`` (``uint64 [len(keys)]``), ``sums[i]`` is the XXH3-64 of block ``i``'s
+        data as the caller computed it (on the GPU, where the block was:
+        :mod:`tiercache.files.devicehash`): the headers carry it and the C threads do not hash
+        the data. A wrong one never passes a read: every read checks the data against it.
         """
         b = self.b
         n = len(keys)
@@ -86,15 +91,15 @@ class RowWrites:
             group = GroupCommit(b.dir, b.fsync, list(keys), len(chunks), b.rename_all, b._delete, outcome.settle,
                                 b.discard)
             for c in chunks:
-                b.queue(outcome, self._chunk, c, items, pool, rows, idx, deps, None, group)
+                b.queue(outcome, self._chunk, c, items, pool, rows, idx, deps, None, group, sums)
             return outcome
         outcomes = [Outcome() for _ in chunks]
         for c, o in zip(chunks, outcomes):
-            b.queue(o, self._chunk, c, items, pool, rows, idx, deps, o, None)
+            b.queue(o, self._chunk, c, items, pool, rows, idx, deps, o, None, sums)
         return all_settled(outcomes)
 
     def _chunk(self, c: list[int], items: list[tuple], pool: str, rows, idx: np.ndarray, deps,
-               outcome: Outcome | None, group: GroupCommit | None) -> None:
+               outcome: Outcome | None, group: GroupCommit | None, sums: np.ndarray | None = None) -> None:
         """One chunk (a task of the I/O threads): its batch laid out as arrays, then the
         general path's names, write and publication."""
         b = self.b
@@ -102,7 +107,11 @@ class RowWrites:
         staged: dict[int, list] = {}
         try:
             before_io(c[0], deps, 0.0, None)
-            ops = b.row_ops([items[i][0] for i in c], pool, rows, idx[c[0]:c[-1] + 1], MAKEHEAD)
+            lo, hi = c[0], c[-1] + 1
+            flags = MAKEHEAD | (0 if sums is None else SUMONLY)
+            ops = b.row_ops([items[i][0] for i in c], pool, rows, idx[lo:hi], flags)
+            if sums is not None:
+                ops.hash[:] = sums[lo:hi]  # what the headers carry (SUMONLY: the data is not hashed)
             assert ops.name_blob is not None and ops.name_off is not None and ops.subs is not None
             raw, texts = ops.name_blob.raw, b.subdirs()[1]
             # the general path's names: the final paths (and below, temporary names) as text

@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "verify": True, "io_engine": "threads", "io_threads": 16, "open_files": -1, "direct_io": True,
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
     "copy_streams": "compute", "load_policy": "faster", "device_staging_bytes": 512 << 20,
-    "store_gathers": "thread", "io_mode": "auto", "verify_on": "auto",
+    "store_gathers": "thread", "io_mode": "auto", "verify_on": "auto", "load_switch_s": 0.0,
 }
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
@@ -102,10 +103,11 @@ STORE_GATHERS = ("thread", "engine")
 #: ``gds`` (an error where GDS is not available), ``compat`` (kvikio in its compatibility mode,
 #: into device slabs), ``posix`` (pinned staging)
 SETTING_KEYS = {**ROWSTORE_KEYS, "io_mode": "io_mode"}
-#: ``verify_on``: where a load's data checksums are compared (with ``verify`` on): ``auto``,
-#: on the GPU (:mod:`tiercache.files.devicehash`, the rows once up in the device slab) where
-#: the loads go through a device slab and its kernel applies, else on the host; ``host``: the
-#: native engine's threads, as each file is read; ``device`` (an error where it cannot)
+#: ``verify_on``: where the data checksums of loads (with ``verify`` on) are compared and
+#: those of stores made: ``auto``, on the GPU (:mod:`tiercache.files.devicehash`: a load's rows
+#: once up in the device slab, a store's once gathered into its device slab) where the kernel
+#: applies, else on the host; ``host``: the native engine's threads, as each file is read or
+#: written; ``device`` (an error where it cannot)
 VERIFY_ON = ("auto", "host", "device")
 
 
@@ -141,6 +143,10 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
     if out["verify_on"] not in VERIFY_ON:
         raise ConfigError(f"TierCacheConnector: 'verify_on' = {out['verify_on']!r}; valid: {', '.join(VERIFY_ON)}")
     check_positive("TierCacheConnector", out, "capacity_blocks", optional=True)
+    sw = out["load_switch_s"]
+    if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw <= 0.1:
+        raise ConfigError(f"TierCacheConnector: 'load_switch_s' = {sw!r}; valid: 0 (Python's own switch interval) "
+                          "or seconds up to 0.1")
     return out
 
 
@@ -580,6 +586,11 @@ class ConnectorWorker:
         else:
             self.copy_path = "torch (CPU)"
         self.hasher, self.verify_where = self._device_hasher()
+        self.store_hasher, self.store_sums_where = self._store_hasher()
+        if self.store_hasher is not None:  # per device store slab, and per pinned slab once copied down
+            self.dev_store_sums = torch.empty((len(self._dev_events), self.piece), dtype=torch.int64,
+                                              device=self.device)
+            self.slab_sums = torch.empty((pinned_load + store_slabs, self.piece), dtype=torch.int64, pin_memory=True)
         s = self.settings
         self.store = RowStore(
             self.staging.numpy(),
@@ -599,9 +610,10 @@ class ConnectorWorker:
             self._gatherer.start()
         log.info("tiercache: vLLM connector worker: %d region(s) per block, %d bytes per block file, pieces of %d "
                  "blocks, %d load slab(s) (%s) and %d store slab(s) of pinned staging, loads by %s (%s), checksums "
-                 "compared %s, copies by %s, I/O engine %s, root %s (%d blocks held)", len(views), self.row_bytes,
-                 self.piece, self.load_slabs, "device" if self.device_reads else "pinned", store_slabs,
-                 self.load_path.label, self.load_path.reason, self.verify_where, self.copy_path,
+                 "compared %s, stores' checksums made %s, copies by %s, I/O engine %s, root %s (%d blocks held)",
+                 len(views), self.row_bytes, self.piece, self.load_slabs, "device" if self.device_reads else "pinned",
+                 store_slabs, self.load_path.label, self.load_path.reason, self.verify_where, self.store_sums_where,
+                 self.copy_path,
                  self.store.ft.engine, self.roots[0], len(self.store))
 
     def _device_hasher(self):
@@ -622,6 +634,28 @@ class ConnectorWorker:
                 try:
                     return device_hasher(self.device.index or 0), "on the GPU (each piece in the device slab)"
                 except Exception as exc:  # the kernel does not build here: the host compares
+                    why = f"the GPU's XXH3 kernel is not available ({exc})"
+            else:
+                why = f"blocks of {self.row_bytes} bytes are not for the GPU's XXH3 kernel"
+        if s["verify_on"] == "device":
+            raise ConfigError(f"TierCacheConnector: verify_on = 'device' cannot run here: {why}")
+        return None, f"on the host ({why})"
+
+    def _store_hasher(self):
+        """(the :class:`~tiercache.files.devicehash.DeviceHasher` that makes the stores'
+        checksums in the device store slabs, or None; where they are made, in words). A store's
+        checksum goes into its file's header whatever ``verify`` says.
+
+        Raises:
+            ConfigError: ``verify_on = "device"`` where the GPU cannot hash these blocks.
+        """
+        s = self.settings
+        why = "verify_on = host" if s["verify_on"] == "host" else "CPU tensors" if not self.cuda else ""
+        if not why:
+            if device_hash_applies(self.row_bytes, self.dev_store.data_ptr(), self.row_bytes):
+                try:
+                    return device_hasher(self.device.index or 0), "on the GPU (each gathered slab)"
+                except Exception as exc:  # the kernel does not build here: the host hashes
                     why = f"the GPU's XXH3 kernel is not available ({exc})"
             else:
                 why = f"blocks of {self.row_bytes} bytes are not for the GPU's XXH3 kernel"
@@ -657,9 +691,15 @@ class ConnectorWorker:
         if not transfers:
             return
         t0 = time.perf_counter()
-        landed = [self._load(t) for t in transfers]
-        if self.cuda:
-            self.stream.synchronize()  # in place before vLLM hears of it (get_finished)
+        was = sys.getswitchinterval()
+        if self.settings["load_switch_s"]:  # the engine's thread gets the GIL back sooner after each release
+            sys.setswitchinterval(self.settings["load_switch_s"])
+        try:
+            landed = [self._load(t) for t in transfers]
+            if self.cuda:
+                self.stream.synchronize()  # in place before vLLM hears of it (get_finished)
+        finally:
+            sys.setswitchinterval(was)
         for t, (failed_from, check) in zip(transfers, landed):
             if check is not None:
                 failed_from = self._check_sums(t, failed_from, *check)
@@ -983,8 +1023,10 @@ class ConnectorWorker:
 
     def _gather_rows(self, slab: int, dev: int, ids: list[int], step_ev):
         """The pages of blocks ``ids`` -> device store slab ``dev`` (after ``step_ev``) -> the
-        rows of store slab ``slab``; returns two events (None, None: both done now): the pages
-        are read (the blocks may change), and the rows are complete (the files may be written)."""
+        rows of store slab ``slab`` (and, with :attr:`store_hasher`, the rows' XXH3-64 made in
+        the device slab -> :attr:`slab_sums` ``[slab]``); returns two events (None, None: both
+        done now): the pages are read (the blocks may change), and the rows (and checksums) are
+        complete (the files may be written)."""
         n, row0 = len(ids), slab * self.piece
         dst = self.staging[row0:row0 + n]
         if not self.cuda:
@@ -994,17 +1036,25 @@ class ConnectorWorker:
             return None, None
         buf = self.dev_store[dev]
         t0 = time.perf_counter()
+        hashed = None
         with torch.cuda.stream(self.store_stream):
             self.store_stream.wait_event(step_ev)
             self._device_copy(buf, ids, self.store_stream, to_pages=False, launcher=self.gather_launcher)
             gathered = torch.cuda.Event()
             gathered.record(self.store_stream)  # the pages are read: they may change now
+            if self.store_hasher is not None:  # the files' checksums, from the slab while it goes down
+                self.store_hasher.hash_rows(buf[:n], self.dev_store_sums[dev, :n], self._cupy(self.store_stream))
+                hashed = torch.cuda.Event()
+                hashed.record(self.store_stream)
         self._gathered_ev = gathered
         t1 = time.perf_counter()
         d2h = self._d2h_stream
         with torch.cuda.stream(d2h):
             d2h.wait_event(gathered)
             dst.copy_(buf[:n], non_blocking=True)
+            if hashed is not None:
+                d2h.wait_event(hashed)
+                self.slab_sums[slab, :n].copy_(self.dev_store_sums[dev, :n], non_blocking=True)
             rows_ev = torch.cuda.Event()
             rows_ev.record(d2h)
         self.counters["gather_issue_us"] += int((t1 - t0) * 1e6)
@@ -1032,9 +1082,12 @@ class ConnectorWorker:
             keys, slab, rows_ev = item
             jid = None
             try:
+                sums = {}
                 if rows_ev is not None:
                     rows_ev.synchronize()
-                jid = self._submit(self.store.submit_store, keys, slab * self.piece)
+                    if self.store_hasher is not None:  # made on the GPU: the C threads do not hash the data
+                        sums = {"sums": self.slab_sums[slab, :len(keys)].numpy().view(np.uint64)}
+                jid = self._submit(self.store.submit_store, keys, slab * self.piece, **sums)
             except Exception:  # pragma: no cover - reported, never raised into vLLM
                 log.exception("tiercache: vLLM connector: a store of %d block(s) failed", len(keys))
             pending.append((keys, slab, jid, time.perf_counter()))
@@ -1050,6 +1103,8 @@ class ConnectorWorker:
                 self.counters["write_slabs"] += 1
                 self.counters["write_us"] += int((time.perf_counter() - submitted) * 1e6)
                 self.counters["stored_blocks"] += len(keys) - len(res.failed)
+                if res.sums_only:
+                    self.counters["gpu_summed_store_blocks"] += len(keys) - len(res.failed) - len(res.skipped)
                 if res.failed:
                     self.counters["store_failed_blocks"] += len(res.failed)
                     log.warning("tiercache: vLLM connector: %d block(s) not stored: %s", len(res.failed),
