@@ -51,6 +51,20 @@ QuickOpt = Annotated[bool, typer.Option(help="Smaller sizes.")]
 NoBaselineOpt = Annotated[bool, typer.Option("--no-baseline", help="Skip the baseline (fio, the full scan).")]
 
 
+def _settings(flag: str, items) -> dict:
+    """``KEY=VALUE`` strings as settings (each value JSON where it parses, else the text)."""
+    out = {}
+    for kv in items:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            _fail(f"{flag} {kv!r}: give KEY=VALUE, e.g. io_engine=threads")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 def _strings_opt(flag: str, text: str):
     """A repeatable string option ``flag`` (None when not given)."""
     return Annotated[Optional[list[str]], typer.Option(flag, help=text)]
@@ -422,6 +436,11 @@ def vllm_serve_cmd(
         "--connector-set",
         "KEY=VALUE of the connector mode's kv_connector_extra_config (repeat; e.g. io_engine=threads).",
     ) = None,
+    connector_variant: _strings_opt(
+        "--connector-variant",
+        "KEY=VALUE[,KEY=VALUE...]: one more connector mode in the same run with these settings "
+        "(repeat; modes connector~1, connector~2, ...: A/B on one machine in one run).",
+    ) = None,
     seed: SeedOpt = None,
     keep: KeepOpt = False,
     no_baseline: NoBaselineOpt = False,
@@ -441,15 +460,8 @@ def vllm_serve_cmd(
             pair = tuple(int(g) for g in shared_gpus.split(","))
         except ValueError:
             _fail(f"--shared-gpus {shared_gpus!r}: give two GPU indices, e.g. 0,1")
-    extra = {}
-    for kv in connector_set or ():
-        key, sep, value = kv.partition("=")
-        if not sep or not key:
-            _fail(f"--connector-set {kv!r}: give KEY=VALUE, e.g. io_engine=threads")
-        try:
-            extra[key] = json.loads(value)
-        except ValueError:
-            extra[key] = value
+    extra = _settings("--connector-set", connector_set or ())
+    variants = [_settings("--connector-variant", v.split(",")) for v in connector_variant or ()]
     reports = []
     try:
         base = _base(config, root)
@@ -459,7 +471,7 @@ def vllm_serve_cmd(
                                   max_tokens=max_tokens, restart=restart, kill9=kill9, fio=not no_baseline, seed=seed,
                                   gpu_util=gpu_util, keep=keep, cpu_tier_prefixes=cpu_prefixes,
                                   tensor_parallel=tensor_parallel, shared_gpus=pair, connector_settings=extra,
-                                  round_gap_s=round_gap, log=_log(output_format))
+                                  round_gap_s=round_gap, connector_variants=variants, log=_log(output_format))
             reports.append(rep)
             if output_format is not OutputFormat.json:
                 typer.echo(format_serve_report(rep))

@@ -73,6 +73,43 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("vllm-serve-*"))  # the work directory is removed without --keep
 
 
+def test_connector_variants_run_beside_the_connector_with_their_own_settings_and_roots(tmp_path, monkeypatch):
+    """``connector_variants``: each is one more connector mode right after ``connector``
+    (``connector~1``, ...), its engine given the run's settings with the variant's over them, on a
+    root of its own; its row gives its speed over fs and over the connector; a variant that
+    names a root (or a run that sets one) is refused."""
+    import json
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
+    variants = [{"piece_blocks": 4}, {"load_switch_s": 0.0002, "io_threads": 8}]
+    rep = run_serve_bench(tmp_path, model="tiny-llama", modes=("recompute", "fs", "connector"), prefixes=2,
+                          prefix_tokens=64, suffix_tokens=16, rounds=2, max_tokens=2, restart=False, fio=False,
+                          seed=5, cpu_tier_prefixes=1.25, keep=True, connector_settings={"io_engine": "threads"},
+                          connector_variants=variants)
+    assert list(rep["modes"]) == ["recompute", "fs", "connector", "connector~1", "connector~2"]
+    specs = {}
+    for f in Path(rep["work"]).glob("spec-*.json"):
+        spec = json.loads(f.read_text())
+        specs[spec["mode"]] = (spec["kv_transfer"] or {}).get("kv_connector_extra_config", {})
+    assert specs["connector"]["io_engine"] == "threads" and "piece_blocks" not in specs["connector"]
+    assert specs["connector~1"]["piece_blocks"] == 4 and specs["connector~1"]["io_engine"] == "threads"
+    assert specs["connector~2"]["load_switch_s"] == 0.0002 and specs["connector~2"]["io_threads"] == 8
+    assert len({specs[m]["root"] for m in ("connector", "connector~1", "connector~2")}) == 3
+    for name in ("connector~1", "connector~2"):
+        m = rep["modes"][name]
+        assert m["requests"] == 4 and m.get("same_tokens_as_recompute", 4) == 4
+        assert m["over_fs_speed"] > 0 and m["over_connector_speed"] > 0
+    assert rep["connector_variants"] == {"connector~1": variants[0], "connector~2": variants[1]}
+    assert "connector~1 (piece_blocks=4): repeat TTFT p50 speed over connector" in format_serve_report(rep)
+    for bad in ({"root": "/x"}, {}):
+        with pytest.raises(ConfigError, match="connector variant connector~1"):
+            run_serve_bench(tmp_path, modes=("connector",), prefixes=2, cpu_tier_prefixes=1.25,
+                            connector_variants=[bad])
+    with pytest.raises(ConfigError, match="no --connector-set root either"):
+        run_serve_bench(tmp_path, modes=("connector",), prefixes=2, cpu_tier_prefixes=1.25,
+                        connector_settings={"root": "/x"}, connector_variants=[{"piece_blocks": 4}])
+
+
 def test_a_failing_engine_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("FAKE_VLLM_CRASH", "TierCacheTier")

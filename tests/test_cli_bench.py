@@ -102,6 +102,25 @@ def test_bench_usage_errors(args, fragment):
     assert "Traceback" not in res.output
 
 
+def test_vllm_serve_takes_connector_settings_and_variants(tmp_path, monkeypatch):
+    """``--connector-set`` and each ``--connector-variant`` (comma-separated, values as JSON
+    where they parse) reach the bench as the run's settings and one dict per variant."""
+    import tiercache.bench.benchvllmserve as serve
+
+    seen: dict = {}
+    monkeypatch.setattr(serve, "run_serve_bench", lambda base, **kw: seen.update(kw) or {"ok": True})
+    monkeypatch.setattr(serve, "format_serve_report", lambda rep: "report")
+    res = CliRunner().invoke(app, ["bench", "vllm-serve", "--model", "llama-3.1-8b", "--root", str(tmp_path),
+                                   "--connector-set", "io_engine=threads", "--connector-variant", "piece_blocks=64",
+                                   "--connector-variant", "load_switch_s=0.0002,io_threads=8"])
+    assert res.exit_code == 0, res.output
+    assert seen["connector_settings"] == {"io_engine": "threads"}
+    assert seen["connector_variants"] == [{"piece_blocks": 64}, {"load_switch_s": 0.0002, "io_threads": 8}]
+    res = CliRunner().invoke(app, ["bench", "vllm-serve", "--root", str(tmp_path),
+                                   "--connector-variant", "piece_blocks"])
+    assert res.exit_code == 2 and "--connector-variant 'piece_blocks': give KEY=VALUE" in res.output
+
+
 def test_bench_blocks_out_of_range(small_config):
     res = CliRunner().invoke(app, ["bench", "--config", str(small_config), "--blocks", "1000"])
     assert res.exit_code == 2

@@ -496,7 +496,12 @@ class _Run:
         return {**self.common, "mode": mode, "requests": requests, "model_dir": str(self.model_dir),
                 "workload": str(self.workload_path), "out": str(self.work / f"out-{self.n}-{mode}.json"),
                 "kv_transfer": kv_transfer(mode.split("+")[0], root, self.common["cpu_bytes"],
-                                           self.common.get("connector_settings")), **kw}
+                                           self.connector_settings(mode)), **kw}
+
+    def connector_settings(self, mode: str) -> dict:
+        """The connector's settings of ``mode``: the run's, and a variant's own over them."""
+        variant = self.common.get("connector_variants", {}).get(mode.split("+")[0], {})
+        return {**self.common.get("connector_settings", {}), **variant}
 
     def start(self, spec: dict) -> subprocess.Popen:
         path = self.work / f"spec-{self.n}.json"
@@ -609,7 +614,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     seed: int | None = None, gpu_util: float = 0.9, keep: bool = False,
                     cpu_tier_prefixes: float = CPU_TIER_PREFIXES, tensor_parallel: int = 1,
                     shared_gpus: tuple[int, int] | None = None, damage: int | None = None,
-                    connector_settings: dict | None = None, round_gap_s: float = 0.0, log=lambda s: None) -> dict:
+                    connector_settings: dict | None = None, round_gap_s: float = 0.0,
+                    connector_variants: list[dict] | None = None, log=lambda s: None) -> dict:
     """Run the modes on ``model`` over files under ``directory`` (module docstring) and return
     the report: per mode its TTFTs, requests/s, tokens by source, token agreement and verify
     results (``cpu_tier_prefixes``: vLLM's CPU tier in prefixes' worth of KV;
@@ -617,7 +623,11 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     these two GPUs instead of halves of one; ``damage``: a seed: before the first repeat, each
     engine on files flips a byte of one block file, truncates one and deletes one;
     ``connector_settings``: keys of the ``connector`` mode's ``kv_connector_extra_config``, over
-    the bench's; ``round_gap_s``: seconds each engine stays idle before each round after the
+    the bench's; ``connector_variants``: more connector modes in the same run, one per dict of
+    settings over ``connector_settings`` (modes ``connector~1``, ``connector~2``, ... right after
+    ``connector``, each on a root of its own; their rows give their speed over ``fs`` and over
+    ``connector``: A/B of settings on one machine in one run); ``round_gap_s``: seconds each
+    engine stays idle before each round after the
     first, so that a round's reads do not share the storage with the writes of the round before:
     on a storage whose writes are slower than the rounds, 0 measures the repeats beside them);
     the baselines (fio's best read at the chunk's file size, host -> GPU rate, GPU-hit TTFT),
@@ -634,6 +644,14 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"vllm-serve mode {bad[0]!r}; valid: {', '.join(MODES)}")
+    variants = {f"connector~{i}": dict(v) for i, v in enumerate(connector_variants or (), 1)}
+    for name, v in variants.items():
+        if not v or "root" in v or "root" in (connector_settings or {}):
+            raise ConfigError(f"vllm-serve: connector variant {name} = {v!r}: give one or more settings other than "
+                              "'root' (each variant runs on a root of its own, so no --connector-set root either)")
+    if variants:
+        at = modes.index("connector") + 1 if "connector" in modes else len(modes)
+        modes = tuple(modes[:at]) + tuple(variants) + tuple(modes[at:])
     if not 2 <= prefixes <= 64 or not 1 <= rounds <= 16 or not TOKENS_PER_CHUNK <= prefix_tokens <= 131072:
         raise ConfigError(f"vllm-serve: prefixes={prefixes} (valid 2..64), rounds={rounds} (1..16), "
                           f"prefix_tokens={prefix_tokens} ({TOKENS_PER_CHUNK}..131072)")
@@ -673,7 +691,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     common = {"max_model_len": max_model_len, "gpu_blocks": gpu_blocks, "cpu_bytes": cpu_bytes,
               "max_tokens": max_tokens, "suffix_tokens": suffix_tokens, "gpu_util": gpu_util,
               "tensor_parallel": tensor_parallel, "connector_settings": dict(connector_settings or {}),
-              "round_gap_s": float(round_gap_s)}
+              "connector_variants": variants, "round_gap_s": float(round_gap_s)}
     run = _Run(work, model_dir, wl, common, log)
     every = list(range(len(reqs)))
     cold = [i for i, r in enumerate(reqs) if r["round"] == 0]
@@ -687,7 +705,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     "chunk_bytes": chunk_bytes, "gpu_kv_blocks": gpu_blocks, "cpu_tier_bytes": cpu_bytes,
                     "tensor_parallel": tensor_parallel, "shared_gpus": list(shared_gpus) if shared_gpus else None,
                     "connector_settings": dict(connector_settings or {}), "round_gap_s": float(round_gap_s),
-                    "modes": {}, "experiments": {}}
+                    "connector_variants": variants, "modes": {}, "experiments": {}}
     report["vllm"] = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
     results, roots = _run_modes(run, modes, cold, repeats, every, restart, kill9, gpu_util, shared_gpus, damage, seed)
     # the baselines and the report
@@ -845,7 +863,7 @@ def _bounds(report: dict, cfg: dict, results: dict) -> dict:
         bound = kv_prefix / (read * 1e9) + kv_prefix / (h2d * 1e9) + gpu_hit
         out["file_hit_bound_s"] = bound
         for mode in ("fs", "tiercache", "connector", "fs+restart", "tiercache+restart", "connector+restart",
-                     "tiercache-shared", "connector-shared"):
+                     "tiercache-shared", "connector-shared", *report.get("connector_variants", {})):
             m = report["modes"].get(mode)
             if m and m.get("ttft_repeat_p50_s"):
                 m["bound_over_ttft"] = bound / m["ttft_repeat_p50_s"]
@@ -864,6 +882,11 @@ def _bounds(report: dict, cfg: dict, results: dict) -> dict:
     fs, cn = report["modes"].get("fs"), report["modes"].get("connector")
     if fs and cn and fs.get("ttft_repeat_p50_s") and cn.get("ttft_repeat_p50_s"):
         out["connector_over_fs_speed"] = fs["ttft_repeat_p50_s"] / cn["ttft_repeat_p50_s"]
+    for name in report.get("connector_variants", {}):  # each variant's speed over fs and the connector's own
+        v = report["modes"].get(name)
+        for base, key in ((fs, "over_fs_speed"), (cn, "over_connector_speed")):
+            if v and base and base.get("ttft_repeat_p50_s") and v.get("ttft_repeat_p50_s"):
+                v[key] = base["ttft_repeat_p50_s"] / v["ttft_repeat_p50_s"]
     fs, tc = report["modes"].get("fs"), report["modes"].get("tiercache")
     if fs and tc and fs.get("ttft_repeat_p50_s") and tc.get("ttft_repeat_p50_s"):
         out["tiercache_over_fs_speed"] = fs["ttft_repeat_p50_s"] / tc["ttft_repeat_p50_s"]
@@ -936,6 +959,11 @@ def format_serve_report(rep: dict) -> str:
     if rep.get("connector_over_fs_speed"):
         lines.append(f"connector (tiercache's own path) vs fs tier, repeat TTFT p50 (speed ratio): "
                      f"{rep['connector_over_fs_speed']:.2f}")
+    for name, v in (rep.get("connector_variants") or {}).items():
+        m = rep["modes"].get(name, {})
+        speeds = ", ".join(f"{k.removesuffix('_speed').replace('_', ' ')} {m[k]:.2f}"
+                           for k in ("over_connector_speed", "over_fs_speed") if k in m)
+        lines.append(f"{name} ({', '.join(f'{k}={x}' for k, x in v.items())}): repeat TTFT p50 speed {speeds or '-'}")
     if rep.get("tiercache_over_fs_speed"):
         lines.append(f"tiercache vs fs tier, repeat TTFT p50 (speed ratio): {rep['tiercache_over_fs_speed']:.2f}")
     if rep.get("tiercache_over_fs_served_speed"):
