@@ -628,18 +628,7 @@ class ConnectorWorker:
             return None, "nowhere (verify = false)"
         if self.device_reads:
             return None, "on the GPU by the file tier's device reads"
-        why = ("verify_on = host" if s["verify_on"] == "host" else "CPU tensors" if not self.cuda else "")
-        if not why:
-            if device_hash_applies(self.row_bytes, self.dev_load.data_ptr(), self.row_bytes):
-                try:
-                    return device_hasher(self.device.index or 0), "on the GPU (each piece in the device slab)"
-                except Exception as exc:  # the kernel does not build here: the host compares
-                    why = f"the GPU's XXH3 kernel is not available ({exc})"
-            else:
-                why = f"blocks of {self.row_bytes} bytes are not for the GPU's XXH3 kernel"
-        if s["verify_on"] == "device":
-            raise ConfigError(f"TierCacheConnector: verify_on = 'device' cannot run here: {why}")
-        return None, f"on the host ({why})"
+        return self._gpu_hasher(self.dev_load if self.cuda else None, "each piece in the device slab")
 
     def _store_hasher(self):
         """(the :class:`~tiercache.files.devicehash.DeviceHasher` that makes the stores'
@@ -649,13 +638,23 @@ class ConnectorWorker:
         Raises:
             ConfigError: ``verify_on = "device"`` where the GPU cannot hash these blocks.
         """
+        return self._gpu_hasher(self.dev_store if self.cuda else None, "each gathered slab")
+
+    def _gpu_hasher(self, slab: torch.Tensor | None, what: str):
+        """(the process's :class:`~tiercache.files.devicehash.DeviceHasher` for rows of device
+        ``slab``, or None where ``verify_on``, the tensors or the kernel keep it on the host;
+        where the checksums are made, in words: ``what`` on the GPU, or the host and why).
+
+        Raises:
+            ConfigError: ``verify_on = "device"`` where the GPU cannot take them.
+        """
         s = self.settings
-        why = "verify_on = host" if s["verify_on"] == "host" else "CPU tensors" if not self.cuda else ""
-        if not why:
-            if device_hash_applies(self.row_bytes, self.dev_store.data_ptr(), self.row_bytes):
+        why = "verify_on = host" if s["verify_on"] == "host" else "CPU tensors" if slab is None else ""
+        if slab is not None and not why:
+            if device_hash_applies(self.row_bytes, slab.data_ptr(), self.row_bytes):
                 try:
-                    return device_hasher(self.device.index or 0), "on the GPU (each gathered slab)"
-                except Exception as exc:  # the kernel does not build here: the host hashes
+                    return device_hasher(self.device.index or 0), f"on the GPU ({what})"
+                except Exception as exc:  # the kernel does not build here: the host does it
                     why = f"the GPU's XXH3 kernel is not available ({exc})"
             else:
                 why = f"blocks of {self.row_bytes} bytes are not for the GPU's XXH3 kernel"
