@@ -141,3 +141,67 @@ def test_copy_segments_scatters_and_gathers_between_addresses_exactly(nbytes):
     assert launcher.copy_segments(dst[:0], srcs[:0], nbytes, stream) == "none"
     with pytest.raises(ValueError, match="lengths must match"):
         launcher.copy_segments(dst, srcs[:3], nbytes, stream)
+
+
+def test_a_plans_table_holds_each_launchs_addresses_and_zeroed_counters():
+    """plan_layout: every launch's sources, then every launch's destinations, then a zeroed
+    counter area per launch; each launch's offsets point at its own addresses; the widest
+    access is each launch's own; bad lengths are refused."""
+    from tiercache.copypaths.segmentplan import plan_layout
+
+    rng = np.random.default_rng()
+    copies = []
+    for nbytes, align in ((32 << 10, 16), (6, 2), (4 << 10, 8), (64, 16)):
+        n = int(rng.integers(1, 50))
+        # addresses aligned to exactly ``align`` bytes (16: any 16-byte boundary)
+        copies.append((rng.integers(1, 1 << 36, n) * 16 + align % 16, rng.integers(1, 1 << 36, n) * 16 + align % 16,
+                       nbytes))
+    table, launches = plan_layout(copies, sm_slots=7)
+    total = sum(len(d) for d, _, _ in copies)
+    assert table.dtype == np.int64 and table.size == 2 * total + 8 * len(copies)
+    words = table.view(np.uint8)
+    for (dst, src, nbytes), p in zip(copies, launches):
+        assert p.n == len(src) and p.nbytes == nbytes
+        assert words[p.src:p.src + 8 * p.n].view(np.int64).tolist() == list(src)
+        assert words[p.dst:p.dst + 8 * p.n].view(np.int64).tolist() == list(dst)
+        assert not words[p.counters:p.counters + 8 * 8].any()
+    # each launch's own addresses and length bound its access: 6 bytes -> 1, 8-byte addresses -> 8
+    assert [p.vec for p in launches] == [16, 1, 8, 16]
+    empty, _ = plan_layout([(np.zeros(0), np.zeros(0), 64)], 7)
+    assert empty.size == 8
+    with pytest.raises(ValueError, match="lengths must match"):
+        plan_layout([(np.zeros(3), np.zeros(2), 8)], 7)
+    with pytest.raises(ValueError, match="nbytes >= 1"):
+        plan_layout([(np.zeros(3), np.zeros(3), 0)], 7)
+
+
+@pytest.mark.gpu
+def test_planned_scatters_move_the_bytes_copy_segments_would():
+    """CopyLauncher.plan_segments: the launches of one plan, issued one by one on a stream,
+    place every segment where copy_segments would; segments the batch path takes are not
+    planned."""
+    import cupy
+
+    from tiercache.copypaths import CopyLauncher
+
+    rng = np.random.default_rng()
+    launcher = CopyLauncher(0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    nbytes, n, pieces = 32 << 10, 24, 5
+    src = cupy.asarray(rng.integers(0, 256, pieces * n * nbytes, dtype=np.uint8))
+    pool = cupy.zeros(4 * pieces * n * nbytes, dtype=np.uint8)
+    where = rng.permutation(4 * pieces * n)[:pieces * n].reshape(pieces, n)
+    copies = [(pool.data.ptr + where[k].astype(np.int64) * nbytes,
+               src.data.ptr + (k * n + np.arange(n, dtype=np.int64)) * nbytes, nbytes) for k in range(pieces)]
+    plan = launcher.plan_segments(copies, stream)
+    assert plan is not None
+    for k in rng.permutation(pieces).tolist():
+        assert plan.launch(k, stream) in ("bulk", "kernel")
+    plan.done(stream)
+    stream.synchronize()
+    got = cupy.asnumpy(src).reshape(pieces * n, nbytes)
+    flat = where.reshape(-1)
+    for i in range(pieces * n):
+        assert cupy.asnumpy(pool[flat[i] * nbytes:(flat[i] + 1) * nbytes]).tobytes() == got[i].tobytes(), i
+    big = launcher.batch_min_bytes
+    assert launcher.plan_segments([(copies[0][0][:1], copies[0][1][:1], big)], stream) is None

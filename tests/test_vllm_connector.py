@@ -66,13 +66,15 @@ def _caches(layout: str = "flash", device: str = "cpu") -> dict:
                         pytest.param("cuda-side", marks=pytest.mark.gpu),
                         pytest.param("cuda-engine", marks=pytest.mark.gpu),
                         pytest.param("cuda-compat", marks=pytest.mark.gpu),
-                        pytest.param("cuda-hostsum", marks=pytest.mark.gpu)])
+                        pytest.param("cuda-hostsum", marks=pytest.mark.gpu),
+                        pytest.param("cuda-planned", marks=pytest.mark.gpu)])
 def device(request):
     """Where the KV caches live: the CPU (torch's copies), or a GPU (the pinned staging, the
     copy kernels and events, checksums compared on the GPU; on the current stream, or
     ``-side``: on side streams; or ``-compat``: loads read by kvikio straight into device
     slabs, in its compatibility mode, the path GDS takes; or ``-hostsum``: checksums compared
-    by the native engine's threads as each file is read); stores gathered by the connector's
+    by the native engine's threads as each file is read; or ``-planned``: a load's scatters from
+    tables planned per load, ``scatter_tables = "load"``); stores gathered by the connector's
     gatherer thread, or (``-engine``) on the engine's thread."""
     if request.param == "cuda-compat":
         pytest.importorskip("kvikio")
@@ -91,6 +93,8 @@ class _Engine:
             device, extra = "cuda", {"io_mode": "compat", **extra}
         if device == "cuda-hostsum":
             device, extra = "cuda", {"verify_on": "host", **extra}
+        if device == "cuda-planned":
+            device, extra = "cuda", {"scatter_tables": "load", **extra}
         cfg = _config(root, **extra)
         kvc = SimpleNamespace(num_blocks=NB)
         self.sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
@@ -341,11 +345,68 @@ def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng,
     assert w.counters[f"loads_{w.load_path.name}"] == 1  # the path it took, reported
     assert seen and set(seen) == {0.0003} and sys.getswitchinterval() == own
     # where the checksums were compared: the GPU for the pinned path's pieces unless told otherwise
-    assert (w.hasher is not None) is (device in ("cuda", "cuda-side", "cuda-engine"))
+    assert (w.hasher is not None) is (device in ("cuda", "cuda-side", "cuda-engine", "cuda-planned"))
     assert w.counters["gpu_checked_blocks"] == (n if w.hasher is not None else 0)
     if device == "cuda-compat":  # read by kvikio into a ring of device slabs, not pinned staging
         assert w.load_path.name == "compat" and w.device_reads and w.dev_loads.shape[0] == w.DEVICE_LOAD_SLABS
+    assert w.counters["planned_scatter_pieces"] == (-(-n // 3) if device == "cuda-planned" else 0)
     a.close()
+
+
+def test_a_loads_scatters_planned_in_groups_are_the_pieces_own(tmp_path, rng, monkeypatch):
+    """``scatter_tables = "load"``: each piece's launches carry exactly the segments the
+    per-piece scatter builds (the worker's ``_segments``); a group's plan is made at its first
+    piece and released once, after its last; a load the launcher will not plan is scattered
+    piece by piece, asked once."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from tiercache.copypaths.segmentplan import plan_layout
+    from tiercache.integrations.vllmconnector import _ScatterPlans
+
+    e = _Engine(tmp_path, device="cpu")
+    real = e.worker._worker
+    events: list = []
+
+    class Plan:
+        def __init__(self, copies):
+            self.copies = copies
+            plan_layout(copies, 7)  # the copies are well formed
+
+        def launch(self, j, stream):
+            events.append(("launch", self.copies[j]))
+
+        def done(self, stream):
+            events.append(("done",))
+
+    refuse = [False]
+    launcher = SimpleNamespace(SM_SLOTS=7, plan_segments=lambda copies, cs, force: (
+        events.append(("plan", len(copies))) or (None if refuse[0] else Plan(copies))))
+    w = SimpleNamespace(piece=8, views=real.views, size_groups=real.size_groups, launcher=launcher, _force=None,
+                        dev_load=SimpleNamespace(data_ptr=lambda: 1 << 30), _segments=real._segments,
+                        _cupy=lambda stream: "cs", stream="s", counters={"planned_scatter_pieces": 0})
+    ids = [int(x) for x in rng.permutation(NB)[:61]]  # 8 pieces, the last of 5 blocks
+    monkeypatch.setattr(_ScatterPlans, "GROUP_BYTES", 3 * (16 * len(real.views) * 8 + 8 * 8))  # 3 pieces a group
+    plans = _ScatterPlans(w, SimpleNamespace(block_ids=ids))
+    assert plans.group == 3 and plans.pieces == 8
+    for k in range(8):
+        assert plans.launch(k)
+    plans.close()
+    assert w.counters["planned_scatter_pieces"] == 8
+    assert [x[0] for x in events] == ["plan"] + ["launch"] * 3 + ["done", "plan"] + ["launch"] * 3 + \
+        ["done", "plan"] + ["launch"] * 2 + ["done"]
+    launched = [x[1] for x in events if x[0] == "launch"]
+    want = [(pages, staged, int(size)) for k in range(8) for size, pages, staged in
+            real._segments(1 << 30, ids[8 * k:8 * (k + 1)])]
+    assert len(launched) == len(want) == 8 * len(real.size_groups)
+    for got, exp in zip(launched, want):
+        assert np.array_equal(got[0], exp[0]) and np.array_equal(got[1], exp[1]) and got[2] == exp[2]
+    events.clear()
+    refuse[0] = True
+    plans = _ScatterPlans(w, SimpleNamespace(block_ids=ids))
+    assert [plans.launch(k) for k in range(8)] == [False] * 8 and events == [("plan", 3 * len(real.size_groups))]
+    e.close()
 
 
 def test_a_load_waits_for_a_store_of_the_same_blocks_still_being_written(tmp_path, rng, device):
@@ -467,6 +528,8 @@ def test_the_config_is_checked():
     assert parse_config({"root": "/x"})["io_mode"] == "auto"
     with pytest.raises(ConfigError, match="verify_on.*'gpu'.*valid: auto, host, device"):
         parse_config({"root": "/x", "verify_on": "gpu"})
+    with pytest.raises(ConfigError, match="scatter_tables.*'all'.*valid: piece, load"):
+        parse_config({"root": "/x", "scatter_tables": "all"})
     for bad in (-0.001, 0.5, "fast", True):
         with pytest.raises(ConfigError, match="load_switch_s.*valid: 0 .* or seconds up to 0.1"):
             parse_config({"root": "/x", "load_switch_s": bad})

@@ -365,6 +365,29 @@ class CopyLauncher:
                              vec)
         return "+".join(sorted(used))
 
+    def plan_segments(self, copies: list, stream, force: str | None = None):
+        """:meth:`copy_segments` of each of ``copies`` (``[(dst_addrs, src_addrs, nbytes)]``)
+        planned at once: their tables built and uploaded (asynchronously, on ``stream``) in one
+        copy, each launch issued later by :meth:`SegmentPlan.launch
+        <tiercache.copypaths.segmentplan.SegmentPlan.launch>` with no NumPy or upload of its
+        own (:mod:`tiercache.copypaths.segmentplan`). Returns None where :meth:`copy_segments`
+        would not take a kernel for every copy (segments of ``batch_min_bytes`` or more, or
+        ``force = "batch"``), or the tables would take more than a quarter of the upload ring:
+        then copy each with :meth:`copy_segments`.
+
+        Raises:
+            ValueError: arrays of different lengths in a copy, or ``nbytes < 1``.
+        """
+        from tiercache.copypaths.segmentplan import SegmentPlan, plan_layout
+
+        if self._recording is not None or force == "batch" or (
+                force is None and any(nbytes >= self.batch_min_bytes for _, _, nbytes in copies)):
+            return None
+        table, launches = plan_layout(copies, self.SM_SLOTS)
+        if table.nbytes > self.ring.nbytes // 4:
+            return None
+        return SegmentPlan(self, table, launches, stream, force)
+
     def offsets_table(self, src_offs: list, dst_offs: list) -> np.ndarray:
         """The kernels' argument table for launches of ``len(src_offs)`` lists of blocks: all
         source offsets, all destination offsets, then one zeroed counter area per launch (the

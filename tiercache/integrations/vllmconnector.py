@@ -79,6 +79,7 @@ DEFAULTS: dict[str, Any] = {
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
     "copy_streams": "compute", "load_policy": "faster", "device_staging_bytes": 512 << 20,
     "store_gathers": "thread", "io_mode": "auto", "verify_on": "auto", "load_switch_s": 0.0,
+    "scatter_tables": "piece",
 }
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
@@ -109,6 +110,12 @@ SETTING_KEYS = {**ROWSTORE_KEYS, "io_mode": "io_mode"}
 #: applies, else on the host; ``host``: the native engine's threads, as each file is read or
 #: written; ``device`` (an error where it cannot)
 VERIFY_ON = ("auto", "host", "device")
+#: ``scatter_tables``: a load's scatter kernels take their segment tables ``piece`` by piece
+#: (built, uploaded and released with each launch), or all of the ``load``'s at once, before
+#: its first piece (:meth:`~tiercache.copypaths.copykernels.CopyLauncher.plan_segments`): less
+#: Python and one GIL release fewer per piece on the engine's thread (docs/performance/vllm.md,
+#: "A load inside the engine against the worker alone")
+SCATTER_TABLES = ("piece", "load")
 
 
 def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +147,9 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"TierCacheConnector: 'copy_kernel' = {out['copy_kernel']!r}; valid: {', '.join(COPY_KERNELS)}"
         )
+    if out["scatter_tables"] not in SCATTER_TABLES:
+        raise ConfigError(f"TierCacheConnector: 'scatter_tables' = {out['scatter_tables']!r}; valid: "
+                          f"{', '.join(SCATTER_TABLES)}")
     if out["verify_on"] not in VERIFY_ON:
         raise ConfigError(f"TierCacheConnector: 'verify_on' = {out['verify_on']!r}; valid: {', '.join(VERIFY_ON)}")
     check_positive("TierCacheConnector", out, "capacity_blocks", optional=True)
@@ -515,6 +525,7 @@ class ConnectorWorker:
         self._writing: dict[bytes, threading.Event] = {}  # gathered, file not yet written
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._plans: _ScatterPlans | None = None  # a load's planned scatters (scatter_tables = "load")
 
     # -- setup -------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -740,6 +751,7 @@ class ConnectorWorker:
         inflight: collections.deque = collections.deque()
         failed_from = None
         check = None
+        self._plans = _ScatterPlans(self, t) if self._plan_loads() else None
         if self.hasher is not None:  # the headers' checksums, and the GPU's of what went up
             check = (np.zeros(len(t.keys), dtype=np.uint64),
                      torch.zeros(len(t.keys), dtype=torch.int64, device=self.device),
@@ -776,7 +788,17 @@ class ConnectorWorker:
             failed_from = 0 if failed_from is None else failed_from
             for item in inflight:
                 self._wait(item[4])
+        finally:
+            if self._plans is not None:
+                self._plans.close()
+                self._plans = None
         return failed_from, check
+
+    def _plan_loads(self) -> bool:
+        """Whether a load's scatters are planned per load (``scatter_tables = "load"``, the
+        project's kernels, pieces copied up from pinned staging)."""
+        return self.settings["scatter_tables"] == "load" and self.cuda and self.launcher is not None \
+            and not self.device_reads
 
     def _check_sums(self, t: BlockTransfer, failed_from: int | None, sums: np.ndarray, dev_sums: torch.Tensor,
                     on_gpu: np.ndarray) -> int | None:
@@ -821,7 +843,7 @@ class ConnectorWorker:
             good = 0
         if good:
             t0 = time.perf_counter()
-            self._upload(slab, ids[:good])
+            self._upload(slab, ids[:good], lo // self.piece if good == len(ids) else None)
             if check is not None and res.sums_only:
                 self._hash_slab(good, check[1][lo:lo + good])
                 check[2][lo:lo + good] = True
@@ -850,8 +872,9 @@ class ConnectorWorker:
             staged = (rows[:, None] + self.row_offsets[regions][None, :]).ravel()
             yield size, pages, staged
 
-    def _upload(self, slab: int, ids: list[int]) -> None:
-        """Staging rows of load slab ``slab`` -> the pages of blocks ``ids``."""
+    def _upload(self, slab: int, ids: list[int], piece: int | None = None) -> None:
+        """Staging rows of load slab ``slab`` -> the pages of blocks ``ids`` (``piece``: the
+        whole of this piece of the load, whose scatter may be planned: :class:`_ScatterPlans`)."""
         n, row0 = len(ids), slab * self.piece
         src = self.staging[row0:row0 + n]
         if not self.cuda:
@@ -875,7 +898,10 @@ class ConnectorWorker:
             ev.record(self.stream)
             self._slab_events[slab] = ev  # the pinned slab may take the next piece once this is up
             t1 = time.perf_counter()
-            self._device_copy(self.dev_load, ids, self.stream, to_pages=True, launcher=self.launcher)
+            if self._plans is None or piece is None or not self._plans.launch(piece):
+                if self._plans is not None:
+                    self._plans.close()
+                self._device_copy(self.dev_load, ids, self.stream, to_pages=True, launcher=self.launcher)
             self.counters["h2d_issue_us"] += int((t1 - t0) * 1e6)
             self.counters["scatter_issue_us"] += int((time.perf_counter() - t1) * 1e6)
 
@@ -1206,6 +1232,68 @@ class ConnectorWorker:
         if self.store is not None:
             self.store.drain()
             self.store.close()
+
+
+class _ScatterPlans:
+    """The scatters of one load's pieces planned in groups (``scatter_tables = "load"``): each
+    group's tables built and uploaded on the loads' stream when its first piece lands, its
+    plan released after its last, so that one plan at a time holds part of the launcher's
+    upload ring. A piece the plans do not take (the launcher would not plan, or the piece was
+    cut short by a failed block) is scattered by ``copy_segments`` as before, after the open
+    plan is released (that call's release would otherwise free the plan's tables early)."""
+
+    #: bytes of tables per group (a quarter of the launcher's 4 MiB upload ring at most)
+    GROUP_BYTES = 1 << 20
+
+    def __init__(self, worker: ConnectorWorker, t: BlockTransfer) -> None:
+        self.w = worker
+        self.ids = t.block_ids
+        self.pieces = -(-len(self.ids) // worker.piece)
+        # a piece's table: a source and a destination address per segment (one per region of each
+        # block), and a counter area per launch (one per size of region)
+        per_piece = 16 * len(worker.views) * worker.piece + 8 * (1 + worker.launcher.SM_SLOTS) * len(worker.size_groups)
+        self.group = max(1, self.GROUP_BYTES // per_piece)
+        self.open: tuple[int, Any, list[list[int]]] | None = None  # (group, plan, launches per piece)
+        self.refused = False  # the launcher would not plan these copies: every piece as before
+
+    def launch(self, piece: int) -> bool:
+        """Issue piece ``piece``'s scatter from its group's plan; False where it has none (then
+        the caller scatters it, after :meth:`close`)."""
+        if self.refused:
+            return False
+        g = piece // self.group
+        if self.open is None or self.open[0] != g:
+            self.close()
+            plan, per_piece = self._plan(g)
+            if plan is None:
+                self.refused = True
+                return False
+            self.open = (g, plan, per_piece)
+        _, plan, per_piece = self.open
+        cs = self.w._cupy(self.w.stream)
+        for j in per_piece[piece - g * self.group]:
+            plan.launch(j, cs)
+        self.w.counters["planned_scatter_pieces"] += 1
+        if piece == min((g + 1) * self.group, self.pieces) - 1:
+            self.close()  # the group's last piece: its tables may be reused once the stream is past it
+        return True
+
+    def _plan(self, g: int) -> tuple[Any, list[list[int]]]:
+        w = self.w
+        copies: list[tuple[np.ndarray, np.ndarray, int]] = []
+        per_piece: list[list[int]] = []
+        base = w.dev_load.data_ptr()
+        for k in range(g * self.group, min((g + 1) * self.group, self.pieces)):
+            ids = self.ids[k * w.piece:(k + 1) * w.piece]
+            per_piece.append(list(range(len(copies), len(copies) + len(w.size_groups))))
+            copies += [(pages, staged, int(size)) for size, pages, staged in w._segments(base, ids)]
+        return w.launcher.plan_segments(copies, w._cupy(w.stream), w._force), per_piece
+
+    def close(self) -> None:
+        """Release the open plan's tables (once the loads' stream is past its launches)."""
+        if self.open is not None:
+            self.open[1].done(self.w._cupy(self.w.stream))
+        self.open = None
 
 
 def _cupy_stream(stream: torch.cuda.Stream, device: torch.device):
