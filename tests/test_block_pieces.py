@@ -150,3 +150,30 @@ def test_a_write_whose_checksum_cannot_be_made_fails_and_leaves_no_file(tmp_path
         assert _done(st_, st_.submit_store(keys, list(range(n)), pieces=pool.pieces(range(n)))).success
         assert _done(st_, st_.submit_load(keys, list(range(n)))).success
         assert [rows[i].tobytes() for i in range(n)] == want
+
+
+def test_a_store_given_the_checksums_writes_pieces_without_hashing_them(tmp_path, rng):
+    """``submit_store(..., pieces=..., sums=...)`` (checksums made by the caller, as the vLLM
+    connector's on the GPU): the C threads do not hash the data, so the store succeeds even
+    with the streaming functions gone (a store without ``sums`` fails there, as above), and
+    the files read back verified and byte-exact once they are back."""
+    import xxhash
+
+    lib = nativeio._library()[0]
+    stream = nativeio._xxh3_stream()
+    assert lib is not None and stream is not None
+    n, k, piece = 6, 3, 8192
+    pool = Pool(rng, n, k, piece)
+    want = [pool.page(p) for p in range(n)]
+    sums = np.array([xxhash.xxh3_64_intdigest(w) for w in want], dtype=np.uint64)
+    rows = aligned_empty(n * k * piece).reshape(n, k * piece)
+    keys = [rng.bytes(16) for _ in range(n)]
+    with RowStore(rows, tmp_path / "r", fsync="none") as st_:
+        lib.tc_set_hash_stream(None, None, None, None, None)
+        try:
+            res = _done(st_, st_.submit_store(keys, list(range(n)), pieces=pool.pieces(range(n)), sums=sums))
+        finally:
+            lib.tc_set_hash_stream(*stream)
+        assert res.success and res.sums_only
+        res = _done(st_, st_.submit_load(keys, list(range(n))))
+        assert res.success and [rows[i].tobytes() for i in range(n)] == want
