@@ -18,6 +18,12 @@ stand-ins for its connector base classes let the connector's module import.
 ``--reads-only`` skips the uploads (what the reads alone take); every load's process CPU per
 block (user, system; the C threads' included) is reported beside its time.
 
+``--gil-threads N`` (with ``--gil-duty F``): N Python threads that hold the GIL a fraction F of
+each millisecond while the loads run, as other threads of an engine's process may: whether a
+load's issuing on the engine's thread suffers from them, and what ``load_switch_s`` and
+``scatter_tables=load`` give back (docs/performance/vllm.md, "A load inside the engine against
+the worker alone").
+
 ``--stores``: a prompt's stores behind a forward pass's stand-in (``--forward-ms`` of matmuls on
 the engine's stream) instead: the host time of ``after_forward``, the GPU time it adds to the
 engine's stream, when the blocks are free and when their files are written, and the process's
@@ -166,6 +172,31 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
                                  "sys": statistics.median(c[1] for c in cpu)}}
 
 
+class _GilHolders:
+    """``n`` daemon threads, each holding the GIL (pure Python work) ``duty`` of every
+    millisecond and sleeping the rest, until :meth:`stop`."""
+
+    def __init__(self, n: int, duty: float) -> None:
+        import threading
+
+        self.stopping = False
+        self.threads = [threading.Thread(target=self._run, args=(duty,), daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, duty: float) -> None:
+        while not self.stopping:
+            end = time.perf_counter() + duty * 1e-3
+            while time.perf_counter() < end:
+                sum(range(200))
+            time.sleep((1 - duty) * 1e-3)
+
+    def stop(self) -> None:
+        self.stopping = True
+        for t in self.threads:
+            t.join()
+
+
 def _busy(ms: float, kernels: int = 0) -> None:
     """About ``ms`` milliseconds of matmuls on the current stream (a forward pass's stand-in),
     then ``kernels`` small kernels queued behind them (an eager forward pass's launch queue)."""
@@ -261,6 +292,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile of the last load (or store)")
     ap.add_argument("--reads-only", action="store_true", help="skip the uploads: what the reads alone take")
     ap.add_argument("--kernels", type=int, default=0, help="small kernels queued behind the forward (--stores)")
+    ap.add_argument("--gil-threads", type=int, default=0, help="Python threads holding the GIL during the loads")
+    ap.add_argument("--gil-duty", type=float, default=0.5, help="the fraction of each ms they hold it (--gil-threads)")
     a = ap.parse_args()
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
@@ -271,7 +304,13 @@ def main() -> None:
             out = stores(a.root, a.model, a.blocks, a.runs, extra, a.forward_ms, a.profile, a.kernels)
             print(out.pop("profile", ""), flush=True)
         else:
-            out = run(a.root, a.model, a.blocks, a.runs, extra, a.profile, a.reads_only)
+            holders = _GilHolders(a.gil_threads, a.gil_duty) if a.gil_threads else None
+            try:
+                out = run(a.root, a.model, a.blocks, a.runs, extra, a.profile, a.reads_only)
+            finally:
+                if holders is not None:
+                    holders.stop()
+            out["gil_threads"], out["gil_duty"] = a.gil_threads, a.gil_duty
         print(out, flush=True)
 
 
