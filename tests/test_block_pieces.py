@@ -126,24 +126,30 @@ def test_what_the_store_cannot_take_is_refused_up_front(tmp_path, rng):
     assert not BlockPieces(np.array([[4096, 8200]]), 4096).aligned
 
 
+def _store_without_streaming(st_: RowStore, keys, pool: Pool, **kw):
+    """``st_``'s store of ``keys`` from pool pages 0.. with the native XXH3 streaming functions
+    gone (as where no state could be allocated), put back after; its result."""
+    lib = nativeio._library()[0]
+    stream = nativeio._xxh3_stream()
+    assert lib is not None and stream is not None
+    lib.tc_set_hash_stream(None, None, None, None, None)
+    try:
+        return _done(st_, st_.submit_store(keys, list(range(len(keys))), pieces=pool.pieces(range(len(keys))), **kw))
+    finally:
+        lib.tc_set_hash_stream(*stream)
+
+
 def test_a_write_whose_checksum_cannot_be_made_fails_and_leaves_no_file(tmp_path, rng):
     """Without the streaming functions (as where no state could be allocated) a block in
     several pieces gets no header: its write fails, nothing is published, and the store still
     takes the same pieces once they are back."""
-    lib = nativeio._library()[0]
-    stream = nativeio._xxh3_stream()
-    assert lib is not None and stream is not None
     n, k, piece = 4, 2, 8192
     pool = Pool(rng, n, k, piece)
     want = [pool.page(p) for p in range(n)]
     rows = aligned_empty(n * k * piece).reshape(n, k * piece)
     keys = [rng.bytes(16) for _ in range(n)]
     with RowStore(rows, tmp_path / "r", fsync="none") as st_:
-        lib.tc_set_hash_stream(None, None, None, None, None)
-        try:
-            res = _done(st_, st_.submit_store(keys, list(range(n)), pieces=pool.pieces(range(n))))
-        finally:
-            lib.tc_set_hash_stream(*stream)
+        res = _store_without_streaming(st_, keys, pool)
         assert set(res.failed) == set(keys) and all(isinstance(e, OSError) for e in res.failed.values())
         assert not list((tmp_path / "r").rglob("block_*.bin")) and all(st_.state(key).name == "ABSENT" for key in keys)
         assert [pool.page(p) for p in range(n)] == want  # the source is untouched
@@ -159,9 +165,6 @@ def test_a_store_given_the_checksums_writes_pieces_without_hashing_them(tmp_path
     the files read back verified and byte-exact once they are back."""
     import xxhash
 
-    lib = nativeio._library()[0]
-    stream = nativeio._xxh3_stream()
-    assert lib is not None and stream is not None
     n, k, piece = 6, 3, 8192
     pool = Pool(rng, n, k, piece)
     want = [pool.page(p) for p in range(n)]
@@ -169,11 +172,7 @@ def test_a_store_given_the_checksums_writes_pieces_without_hashing_them(tmp_path
     rows = aligned_empty(n * k * piece).reshape(n, k * piece)
     keys = [rng.bytes(16) for _ in range(n)]
     with RowStore(rows, tmp_path / "r", fsync="none") as st_:
-        lib.tc_set_hash_stream(None, None, None, None, None)
-        try:
-            res = _done(st_, st_.submit_store(keys, list(range(n)), pieces=pool.pieces(range(n)), sums=sums))
-        finally:
-            lib.tc_set_hash_stream(*stream)
+        res = _store_without_streaming(st_, keys, pool, sums=sums)
         assert res.success and res.sums_only
         res = _done(st_, st_.submit_load(keys, list(range(n))))
         assert res.success and [rows[i].tobytes() for i in range(n)] == want
