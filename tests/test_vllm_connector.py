@@ -188,7 +188,17 @@ def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng,
     # the files' checksums (made on the GPU for the stores where it can) are the host library's
     w = a.worker._worker
     assert (w.store_hasher is not None) is (device not in ("cpu", "cpu-engine", "cuda-hostsum"))
-    assert w.counters["gpu_summed_store_blocks"] == (5 if w.store_hasher is not None else 0)
+    assert w.counters["gpu_summed_store_blocks"] == (5 if w.store_hasher is not None else 0), dict(w.counters)
+    assert not w.counters["store_sums_unused_blocks"], dict(w.counters)
+    d = w.describe()  # what the bench reports of each engine's worker
+    assert d["regions_per_block"] == (2 * LAYERS if layout == "flash" else LAYERS)  # K and V apart, or together
+    assert d["row_bytes"] == w.row_bytes and d["store_slabs"] >= 2
+    assert d["scatter_tables"] == ("load" if device == "cuda-planned" else "piece")
+    # on a GPU, the gathers are the project's kernels (one per piece and region size), never torch's copies
+    on_gpu = device.startswith("cuda")
+    assert d["copies"].startswith("torch") is not on_gpu, d["copies"]
+    kernels = sum(v for k, v in w.counters.items() if k.startswith("segment_copies_") and k != "segment_copies_torch")
+    assert not w.counters["segment_copies_torch"] and bool(kernels) is on_gpu, dict(w.counters)
     (root,) = [p for p in tmp_path.iterdir() if p.name.endswith("_c_r0")]
     report = verify_root(root)
     assert report["checked"] == 5 and not report["bad"]

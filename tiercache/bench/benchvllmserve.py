@@ -346,6 +346,7 @@ def worker_main(spec_path: str) -> int:
     extra["traced"] = trace.installed
     if counter is not None and counter.workers:
         extra["connector_counters"] = dict(sum((w.counters for w in counter.workers), collections.Counter()))
+        extra["connector_workers"] = [w.describe() for w in counter.workers]
     if damaged is not None:
         extra["damaged"] = damaged
     Path(spec["out"]).write_text(json.dumps({"mode": spec["mode"], "startup_s": startup, "run_s": run_s,
@@ -569,6 +570,7 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
     out["stages_traced"] = res.get("traced")
     if res.get("connector_counters"):
         out["connector_counters"] = res["connector_counters"]
+        out["connector_workers"] = res.get("connector_workers")
     toks = {r["index"]: r["tokens"] for r in rows}
     if reference is not None:
         out["same_tokens_as_recompute"] = sum(toks[i] == reference.get(i) for i in toks)

@@ -619,13 +619,31 @@ class ConnectorWorker:
             self._gatherer = threading.Thread(target=self._gather_loop, name="tiercache-vllm-connector-gatherer",
                                               daemon=True)
             self._gatherer.start()
+        self.store_slabs = store_slabs
+        d = self.describe()
         log.info("tiercache: vLLM connector worker: %d region(s) per block, %d bytes per block file, pieces of %d "
-                 "blocks, %d load slab(s) (%s) and %d store slab(s) of pinned staging, loads by %s (%s), checksums "
+                 "blocks, %d load slab(s) (%s) and %d store slab(s) of pinned staging, loads by %s, checksums "
                  "compared %s, stores' checksums made %s, copies by %s, I/O engine %s, root %s (%d blocks held)",
-                 len(views), self.row_bytes, self.piece, self.load_slabs, "device" if self.device_reads else "pinned",
-                 store_slabs, self.load_path.label, self.load_path.reason, self.verify_where, self.store_sums_where,
-                 self.copy_path,
-                 self.store.ft.engine, self.roots[0], len(self.store))
+                 d["regions_per_block"], d["row_bytes"], d["piece_blocks"], d["load_slabs"], d["load_slabs_in"],
+                 d["store_slabs"], d["load_path"], d["checksums_compared"], d["store_checksums_made"], d["copies"],
+                 d["io_engine"], self.roots[0], len(self.store))
+        if self.cuda and self.launcher is None and self.settings["copy_kernel"] != "torch":
+            log.warning("tiercache: vLLM connector: the project's copy kernels are unavailable (%s): loads and stores "
+                        "go through torch's copies, a kernel launch per layer region and piece", self.copy_path)
+
+    def describe(self) -> dict:
+        """What this worker runs on (what its start-up log line says): ``regions_per_block``,
+        ``row_bytes`` (bytes per block file's data), ``piece_blocks``, ``load_slabs`` and
+        ``load_slabs_in`` (``pinned`` or ``device``), ``store_slabs``, ``load_path`` (kvikio /
+        POSIX and why), ``checksums_compared`` and ``store_checksums_made`` (host or GPU, and
+        why), ``copies`` (the project's copy kernels or torch's, and why), ``scatter_tables``,
+        ``io_engine``."""
+        return {"regions_per_block": len(self.views), "row_bytes": self.row_bytes, "piece_blocks": self.piece,
+                "load_slabs": self.load_slabs, "load_slabs_in": "device" if self.device_reads else "pinned",
+                "store_slabs": self.store_slabs, "load_path": f"{self.load_path.label} ({self.load_path.reason})",
+                "checksums_compared": self.verify_where, "store_checksums_made": self.store_sums_where,
+                "copies": self.copy_path, "scatter_tables": self.settings["scatter_tables"],
+                "io_engine": self.store.ft.engine}
 
     def _device_hasher(self):
         """(the :class:`~tiercache.files.devicehash.DeviceHasher` that checks the pinned path's
@@ -912,11 +930,14 @@ class ConnectorWorker:
             cs = self._cupy(stream)
             for size, pages, staged in self._segments(dev.data_ptr(), ids):
                 if to_pages:
-                    launcher.copy_segments(pages, staged, size, cs, self._force)
+                    path = launcher.copy_segments(pages, staged, size, cs, self._force)
                 else:
-                    launcher.copy_segments(staged, pages, size, cs, self._force)
+                    path = launcher.copy_segments(staged, pages, size, cs, self._force)
+                self.counters[f"segment_copies_{path}"] += 1
             return
-        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        self.counters["segment_copies_torch"] += len(self.views)
+        # from pinned memory, asynchronously: a pageable copy would wait for the stream's earlier work
+        idx = torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
         n = len(ids)
         for v, off in zip(self.views, self.offsets):
             if to_pages:
@@ -1128,8 +1149,13 @@ class ConnectorWorker:
                 self.counters["write_slabs"] += 1
                 self.counters["write_us"] += int((time.perf_counter() - submitted) * 1e6)
                 self.counters["stored_blocks"] += len(keys) - len(res.failed)
+                written = len(keys) - len(res.failed) - len(res.skipped)
                 if res.sums_only:
-                    self.counters["gpu_summed_store_blocks"] += len(keys) - len(res.failed) - len(res.skipped)
+                    self.counters["gpu_summed_store_blocks"] += written
+                elif self.store_hasher is not None and written:
+                    # the GPU's checksums went unused (the store's row writes did not take the job:
+                    # the host hashed the data); the files are as good, the CPU's cost is not
+                    self.counters["store_sums_unused_blocks"] += written
                 if res.failed:
                     self.counters["store_failed_blocks"] += len(res.failed)
                     log.warning("tiercache: vLLM connector: %d block(s) not stored: %s", len(res.failed),
