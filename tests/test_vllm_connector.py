@@ -67,14 +67,16 @@ def _caches(layout: str = "flash", device: str = "cpu") -> dict:
                         pytest.param("cuda-engine", marks=pytest.mark.gpu),
                         pytest.param("cuda-compat", marks=pytest.mark.gpu),
                         pytest.param("cuda-hostsum", marks=pytest.mark.gpu),
-                        pytest.param("cuda-planned", marks=pytest.mark.gpu)])
+                        pytest.param("cuda-planned", marks=pytest.mark.gpu),
+                        pytest.param("cuda-torch", marks=pytest.mark.gpu)])
 def device(request):
     """Where the KV caches live: the CPU (torch's copies), or a GPU (the pinned staging, the
     copy kernels and events, checksums compared on the GPU; on the current stream, or
     ``-side``: on side streams; or ``-compat``: loads read by kvikio straight into device
     slabs, in its compatibility mode, the path GDS takes; or ``-hostsum``: checksums compared
     by the native engine's threads as each file is read; or ``-planned``: a load's scatters from
-    tables planned per load, ``scatter_tables = "load"``); stores gathered by the connector's
+    tables planned per load, ``scatter_tables = "load"``; or ``-torch``: torch's copies, the
+    fallback where the project's kernels are unavailable); stores gathered by the connector's
     gatherer thread, or (``-engine``) on the engine's thread."""
     if request.param == "cuda-compat":
         pytest.importorskip("kvikio")
@@ -95,6 +97,8 @@ class _Engine:
             device, extra = "cuda", {"verify_on": "host", **extra}
         if device == "cuda-planned":
             device, extra = "cuda", {"scatter_tables": "load", **extra}
+        if device == "cuda-torch":
+            device, extra = "cuda", {"copy_kernel": "torch", **extra}
         cfg = _config(root, **extra)
         kvc = SimpleNamespace(num_blocks=NB)
         self.sched = TierCacheConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
@@ -194,11 +198,13 @@ def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng,
     assert d["regions_per_block"] == (2 * LAYERS if layout == "flash" else LAYERS)  # K and V apart, or together
     assert d["row_bytes"] == w.row_bytes and d["store_slabs"] >= 2
     assert d["scatter_tables"] == ("load" if device == "cuda-planned" else "piece")
-    # on a GPU, the gathers are the project's kernels (one per piece and region size), never torch's copies
-    on_gpu = device.startswith("cuda")
-    assert d["copies"].startswith("torch") is not on_gpu, d["copies"]
+    # on a GPU, the gathers are the project's kernels (one per piece and region size), unless told
+    # to take torch's copies (one per region and piece)
+    kernel = device.startswith("cuda") and device != "cuda-torch"
+    assert d["copies"].startswith("torch") is not kernel, d["copies"]
     kernels = sum(v for k, v in w.counters.items() if k.startswith("segment_copies_") and k != "segment_copies_torch")
-    assert not w.counters["segment_copies_torch"] and bool(kernels) is on_gpu, dict(w.counters)
+    assert bool(kernels) is kernel and bool(w.counters["segment_copies_torch"]) is (device == "cuda-torch"), \
+        dict(w.counters)
     (root,) = [p for p in tmp_path.iterdir() if p.name.endswith("_c_r0")]
     report = verify_root(root)
     assert report["checked"] == 5 and not report["bad"]
@@ -355,7 +361,7 @@ def test_a_long_prefix_cycles_the_load_slabs_and_comes_back_exact(tmp_path, rng,
     assert w.counters[f"loads_{w.load_path.name}"] == 1  # the path it took, reported
     assert seen and set(seen) == {0.0003} and sys.getswitchinterval() == own
     # where the checksums were compared: the GPU for the pinned path's pieces unless told otherwise
-    assert (w.hasher is not None) is (device in ("cuda", "cuda-side", "cuda-engine", "cuda-planned"))
+    assert (w.hasher is not None) is (device in ("cuda", "cuda-side", "cuda-engine", "cuda-planned", "cuda-torch"))
     assert w.counters["gpu_checked_blocks"] == (n if w.hasher is not None else 0)
     if device == "cuda-compat":  # read by kvikio into a ring of device slabs, not pinned staging
         assert w.load_path.name == "compat" and w.device_reads and w.dev_loads.shape[0] == w.DEVICE_LOAD_SLABS
