@@ -99,6 +99,9 @@ def test_connector_variants_run_beside_the_connector_with_their_own_settings_and
         m = rep["modes"][name]
         assert m["requests"] == 4 and m.get("same_tokens_as_recompute", 4) == 4
         assert m["over_fs_speed"] > 0 and m["over_connector_speed"] > 0
+    # tiercache's own lines of each engine's log are in its mode's report, and only its own
+    assert rep["modes"]["connector~1"]["tiercache_log"] == ["tiercache: fake engine: pieces of 4 blocks"]
+    assert "tiercache_log" not in rep["modes"]["connector~2"]
     assert rep["connector_variants"] == {"connector~1": variants[0], "connector~2": variants[1]}
     assert "connector~1 (piece_blocks=4): repeat TTFT p50 speed over connector" in format_serve_report(rep)
     for bad in ({"root": "/x"}, {}):

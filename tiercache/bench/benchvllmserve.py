@@ -140,6 +140,12 @@ def workload(seed: int, vocab: int, prefixes: int, prefix_tokens: int, suffix_to
             for r in range(rounds) for p in range(prefixes)]
 
 
+def tiercache_lines(log: str, limit: int = 40) -> list[str]:
+    """tiercache's own lines in an engine's log (its warnings and errors: the worker's start-up
+    line is info; a missing copy kernel or a failed load is a warning), the first ``limit``."""
+    return [line for line in log.splitlines() if "tiercache:" in line][:limit]
+
+
 def kv_transfer(mode: str, root: Path | None, cpu_bytes: int, connector_settings: dict | None = None) -> dict | None:
     """The ``kv_transfer_config`` of ``mode`` (None: no connector); ``connector_settings``:
     more keys of tiercache's connector's ``kv_connector_extra_config``."""
@@ -491,6 +497,7 @@ class _Run:
             log,
         )
         self.n = 0
+        self._logs: dict[int, Path] = {}  # engine process id -> its log
 
     def spec(self, mode: str, requests: list[int], root: Path | None, **kw) -> dict:
         self.n += 1
@@ -510,9 +517,12 @@ class _Run:
         env = {**os.environ, **_ENV}
         if spec.get("gpu") is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(spec["gpu"])
-        errlog = open(self.work / f"engine-{self.n}-{spec['mode']}.log", "w")
-        return subprocess.Popen([sys.executable, "-m", "tiercache.bench.benchvllmserve", str(path)], env=env,
+        log_path = self.work / f"engine-{self.n}-{spec['mode']}.log"
+        errlog = open(log_path, "w")
+        proc = subprocess.Popen([sys.executable, "-m", "tiercache.bench.benchvllmserve", str(path)], env=env,
                                 stdout=errlog, stderr=subprocess.STDOUT)
+        self._logs[proc.pid] = log_path
+        return proc
 
     def finish(self, proc: subprocess.Popen, spec: dict, timeout: float = 1800) -> dict:
         rc = proc.wait(timeout)
@@ -520,7 +530,10 @@ class _Run:
         if rc != 0 or not out.exists():
             tail = self._log_tail()
             raise ConfigError(f"vllm-serve: the {spec['mode']} engine exited {rc}; its log ends:\n{tail}")
-        return json.loads(out.read_text())
+        res = json.loads(out.read_text())
+        log_path = self._logs.pop(proc.pid, None)
+        res["tiercache_log"] = tiercache_lines(log_path.read_text(errors="replace")) if log_path else []
+        return res
 
     def run(self, spec: dict) -> dict:
         self.log(f"  {spec['mode']}: engine process, {len(spec['requests'])} request(s)")
@@ -571,6 +584,8 @@ def _summary(res: dict, reference: dict[int, list[int]] | None, others: dict[str
     if res.get("connector_counters"):
         out["connector_counters"] = res["connector_counters"]
         out["connector_workers"] = res.get("connector_workers")
+    if res.get("tiercache_log"):
+        out["tiercache_log"] = res["tiercache_log"]
     toks = {r["index"]: r["tokens"] for r in rows}
     if reference is not None:
         out["same_tokens_as_recompute"] = sum(toks[i] == reference.get(i) for i in toks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +35,8 @@ class LLM:
         if self.files:
             self.files.parent.mkdir(parents=True, exist_ok=True)
         self.pending: list[bytes] = []  # heads computed, their chunks not yet in the files
+        if extra.get("piece_blocks"):  # as the real connector's worker warns in its engine's log
+            print(f"tiercache: fake engine: pieces of {extra['piece_blocks']} blocks", file=sys.stderr)
         sched = SimpleNamespace(has_requests=lambda: bool(self.pending))
         self.llm_engine = SimpleNamespace(step=self._step, engine_core=SimpleNamespace(
             engine_core=SimpleNamespace(scheduler=sched)))
