@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiercache.config import load_config
+from tiercache.copypaths import copy_kernel_status
 from tiercache.cuda import cuda_status
 from tiercache.errors import RootError, TierCacheError
 from tiercache.rootops import RootDir, index_summary, member_states, select_io_path, subdir_owner, survey
@@ -56,6 +57,8 @@ def inspect(
         except TierCacheError as exc:
             out["io_path"] = {"name": None, "label": "unavailable", "reason": str(exc)}
     out["cuda"] = cuda_status().reason
+    launcher, what = copy_kernel_status()
+    out["copy_kernels"] = {"available": launcher is not None, "reason": what}
     if root.exists():
         summary = None if scan else _index_summary(root)
         try:
@@ -143,6 +146,12 @@ def _print(out: dict) -> None:
         io = out["io_path"]
         con.print(f"I/O path here: [bold]{io['label']}[/bold] ({io['reason']})")
     con.print(f"CUDA: {out['cuda']}")
+    ck = out["copy_kernels"]
+    if ck["available"]:
+        con.print(f"copy kernels: [bold]{ck['reason']}[/bold]")
+    elif ck["reason"] != out["cuda"]:  # CUDA works, the kernels do not (else the line above says why)
+        con.print(f"copy kernels: [bold]unavailable[/bold] ({ck['reason']}): no device tier; the vLLM "
+                  "connector copies through torch")
     r = out["root"]
     if r.get("missing"):
         con.print(f"root {r['root']}: does not exist yet")

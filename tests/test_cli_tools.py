@@ -47,6 +47,31 @@ def test_inspect_json(populated):
     assert r["live_stats"]["counters"]["flushed_blocks"] == 6  # saved by the cache on flush/close
 
 
+def test_inspect_says_whether_the_copy_kernels_load_here(populated, monkeypatch):
+    """``inspect`` reports the project's copy kernels: on a machine without a usable GPU they
+    are unavailable for CUDA's reason; where CUDA works and a kernel does not load, that
+    failure is named (the vLLM connector then copies through torch)."""
+    from tiercache.copypaths import copykernels
+    from tiercache.cuda import CudaStatus, cuda_status
+
+    cfg, _ = populated
+    r = json.loads(runner.invoke(app, ["inspect", "--root", str(cfg.root), "--json"]).stdout)
+    if not cuda_status().available:
+        assert r["copy_kernels"] == {"available": False, "reason": r["cuda"]}
+    else:
+        assert r["copy_kernels"]["available"] and "gather/scatter kernel" in r["copy_kernels"]["reason"]
+
+    def broken(device_id=0, **kw):
+        raise RuntimeError(f"no kernel image for device {device_id}")
+
+    monkeypatch.setattr("tiercache.cuda.cuda_status", lambda: CudaStatus(True, "1 device(s), device 0: X", True, 1))
+    monkeypatch.setattr(copykernels, "CopyLauncher", broken)
+    assert copykernels.copy_kernel_status(3) == (None, "RuntimeError: no kernel image for device 3")
+    res = runner.invoke(app, ["inspect", "--root", str(cfg.root)])
+    assert res.exit_code == 0 and "copy kernels: unavailable (RuntimeError: no kernel image for device 0)" in \
+        " ".join(res.output.split()), res.output
+
+
 def test_inspect_counts_a_big_root_from_its_index(populated, monkeypatch):
     import tiercache.cli.inspect_cmd as ic
     from tiercache.files import file_size

@@ -16,7 +16,7 @@ Depends on :mod:`tiercache.memory` and the foundation; knows nothing of keys, ti
 """
 
 from .batchcopy import BatchCopy
-from .copykernels import CopyLauncher, PreparedLaunch
+from .copykernels import CopyLauncher, PreparedLaunch, copy_kernel_status
 from .copyplan import contiguous_runs, memcpy_runs
 from .segments import Segments, segments_for
 from .stagedcopy import StagedCopier, run_starts
@@ -32,6 +32,7 @@ __all__ = [
     "TokenAppend",
     "UploadRing",
     "contiguous_runs",
+    "copy_kernel_status",
     "memcpy_runs",
     "run_starts",
     "segments_for",

@@ -556,6 +556,24 @@ class CopyLauncher:
         return "+".join(sorted(used))
 
 
+def copy_kernel_status(device_id: int = 0) -> tuple[CopyLauncher | None, str]:
+    """The project's copy kernels on CUDA device ``device_id``: ``(launcher, what runs)``
+    where they build and load (a :class:`CopyLauncher` with default settings), else ``(None,
+    why not)``: no usable GPU (:func:`~tiercache.cuda.cuda_status`'s reason), CuPy missing, a
+    kernel that does not compile or load. Never raises. What ``tiercache inspect`` reports and
+    the vLLM connector chooses its copies by (without them: torch's, a launch per region)."""
+    from tiercache.cuda import cuda_status
+
+    st = cuda_status()
+    if not st.available:
+        return None, st.reason
+    try:
+        la = CopyLauncher(device_id)
+    except Exception as exc:  # CuPy missing, no kernel for this GPU, a compile or load failure
+        return None, f"{type(exc).__name__}: {exc}"
+    return la, "the gather/scatter kernel" + (" and the bulk (TMA) kernel" if la.bulk_available else "")
+
+
 class _NotRecordable(Exception):
     """A path a :class:`PreparedLaunch` cannot replay (the staged path)."""
 

@@ -1336,12 +1336,10 @@ def _cupy_stream(stream: torch.cuda.Stream, device: torch.device):
 def _launcher(device: torch.device):
     """The project's copy kernels for ``device`` (needs CuPy), or None and why: then the
     uploads and gathers go through torch (a copy per region)."""
-    try:
-        from tiercache.copypaths import CopyLauncher
+    from tiercache.copypaths import copy_kernel_status
 
-        return CopyLauncher(device.index or 0), "the gather/scatter kernel"
-    except Exception as exc:  # CuPy missing, or no kernel for this GPU
-        return None, f"torch ({type(exc).__name__}: {exc})"
+    launcher, what = copy_kernel_status(device.index or 0)
+    return launcher, what if launcher is not None else f"torch ({what})"
 
 
 def _side(obj, wanted: str, role: str):
