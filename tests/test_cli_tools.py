@@ -71,6 +71,28 @@ def test_inspect_says_whether_the_copy_kernels_load_here(populated, monkeypatch)
     assert res.exit_code == 0 and "copy kernels: unavailable (RuntimeError: no kernel image for device 0)" in \
         " ".join(res.output.split()), res.output
 
+    # only the bulk (TMA) kernel fails: the gather/scatter kernel alone, and the failure named
+    class NoBulk:
+        bulk_available = False
+
+        def __init__(self, device_id=0, bulk=True, **kw):
+            if bulk:
+                raise RuntimeError("copy_bulk.cu: NVRTC_ERROR_COMPILATION")
+            self.device_id = device_id
+
+    monkeypatch.setattr(copykernels, "CopyLauncher", NoBulk)
+    la, what = copykernels.copy_kernel_status(2)
+    assert isinstance(la, NoBulk) and la.device_id == 2
+    assert what == "the gather/scatter kernel (the launcher with the bulk kernel failed: RuntimeError: " \
+                   "copy_bulk.cu: NVRTC_ERROR_COMPILATION)"
+
+    def fails_differently(device_id=0, bulk=True, **kw):
+        raise RuntimeError("bulk" if bulk else "plain")
+
+    monkeypatch.setattr(copykernels, "CopyLauncher", fails_differently)
+    assert copykernels.copy_kernel_status(0) == (
+        None, "RuntimeError: bulk; without the bulk kernel: RuntimeError: plain")
+
 
 def test_inspect_counts_a_big_root_from_its_index(populated, monkeypatch):
     import tiercache.cli.inspect_cmd as ic

@@ -560,8 +560,11 @@ def copy_kernel_status(device_id: int = 0) -> tuple[CopyLauncher | None, str]:
     """The project's copy kernels on CUDA device ``device_id``: ``(launcher, what runs)``
     where they build and load (a :class:`CopyLauncher` with default settings), else ``(None,
     why not)``: no usable GPU (:func:`~tiercache.cuda.cuda_status`'s reason), CuPy missing, a
-    kernel that does not compile or load. Never raises. What ``tiercache inspect`` reports and
-    the vLLM connector chooses its copies by (without them: torch's, a launch per region)."""
+    kernel that does not compile or load. Where the launcher with the bulk (TMA) kernel cannot
+    be built, one without it is tried (the gather/scatter kernel alone, still one launch per
+    copy) and ``what runs`` names the first failure. Never raises. What ``tiercache inspect``
+    reports and the vLLM connector chooses its copies by (without them: torch's, a launch per
+    region)."""
     from tiercache.cuda import cuda_status
 
     st = cuda_status()
@@ -570,7 +573,13 @@ def copy_kernel_status(device_id: int = 0) -> tuple[CopyLauncher | None, str]:
     try:
         la = CopyLauncher(device_id)
     except Exception as exc:  # CuPy missing, no kernel for this GPU, a compile or load failure
-        return None, f"{type(exc).__name__}: {exc}"
+        first = f"{type(exc).__name__}: {exc}"
+        try:
+            la = CopyLauncher(device_id, bulk=False)
+        except Exception as exc2:
+            again = f"{type(exc2).__name__}: {exc2}"
+            return None, first if again == first else f"{first}; without the bulk kernel: {again}"
+        return la, f"the gather/scatter kernel (the launcher with the bulk kernel failed: {first})"
     return la, "the gather/scatter kernel" + (" and the bulk (TMA) kernel" if la.bulk_available else "")
 
 
