@@ -26,7 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 
 from tiercache.bench.benchvllmserve import damage_file  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
-from tiercache.integrations.vllmconnector import TierCacheConnector, block_views, parse_config, rank_roots  # noqa: E402
+from tiercache.integrations.vllmconnector import (  # noqa: E402
+    TierCacheConnector,
+    block_views,
+    layout_digest,
+    parse_config,
+    rank_roots,
+)
 from tiercache.rootops import verify_root  # noqa: E402
 
 BS, LAYERS, HEADS, HD, NB = 16, 4, 2, 8, 64
@@ -55,11 +61,26 @@ def _config(root, **extra):
 
 
 def _caches(layout: str = "flash", device: str = "cpu") -> dict:
-    """Random per-layer KV caches: FlashAttention's [2, NB, BS, H, D] or [NB, 2, BS, H, D]."""
+    """Random per-layer KV caches: FlashAttention's [2, NB, BS, H, D], [NB, 2, BS, H, D], or
+    (``packed``) vLLM 0.26's [NB, H, BS, 2 * D] over memory ordered [NB, BS, H, 2 * D]."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    shape = (2, NB, BS, HEADS, HD) if layout == "flash" else (NB, 2, BS, HEADS, HD)
-    return {f"model.layers.{i}.attn": torch.randint(-30000, 30000, shape, generator=g, dtype=torch.int16
-                                                    ).view(torch.float16).to(device) for i in range(LAYERS)}
+    shape = {"flash": (2, NB, BS, HEADS, HD), "paged": (NB, 2, BS, HEADS, HD),
+             "packed": (NB, BS, HEADS, 2 * HD)}[layout]
+
+    def one() -> torch.Tensor:
+        t = torch.randint(-30000, 30000, shape, generator=g, dtype=torch.int16).view(torch.float16).to(device)
+        return t.permute(0, 2, 1, 3) if layout == "packed" else t
+
+    return {f"model.layers.{i}.attn": one() for i in range(LAYERS)}
+
+
+def _block_bytes(t: torch.Tensor, b: int) -> list[bytes]:
+    """Block ``b``'s bytes of one layer's cache ``t`` (on the CPU) in memory order: K and V
+    apart ([2, NB, ...], [NB, 2, ...]) or one part ([NB, H, BS, 2 * D] over [NB, BS, H, 2 * D])."""
+    if t.dim() == 4:
+        return [t[b].permute(1, 0, 2).contiguous().view(torch.uint8).numpy().tobytes()]
+    kv = (t[0, b], t[1, b]) if t.shape[0] == 2 else (t[b, 0], t[b, 1])
+    return [x.contiguous().view(torch.uint8).numpy().tobytes() for x in kv]
 
 
 @pytest.fixture(params=["cpu", "cpu-engine", pytest.param("cuda", marks=pytest.mark.gpu),
@@ -113,12 +134,7 @@ class _Engine:
         if self.caches[next(iter(self.caches))].is_cuda:
             torch.cuda.synchronize()
         for t in (c.cpu() for c in self.caches.values()):
-            if t.shape[0] == 2:
-                out += [t[0, b].contiguous().view(torch.uint8).numpy().tobytes(),
-                        t[1, b].contiguous().view(torch.uint8).numpy().tobytes()]
-            else:
-                out += [t[b, 0].contiguous().view(torch.uint8).numpy().tobytes(),
-                        t[b, 1].contiguous().view(torch.uint8).numpy().tobytes()]
+            out += _block_bytes(t, b)
         return out
 
     def step(self, new=(), finished=(), out=None, preempted=()):
@@ -182,7 +198,7 @@ def _store(engine, rid, hashes, tokens, ids):
     return [engine.block(b) for b in ids[:tokens // BS]]
 
 
-@pytest.mark.parametrize("layout", ["flash", "paged"])
+@pytest.mark.parametrize("layout", ["flash", "paged", "packed"])
 def test_blocks_stored_by_one_engine_load_byte_exact_into_another(tmp_path, rng, device, layout):
     hashes = [rng.bytes(32) for _ in range(6)]
     a = _Engine(tmp_path, layout, device)
@@ -512,14 +528,19 @@ def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_chang
 
 
 def test_block_views_split_each_layout_into_contiguous_block_pages():
-    for layout, regions in (("flash", 2), ("paged", 1)):
+    for layout, regions in (("flash", 2), ("paged", 1), ("packed", 1)):
         t = next(iter(_caches(layout).values()))
         views = block_views(t, NB)
         assert len(views) == regions and all(v.shape == (NB, 2 * BS * HEADS * HD * 2 // regions) for v in views)
-        b = 17
-        got = b"".join(v[b].numpy().tobytes() for v in views)
-        want = (torch.stack([t[0, b], t[1, b]]) if layout == "flash" else t[b]).contiguous().view(torch.uint8)
-        assert got == want.numpy().tobytes()
+        for b in (0, 17, NB - 1):
+            assert b"".join(v[b].numpy().tobytes() for v in views) == b"".join(_block_bytes(t, b)), (layout, b)
+    # a part dense in memory in another order than its axes' (vLLM 0.26's FlashAttention) is one
+    # region, not one per token and head; one with a gap is split along its outermost axis
+    packed = next(iter(_caches("packed").values()))
+    assert not packed[0].is_contiguous() and len(block_views(packed, NB)) == 1
+    gappy = torch.zeros((NB, BS, HEADS + 1, 2 * HD), dtype=torch.float16)[:, :, :HEADS].permute(0, 2, 1, 3)
+    views = block_views(gappy, NB)
+    assert len(views) == BS and {v.shape[1] for v in views} == {HEADS * 2 * HD * 2}
     mla = torch.zeros((NB, BS, 96), dtype=torch.float16)
     assert [v.shape for v in block_views(mla, NB)] == [(NB, BS * 96 * 2)]
     with pytest.raises(ConfigError, match="no axis of 64 blocks"):
@@ -552,6 +573,27 @@ def test_the_config_is_checked():
     assert parse_config({"root": "/x", "load_switch_s": 0.0002})["load_switch_s"] == 0.0002
     assert parse_config({"root": ["/a", "/b"]})["root"] == ["/a", "/b"]
     assert [p.name for p in rank_roots(["/a"], "d1g", "org/Llama-3.1 8B/", 1)] == ["Llama-3.1-8B_d1g_c_r1"]
+
+
+def test_engines_whose_kv_layouts_may_differ_keep_their_files_apart(tmp_path, monkeypatch):
+    """A file holds the KV cache's bytes in memory order, so what decides that order is in the
+    directory's digest: another vLLM release, attention backend or ``VLLM_KV_CACHE_LAYOUT``
+    never reads these files (it would read K and V in another order, with good checksums)."""
+    import vllm
+
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+    cfg = _config(tmp_path)
+    base = layout_digest(cfg)
+    assert layout_digest(_config(tmp_path / "other")) == base  # the root is not part of it
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
+    assert layout_digest(cfg) != base
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASHINFER")
+    assert layout_digest(cfg) != base
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND")
+    monkeypatch.setattr(vllm, "__version__", "0.0.1")
+    assert layout_digest(cfg) != base
 
 
 def test_the_documented_config_lines_parse():

@@ -12,11 +12,12 @@ Why a connector and not an ``OffloadingSpec``, and what the stages measured befo
 docs/vllm.md, "The direct path: design".
 
 - **Files.** One file per vLLM block (``block_size`` tokens) and rank: the block's page of
-  every layer, in layer order (K and V apart where the attention backend keeps them apart), as
-  a tiercache block file (4 KiB header, XXH3-64, atomic publication) under
-  ``<root>/<model>_<digest>_c_r<rank>`` (the digest covers the model, the block size, the
-  layout and the parallel sizes). The key is vLLM's block hash (a prefix hash: it names the
-  block's tokens and every token before them).
+  every layer, in layer order (K and V apart where the attention backend keeps them apart),
+  each part's bytes in memory order, as a tiercache block file (4 KiB header, XXH3-64, atomic
+  publication) under ``<root>/<model>_<digest>_c_r<rank>`` (the digest covers the model, the
+  block size, the parallel sizes and what decides the layout: :func:`layout_digest`). The key
+  is vLLM's block hash (a prefix hash: it names the block's tokens and every token before
+  them).
 - **Scheduler side.** An in-memory index of the blocks every rank's root holds (listed at
   start; then the stores gathered, less the loads that failed). A lookup counts the leading
   blocks of a request's prompt that are there, beyond vLLM's own prefix-cache hit, and asks
@@ -172,15 +173,24 @@ def rank_roots(roots: list[str], digest: str, model: str, rank: int) -> list[Pat
     return [Path(r) / f"{name}_{digest}_c_r{rank}" for r in roots]
 
 
-def layout_digest(vllm_config, row_bytes_hint: str = "") -> str:
+def layout_digest(vllm_config) -> str:
     """What must match for two engines to read each other's files: the model, dtype, block size,
-    KV layout and parallel sizes."""
+    parallel sizes and what decides the KV cache's layout in memory, whose bytes a file holds
+    in memory order (:func:`block_views`): vLLM's version (its attention backends' shapes
+    change between releases: 0.26's FlashAttention packs K and V per head), the attention
+    backend asked for, and ``VLLM_KV_CACHE_LAYOUT``. The scheduler computes it without the
+    tensors, so both sides compute it from the configuration alone."""
+    import vllm
+
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     ident = {"model": str(mc.model), "dtype": str(mc.dtype), "cache_dtype": str(cc.cache_dtype),
              "block_size": int(cc.block_size), "tp": int(pc.tensor_parallel_size),
              "pp": int(pc.pipeline_parallel_size), "layers": int(mc.get_num_layers(pc)),
              "kv_heads": int(mc.get_num_kv_heads(pc)), "head_size": int(mc.get_head_size()),
-             "extra": row_bytes_hint}
+             "file_order": "memory", "vllm": str(getattr(vllm, "__version__", "")),
+             "attention_backend": str(attn) if attn is not None else os.environ.get("VLLM_ATTENTION_BACKEND", ""),
+             "kv_cache_layout": os.environ.get("VLLM_KV_CACHE_LAYOUT", "")}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -203,11 +213,15 @@ def list_keys(roots: list[Path]) -> set[bytes]:
 def block_views(t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
     """Byte views ``[num_blocks, page_bytes]`` (uint8) of one layer's KV cache tensor: the block
     axis (the axis of size ``num_blocks`` that is outermost in memory) first, split along the
-    next axes until each block's part is contiguous (FlashAttention's ``[2, num_blocks, ...]``
-    gives K and V apart; ``[num_blocks, 2, ...]`` one view).
+    part's outermost axis in memory until each block's part fills one dense range of memory
+    (FlashAttention's ``[2, num_blocks, ...]`` gives K and V apart; ``[num_blocks, 2, ...]`` one
+    view; vLLM 0.26's ``[num_blocks, heads, block_size, 2 * head_size]`` over memory ordered
+    ``[num_blocks, block_size, heads, 2 * head_size]`` one view). A view's bytes are the part's
+    in memory order, whatever the order of its logical axes: one segment per block and view for
+    the copy kernels, never one per token and head.
 
     Raises:
-        ConfigError: no axis of ``num_blocks``, or a block's part that is never contiguous.
+        ConfigError: no axis of ``num_blocks``, or a block's part that is never dense.
     """
     dims = [i for i, s in enumerate(t.shape) if s == num_blocks]
     if not dims:
@@ -215,15 +229,28 @@ def block_views(t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
                           f"{num_blocks} blocks")
     bdim = max(dims, key=lambda i: t.stride(i))
     parts = [t.movedim(bdim, 0)]
-    while not all(p[0].is_contiguous() and p.stride(0) >= p[0].numel() for p in parts):
+    while not all(_dense(p[0]) and p.stride(0) >= p[0].numel() for p in parts):
         if parts[0].dim() < 3:
             raise ConfigError(f"TierCacheConnector: the blocks of a KV cache tensor of shape {tuple(t.shape)} and "
                               f"strides {t.stride()} are not contiguous in memory")
-        parts = [q for p in parts for q in p.unbind(1)]
+        # the part's outermost axis in memory (the largest stride) goes first, then split along it
+        parts = [q for p in parts
+                 for q in p.movedim(1 + max(range(p.dim() - 1), key=lambda i: p.stride(1 + i)), 1).unbind(1)]
     raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
     es = t.element_size()
     return [torch.as_strided(raw, (num_blocks, p[0].numel() * es), (p.stride(0) * es, 1), p.storage_offset() * es)
             for p in parts]
+
+
+def _dense(part: torch.Tensor) -> bool:
+    """Whether the elements of ``part`` fill one range of memory with no gap, in some order of
+    its axes (its lowest address is its first element's: torch's strides are not negative)."""
+    expect = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(part.stride(), part.shape) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
 
 
 @dataclass
