@@ -86,17 +86,21 @@ def _value(v: str):
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def _caches(model: str, blocks: int) -> tuple[dict, int]:
+def _caches(model: str, blocks: int, layout: str = "flash") -> tuple[dict, int]:
     """The model geometry's KV caches on the GPU, ``2 * blocks + 8`` blocks of random bytes per
-    layer (FlashAttention's layout), and that block count."""
+    layer, and that block count. ``layout``: ``flash`` ([2, blocks, block_size, heads,
+    head_dim]) or ``packed`` (vLLM 0.26's FlashAttention: [blocks, heads, block_size, 2 *
+    head_dim] over memory ordered [blocks, block_size, heads, 2 * head_dim])."""
     cfg = json.loads((models_dir() / f"{model}.json").read_text())
     layers, heads, bs = cfg["num_hidden_layers"], cfg["num_key_value_heads"], 16
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     nb = 2 * blocks + 8
-    caches = {f"layers.{i}": torch.empty((2, nb, bs, heads, hd), dtype=torch.float16, device="cuda")
-              for i in range(layers)}
+    shape = (2, nb, bs, heads, hd) if layout == "flash" else (nb, bs, heads, 2 * hd)
+    caches = {f"layers.{i}": torch.empty(shape, dtype=torch.float16, device="cuda") for i in range(layers)}
     for t in caches.values():
         t.view(torch.int16).random_(-30000, 30000)
+    if layout == "packed":
+        caches = {k: t.permute(0, 2, 1, 3) for k, t in caches.items()}
     return caches, nb
 
 
@@ -110,11 +114,11 @@ def _worker(root: str, extra: dict) -> ConnectorWorker:
 
 
 def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: bool = False,
-        reads_only: bool = False) -> dict:
+        reads_only: bool = False, layout: str = "flash") -> dict:
     """Loads of ``blocks`` stored blocks, ``runs`` times: GB/s, the worker's split and the
     process's CPU per block (user and system, us; the C threads' included). ``reads_only``:
     the uploads are skipped (what the reads alone take; no bytes to check then)."""
-    caches, nb = _caches(model, blocks)
+    caches, nb = _caches(model, blocks, layout)
     w = _worker(root, extra)
     w.register(caches, nb)
     if reads_only:  # nothing goes up: no checksum of the GPU's to compare either
@@ -166,6 +170,7 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
     return {"settings": extra, "gbps": blocks * w.row_bytes / med / 1e9, "ms": med * 1e3,
             "ms_runs": [round(x * 1e3, 1) for x in times], "last_split_ms": split, "piece": w.piece,
             "load_slabs": w.load_slabs, "engine": w.store.ft.engine, "copies": w.copy_path,
+            "regions_per_block": len(w.views),
             "load_path": w.load_path.name, "reads_only": reads_only, "checksums": w.verify_where,
             "gpu_checked_blocks": w.counters["gpu_checked_blocks"],
             "cpu_us_per_block": {"user": statistics.median(c[0] for c in cpu),
@@ -214,13 +219,13 @@ def _busy(ms: float, kernels: int = 0) -> None:
 
 
 def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_ms: float, profile: bool,
-           kernels: int = 0) -> dict:
+           kernels: int = 0, layout: str = "flash") -> dict:
     """A prompt's stores behind a forward pass: ``blocks`` blocks planned, ``forward_ms`` of work
     queued on the engine's stream, then ``after_forward`` (vLLM's ``wait_for_save``). Reports its
     host time, the GPU time it adds to the engine's stream after the forward pass, and when the
     blocks are free (``get_finished``) from the forward pass's end; the last run's blocks are
     loaded back and compared."""
-    caches, nb = _caches(model, blocks)
+    caches, nb = _caches(model, blocks, layout)
     w = _worker(root, extra)
     w.register(caches, nb)
     rows, keys = [], []
@@ -294,6 +299,8 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0, help="small kernels queued behind the forward (--stores)")
     ap.add_argument("--gil-threads", type=int, default=0, help="Python threads holding the GIL during the loads")
     ap.add_argument("--gil-duty", type=float, default=0.5, help="the fraction of each ms they hold it (--gil-threads)")
+    ap.add_argument("--layout", choices=("flash", "packed"), default="flash",
+                    help="the caches' layout: [2, blocks, ...] or vLLM 0.26's FlashAttention (see _caches)")
     a = ap.parse_args()
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
@@ -301,16 +308,17 @@ def main() -> None:
         extra = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
         extra = {k: _value(v) for k, v in extra.items()}
         if a.stores:
-            out = stores(a.root, a.model, a.blocks, a.runs, extra, a.forward_ms, a.profile, a.kernels)
+            out = stores(a.root, a.model, a.blocks, a.runs, extra, a.forward_ms, a.profile, a.kernels, a.layout)
             print(out.pop("profile", ""), flush=True)
         else:
             holders = _GilHolders(a.gil_threads, a.gil_duty) if a.gil_threads else None
             try:
-                out = run(a.root, a.model, a.blocks, a.runs, extra, a.profile, a.reads_only)
+                out = run(a.root, a.model, a.blocks, a.runs, extra, a.profile, a.reads_only, a.layout)
             finally:
                 if holders is not None:
                     holders.stop()
             out["gil_threads"], out["gil_duty"] = a.gil_threads, a.gil_duty
+        out["layout"] = a.layout
         print(out, flush=True)
 
 
