@@ -638,3 +638,63 @@ def test_checksums_on_the_gpu_asked_where_there_is_none_is_a_clear_error(tmp_pat
     assert e.worker._worker.store_hasher is None
     assert e.worker._worker.store_sums_where == "on the host (CPU tensors)"
     e.close()
+
+
+def _vllm_layer_caches(layers: int, heads: int, head_size: int) -> dict[str, list[torch.Tensor]]:
+    """Per-layer KV caches as the installed vLLM lays them out, by layout name: vLLM 0.33's
+    own views (``create_kv_cache_views``) for every ``KVCacheLayout``, or (vLLM 0.26, whose
+    layout is the attention backend's) FlashAttention's logical ``[blocks, heads, tokens,
+    2 * head_size]`` permuted by its stride orders for NHD and HND, as its model runner does."""
+    try:
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheTensor,
+            compute_layout_strides,
+            create_kv_cache_views,
+        )
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:
+        out = {}
+        for name, order in (("NHD", (0, 2, 1, 3)), ("HND", (0, 1, 2, 3))):
+            shape = (NB, heads, BS, 2 * head_size)
+            inv = [order.index(i) for i in range(4)]
+            out[name] = [torch.randint(-30000, 30000, tuple(shape[i] for i in order), dtype=torch.int16)
+                         .view(torch.float16).permute(*inv) for _ in range(layers)]
+        return out
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=head_size, dtype=torch.float16)
+    names = [f"model.layers.{i}.attn" for i in range(layers)]
+    out = {}
+    for layout in KVCacheLayout:
+        strides = compute_layout_strides(spec, NB, layers, layout)
+        size = layers * NB * spec.page_size_bytes
+        raw = torch.randint(-128, 128, (size,), dtype=torch.int8)
+        t = KVCacheTensor(size=size, layers=names, layer_stride=strides[0], block_stride=strides[1])
+        out[layout.name] = create_kv_cache_views(raw, spec, NB, layout, t)
+    return out
+
+
+def test_block_views_take_each_of_vllms_kv_cache_layouts_in_few_regions():
+    """Every layout the installed vLLM can give its KV caches: a block's part of a layer comes
+    out as one region wherever it is one range of memory (the copy kernels' segment tables stay
+    small; vLLM 0.26 and 0.33's default FlashAttention layout, logically ``[blocks, heads,
+    tokens, ...]`` over ``[blocks, tokens, heads, ...]``, was 4096 regions of 512 B a Llama-8B
+    block before), else one per head; the regions hold exactly the part's bytes in memory
+    order, and no two blocks' regions overlap."""
+    heads, hd = 2, 8
+    seen = {}
+    for name, caches in _vllm_layer_caches(3, heads, hd).items():
+        for t in caches:
+            views = block_views(t, NB)
+            block_dim = [i for i, s in enumerate(t.shape) if s == NB][0]
+            part0 = t.select(block_dim, 0)
+            by_address = sorted(range(part0.dim()), key=lambda i: -part0.stride(i))
+            one_range = part0.permute(*by_address).is_contiguous()
+            assert len(views) == (1 if one_range else heads), (name, len(views))
+            seen[name] = len(views)
+            for b in (0, 5, NB - 1):
+                part = t.select(block_dim, b)
+                want = part.permute(*by_address).contiguous().view(torch.uint8).numpy().tobytes()
+                assert b"".join(v[b].numpy().tobytes() for v in views) == want, (name, b)
+            spans = sorted((v.data_ptr() + b * v.stride(0), v.shape[1]) for v in views for b in range(NB))
+            assert all(a + n <= c for (a, n), (c, _) in zip(spans, spans[1:])), name
+    assert 1 in seen.values(), seen  # the default layouts are among them
