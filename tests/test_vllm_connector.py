@@ -11,7 +11,9 @@ to compute; a load is done within one step (in ``start_load_kv``, received in th
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import threading
 import time
 from types import SimpleNamespace
@@ -698,3 +700,25 @@ def test_block_views_take_each_of_vllms_kv_cache_layouts_in_few_regions():
             spans = sorted((v.data_ptr() + b * v.stride(0), v.shape[1]) for v in views for b in range(NB))
             assert all(a + n <= c for (a, n), (c, _) in zip(spans, spans[1:])), name
     assert 1 in seen.values(), seen  # the default layouts are among them
+
+
+def test_a_worker_names_the_directories_of_its_model_it_does_not_read(tmp_path, caplog):
+    """Files under another digest (another vLLM release or layout, or a connector before files
+    held memory order) are never read; the worker names their directories at start, with the
+    command that frees them, and nothing else beside them."""
+    cfg = _config(tmp_path)
+    (mine,) = rank_roots([str(tmp_path)], layout_digest(cfg), cfg.model_config.model, 0)
+    old = tmp_path / mine.name.replace(layout_digest(cfg), "0123456789ab")
+    for d in (old, tmp_path / mine.name.replace("_c_r0", "_c_r1"), tmp_path / ("x" + mine.name)):
+        d.mkdir()
+    with caplog.at_level(logging.WARNING, logger="tiercache"):
+        e = _Engine(tmp_path)
+    said = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(said) == 1 and str(old) in said[0] and "tiercache purge" in said[0], said
+    assert "_c_r1" not in said[0] and str(tmp_path / ("x" + mine.name)) not in said[0]
+    e.close()
+    caplog.clear()
+    shutil.rmtree(old)
+    with caplog.at_level(logging.WARNING, logger="tiercache"):
+        _Engine(tmp_path).close()
+    assert not [r for r in caplog.records if "does not read" in r.getMessage()]

@@ -173,6 +173,24 @@ def rank_roots(roots: list[str], digest: str, model: str, rank: int) -> list[Pat
     return [Path(r) / f"{name}_{digest}_c_r{rank}" for r in roots]
 
 
+def other_layouts(roots: list[Path]) -> list[Path]:
+    """Directories beside ``roots`` (what :func:`rank_roots` gives) of the same model and rank
+    under another digest: files of another vLLM release, attention backend or KV layout, or of
+    a connector before files held memory order (2026-12-07), which no engine with this
+    configuration reads. The worker names them at start, with the command that frees them."""
+    out = []
+    for r in roots:
+        model, _, rank = r.name.rpartition("_c_r")
+        name = model.rsplit("_", 1)[0]
+        try:
+            siblings = list(r.parent.glob(f"{name}_*_c_r{rank}"))
+        except OSError:
+            continue
+        out += sorted(p for p in siblings
+                      if p != r and p.name.rpartition("_c_r")[0].rsplit("_", 1)[0] == name and p.is_dir())
+    return out
+
+
 def layout_digest(vllm_config) -> str:
     """What must match for two engines to read each other's files: the model, dtype, block size,
     parallel sizes and what decides the KV cache's layout in memory, whose bytes a file holds
@@ -1409,7 +1427,14 @@ class TierCacheConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if tp > 1 else 0
-            self._worker = ConnectorWorker(self.settings, rank_roots(self.settings["root"], digest, model, rank))
+            roots = rank_roots(self.settings["root"], digest, model, rank)
+            others = other_layouts(roots)
+            if others:
+                log.warning("tiercache: vLLM connector: %s hold files of this model and rank that this engine "
+                            "does not read (another vLLM release, attention backend or KV layout, or a connector "
+                            "before 2026-12-07); `tiercache purge --root DIR` frees their space",
+                            ", ".join(map(str, others)))
+            self._worker = ConnectorWorker(self.settings, roots)
 
     @property
     def sched(self) -> ConnectorScheduler:
