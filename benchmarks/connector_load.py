@@ -104,6 +104,11 @@ def _caches(model: str, blocks: int, layout: str = "flash") -> tuple[dict, int]:
     return caches, nb
 
 
+def _by_block(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A view of one layer's cache ``t`` (from :func:`_caches`) with the block axis first."""
+    return t if layout == "packed" else t.transpose(0, 1)
+
+
 def _worker(root: str, extra: dict) -> ConnectorWorker:
     """A fresh worker over ``root``: one directory, or several separated by commas (a root array)."""
     roots = root.split(",")
@@ -136,7 +141,7 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
     for r in range(runs):
         dst = list(range(blocks + 8, 2 * blocks + 8))
         for t in caches.values():
-            t[:, blocks + 8:].zero_()
+            _by_block(t, layout)[blocks + 8:].zero_()
         torch.cuda.synchronize()
         before = dict(w.counters)
         prof = None
@@ -161,7 +166,8 @@ def run(root: str, model: str, blocks: int, runs: int, extra: dict, profile: boo
         got = w.get_finished(set())[1]
         assert got == {f"l{r}"} and not w.load_errors(), (got, w.load_errors())
         for t in caches.values() if not reads_only else ():
-            assert torch.equal(t[:, :blocks].view(torch.int16), t[:, blocks + 8:].view(torch.int16)), "bytes differ"
+            b = _by_block(t, layout)
+            assert torch.equal(b[:blocks].view(torch.int16), b[blocks + 8:].view(torch.int16)), "bytes differ"
         split = {k: (w.counters[k] - before.get(k, 0)) / 1e3 for k in
                  ("read_wait_us", "slab_wait_us", "submit_us", "upload_issue_us",
                                                    "h2d_issue_us", "scatter_issue_us")}
@@ -263,12 +269,12 @@ def stores(root: str, model: str, blocks: int, runs: int, extra: dict, forward_m
                      # the process's CPU from the plan to the files written (the C threads' included)
                      "cpu_user_us_per_block": (c1.user - c0.user) / blocks * 1e6,
                      "cpu_sys_us_per_block": (c1.system - c0.system) / blocks * 1e6})
-    want = [t[:, :blocks].clone() for t in caches.values()]
+    want = [_by_block(t, layout)[:blocks].clone() for t in caches.values()]
     dst = list(range(blocks + 8, 2 * blocks + 8))
     w.load([BlockTransfer("check", keys, dst)])
     assert not w.load_errors()
     for t, x in zip(caches.values(), want):
-        assert torch.equal(t[:, blocks + 8:].view(torch.int16), x.view(torch.int16)), "bytes differ"
+        assert torch.equal(_by_block(t, layout)[blocks + 8:].view(torch.int16), x.view(torch.int16)), "bytes differ"
     counters = dict(w.counters)
     w.close()
     out = {"settings": extra, "forward_ms": forward_ms, "kernels": kernels, "blocks": blocks, "runs": rows,
