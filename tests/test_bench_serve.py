@@ -215,6 +215,23 @@ class _Engine:
         return [_Result(i) for i in ids]
 
 
+def test_blocks_freed_is_traced_from_finished_sending_and_from_the_connectors_release():
+    """The connector frees a finished request's blocks at once and releases its stores the next
+    step (``ConnectorWorker._release``); the trace counts those requests, as it counts
+    ``get_finished``'s finished_sending, and records nothing where nothing was freed."""
+    from tiercache.bench.stagetrace import TARGETS, StageTrace
+
+    assert ("tiercache.integrations.vllmconnector", "ConnectorWorker", "_release", "blocks_freed") in TARGETS
+    from tiercache.integrations.vllmconnector import ConnectorWorker
+
+    assert callable(getattr(ConnectorWorker, "_release", None))
+    trace = StageTrace(())
+    assert trace._info("blocks_freed", ({"r1", "r2"},), {}, None) == {"requests": 2}
+    assert trace._info("blocks_freed", (set(),), {}, None) is None
+    assert trace._info("blocks_freed", ({"r1"},), {}, ({"r1"}, None)) == {"requests": 1}
+    assert trace._info("blocks_freed", (set(),), {}, (None, {"r9"})) is None
+
+
 def test_stage_trace_splits_a_requests_time_into_the_engines_stages():
     import time as _t
 

@@ -139,7 +139,7 @@ class _Engine:
             out += _block_bytes(t, b)
         return out
 
-    def step(self, new=(), finished=(), out=None, preempted=()):
+    def step(self, new=(), out=None, preempted=()):
         """One scheduler step (``new``: (request, block ids, computed, scheduled) tuples) and
         the worker's part of it; returns the worker's (sending, recving, errors) once ``wait``
         holds, polling as vLLM's steps do."""
@@ -194,9 +194,12 @@ def _store(engine, rid, hashes, tokens, ids):
     engine.sched.update_state_after_alloc(req, _blocks(ids), 0)
     meta = engine.step(new=[(req, ids, 0, tokens)])
     assert [len(t.keys) for t in meta.stores] == [tokens // BS] and not meta.loads
-    assert engine.sched.request_finished(req, ids) == (True, None)  # held until gathered
-    sent, _, _ = engine.poll(finished={rid}, want_send={rid})
-    assert sent == {rid}
+    assert engine.sched.request_finished(req, ids) == (False, None)  # freed at once
+    assert engine.step().released == [rid]  # the next step: its gathers are issued first
+    w = engine.worker._worker
+    assert not any(e[0] == rid for e in w._gathers) and w.counters["released_skipped_blocks"] == 0
+    sent, _, _ = engine.poll(finished={rid})
+    assert not sent  # vLLM no longer knows it: no finished_sending
     return [engine.block(b) for b in ids[:tokens // BS]]
 
 
@@ -444,8 +447,9 @@ def test_a_loads_scatters_planned_in_groups_are_the_pieces_own(tmp_path, rng, mo
 
 
 def test_a_load_waits_for_a_store_of_the_same_blocks_still_being_written(tmp_path, rng, device):
-    """Blocks are freed (finished_sending) once gathered into staging, before their files are
-    written; a request that hits them at once waits for the writes, and loads them exact."""
+    """Blocks are freed at their request's finish, gathered into staging before the next step,
+    before their files are written; a request that hits them at once waits for the writes, and
+    loads them exact."""
     hashes = [rng.bytes(32) for _ in range(4)]
     a = _Engine(tmp_path, device=device)
     w = a.worker._worker
@@ -457,7 +461,7 @@ def test_a_load_waits_for_a_store_of_the_same_blocks_still_being_written(tmp_pat
         return real(*args, **kwargs)
 
     w.store.submit_store = held
-    want = _store(a, "r1", hashes, 4 * BS, [3, 9, 27, 81 % NB])  # returns once finished_sending came
+    want = _store(a, "r1", hashes, 4 * BS, [3, 9, 27, 81 % NB])  # returns once gathered
     assert w._writing and not gate.is_set()  # freed while no file was written yet
     req = _request("r2", hashes, 4 * BS + 5)
     assert a.sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
@@ -480,9 +484,10 @@ def test_stores_are_skipped_not_held_when_the_writes_fall_behind(tmp_path, rng, 
     a.sched.update_state_after_alloc(req, _blocks(range(5)), 0)
     meta = a.step(new=[(req, list(range(5)), 0, 5 * BS)])
     assert [len(t.keys) for t in meta.stores] == [5]
-    assert a.sched.request_finished(req, list(range(5))) == (True, None)
-    sent, _, _ = a.poll(finished={"r1"}, want_send={"r1"})
-    assert sent == {"r1"}  # its blocks are not held for a store that will not happen
+    assert a.sched.request_finished(req, list(range(5))) == (False, None)  # freed at once
+    assert a.step().released == ["r1"]
+    sent, _, _ = a.poll(finished={"r1"})
+    assert not sent and not w._had_stores
     assert w.counters["stores_skipped_blocks"] == 5 and w.store.drain(10) and len(w.store) == 0
     a.close()
 
@@ -526,6 +531,54 @@ def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_chang
     b.sched.update_state_after_alloc(req, _blocks(new_ids), 6 * BS)
     b.step(new=[(req, new_ids, 6 * BS, 1)])
     assert [b.block(x) for x in new_ids[:6]] == want
+    b.close()
+
+
+def test_a_finished_requests_blocks_are_freed_at_once_and_never_gathered_after_they_change(tmp_path, rng, device):
+    """A finished request's blocks are freed at once (request_finished: no hold) while its
+    stores wait for a store slab behind a slow writer: the next step gathers what a free slab
+    takes, skips the rest without waiting for the writer, and the forward pass that reuses
+    the blocks comes after the gathers. Files hold the bytes the blocks held, or are absent."""
+    hashes = [rng.bytes(32) for _ in range(6)]
+    a = _Engine(tmp_path, device=device, piece_blocks=2)
+    w = a.worker._worker
+    gate = threading.Event()
+    real = w.store.submit_store
+
+    def held(*args, **kwargs):  # the writer is slow: slabs stay busy
+        gate.wait(10)
+        return real(*args, **kwargs)
+
+    w.store.submit_store = held
+    with w._lock:
+        w._free_slabs = w._free_slabs[:1]  # one slab of 2 blocks for 6 blocks
+    req = _request("r1", hashes, 6 * BS)
+    ids = [7, 8, 9, 10, 11, 12]
+    a.sched.update_state_after_alloc(req, _blocks(ids), 0)
+    a.step(new=[(req, ids, 0, 6 * BS)])
+    want = [a.block(b) for b in ids]
+    deadline = time.monotonic() + 10
+    while w._queued["r1"] != 4 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(w._gathers) == 1 and w._queued["r1"] == 4  # 2 gathered, 4 waiting
+    assert a.sched.request_finished(req, ids) == (False, None)
+    t0 = time.monotonic()
+    meta = a.step()  # the next step, while the writer still holds the only slab
+    assert meta.released == ["r1"] and time.monotonic() - t0 < 5  # not a wait for the writer
+    assert not w._gathers and w.counters["released_skipped_blocks"] == 4
+    for t in a.caches.values():  # the blocks are reused by another request
+        t[:, 7:13].zero_() if t.shape[0] == 2 else t[7:13].zero_()
+    sent, _, _ = a.poll(finished={"r1"})
+    assert not sent
+    gate.set()
+    a.close()
+    b = _Engine(tmp_path, device=device)
+    req = _request("r2", hashes, 6 * BS + 1)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (2 * BS, True)  # the gathered two only
+    new_ids = [30, 31, 32, 33, 34, 35, 36]
+    b.sched.update_state_after_alloc(req, _blocks(new_ids), 2 * BS)
+    b.step(new=[(req, new_ids, 2 * BS, 4 * BS + 1)])
+    assert [b.block(x) for x in new_ids[:2]] == want[:2]
     b.close()
 
 

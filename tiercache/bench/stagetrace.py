@@ -24,7 +24,8 @@ a time, every event between a request's submission and its first token is that r
 - ``steps``: scheduler steps in the interval, and ``idle_forward_ms``: the other forward passes;
 - ``store_gather_ms``: the connector's gathers of stores after forward passes (host time, summed),
   ``blocks_freed_ms``: from submission to the last step that freed an earlier request's blocks
-  (their stores gathered), and ``store_writes``: store slabs whose files were finished meanwhile.
+  (their stores gathered, or, since the connector frees them at the finish, released), and
+  ``store_writes``: store slabs whose files were finished meanwhile.
 
 A stage that did not happen (a recompute, a prefix from the CPU tier) is None.
 """
@@ -53,6 +54,7 @@ TARGETS: tuple[tuple[str, str, str, str], ...] = (
     ("tiercache.integrations.vllmconnector", "ConnectorWorker", "_load", "load"),
     ("tiercache.integrations.vllmconnector", "ConnectorWorker", "after_forward", "store_gather"),
     ("tiercache.integrations.vllmconnector", "ConnectorWorker", "get_finished", "blocks_freed"),
+    ("tiercache.integrations.vllmconnector", "ConnectorWorker", "_release", "blocks_freed"),
     ("tiercache.integrations.vllmconnector", "ConnectorWorker", "_finish_write", "store_write"),
 )
 
@@ -124,8 +126,11 @@ class StageTrace:
             with self._lock:
                 self._load_jobs.add(job_id)
             return {"job": job_id}
-        if stage == "blocks_freed":  # (sending, recving): an event only where blocks were freed
-            return {"requests": len(out[0])} if out and out[0] else None
+        if stage == "blocks_freed":  # an event only where blocks were freed
+            if isinstance(out, tuple):  # get_finished: (sending, recving)
+                return {"requests": len(out[0])} if out[0] else None
+            return {"requests": len(args[0])} if args and args[0] else None  # _release: the requests
+
         if stage == "upload_done":
             with self._lock:
                 done = [r for r in out if getattr(r, "job_id", None) in self._load_jobs]

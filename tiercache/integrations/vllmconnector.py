@@ -35,7 +35,8 @@ docs/vllm.md, "The direct path: design".
   each in one contiguous copy into VRAM and one launch of the project's gather/scatter kernel
   into the blocks' pages (no Python per block or layer). A store is gathered the same way in
   reverse after the step's forward pass, and written by a background thread; a finished
-  request's blocks are held only until their bytes are in pinned staging.
+  request's blocks are freed at once (its gathers still queued are issued before the next
+  step's loads and forward pass, or skipped where no staging slab is free).
 - **Never a wrong token.** A block whose file is missing, truncated or fails its checksum is
   reported through ``get_block_ids_with_load_errors``: vLLM recomputes from that block on
   (``kv_load_failure_policy = "recompute"``, which the connector sets where it is not), the
@@ -53,6 +54,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,6 +292,9 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     #: requests preempted since the last step: their blocks are free and may be overwritten by
     #: the next forward pass, so their stores still waiting for staging are gathered first
     preempted: list[str] = field(default_factory=list)
+    #: requests finished since the last step whose stores vLLM did not wait for: their blocks
+    #: are free too, so their gathers are issued (or, with no staging slab free, skipped) first
+    released: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -331,6 +336,7 @@ class ConnectorScheduler:
         self.reqs: dict[str, _Req] = {}
         self._to_load: list[str] = []
         self._storing: set[bytes] = set()  # keys some request is storing
+        self._released: list[str] = []  # finished with stores, freed at once: the next step's to tell
         # vLLM's async scheduling schedules the next step before a step's output comes back
         depth = 2 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 1
         self.cost = LoadCost(self.block_size, settings["load_policy"], pipeline_depth=depth)
@@ -411,6 +417,15 @@ class ConnectorScheduler:
     def build_connector_meta(self, so) -> TierCacheConnectorMetadata:
         meta = TierCacheConnectorMetadata()
         meta.preempted = [r for r in (getattr(so, "preempted_req_ids", None) or ()) if r in self.reqs]
+        meta.released, self._released = self._released, []
+        for rid in meta.released:  # the workers issue their gathers before this step's loads
+            st = self.reqs.pop(rid, None)
+            if st is not None:
+                for k in st.storing:
+                    self.present[k] = None
+                self._storing.difference_update(st.storing)
+        if meta.released:
+            self._evict()
         for rid in self._to_load:
             st = self.reqs.get(rid)
             if st is not None and st.load is not None:
@@ -485,7 +500,13 @@ class ConnectorScheduler:
         if st is None:
             return False, None
         if st.storing:
-            return True, None  # held until its stores are gathered into staging (finished_sending)
+            # freed at once: the next step's metadata names it, and each worker issues its
+            # gathers still queued before that step's loads and forward pass (which wait for
+            # them on the GPU), or skips them where no staging slab is free; vLLM does not wait
+            # (holding the blocks until finished_sending would cost the next request two steps
+            # where the GPU's blocks are short)
+            self._released.append(request.request_id)
+            return False, None
         self.reqs.pop(request.request_id, None)
         return False, None
 
@@ -511,8 +532,9 @@ class ConnectorWorker:
       never waits for the GPU (a full prompt's blocks are immutable while held, and a preempted
       request's are gathered before the next forward pass, which waits for them on the GPU).
       The writer thread writes each slab's files once its copy is done (two slabs in flight). A
-      request's blocks are held only until their pages are read into a device slab, not until
-      the bytes reach the host or the files are published.
+      finished request's blocks are not held: vLLM frees them at once, and the next step's
+      :meth:`before_forward` issues its gathers still queued (or skips them where no slab is
+      free) before anything may overwrite them.
 
     Args:
         settings: :func:`parse_config`'s result.
@@ -594,8 +616,8 @@ class ConnectorWorker:
         self.piece = max(1, min(self.settings["piece_blocks"], total // 4))
         slabs = total // self.piece
         # a few load slabs keep the reads ahead of the uploads; the rest takes stores, so that
-        # a whole prompt's blocks are gathered at once and freed (finished_sending) without
-        # waiting for the writes of earlier slabs
+        # a whole prompt's blocks are gathered at once, without waiting for the writes of
+        # earlier slabs (a finished request's stores still queued are skipped)
         self.load_slabs = min(max(3, slabs // 4), 8)
         # reads into device slabs take no pinned load slab (DEVICE_LOAD_SLABS in VRAM instead)
         pinned_load = 0 if self.device_reads else self.load_slabs
@@ -1216,16 +1238,20 @@ class ConnectorWorker:
                     if ev is not None:
                         ev.set()
 
-    def before_forward(self, preempted: list[str]) -> None:
-        """Before a step's forward pass (which may write any block vLLM freed): the stores of
-        preempted requests still waiting for a store slab are gathered now, waiting for the
-        writer to free slabs where none is free (vLLM's own offloading connector flushes a
-        preempted request's stores the same way); and the forward pass's stream waits for every
-        gather already issued to have read its pages (an event on the GPU; the host does not
-        wait)."""
+    def before_forward(self, preempted: list[str], released: Iterable[str] = ()) -> None:
+        """Before a step's loads and forward pass (which may write any block vLLM freed): the
+        stores of ``preempted`` requests still waiting for a store slab are gathered now,
+        waiting for the writer to free slabs where none is free (vLLM's own offloading
+        connector flushes a preempted request's stores the same way); those of ``released``
+        requests (finished, their blocks freed without waiting) are gathered as far as free
+        slabs go and the rest skipped (``stores_skipped_blocks``), so a finished request never
+        stalls the engine; and the loads' and the forward pass's streams wait for every gather
+        already issued to have read its pages (an event on the GPU; the host does not wait)."""
         if self._unstamped:  # planned in a step without a forward pass: what is enqueued is enough
             self.after_forward()
         with self._glock:
+            if released:
+                self._release(set(released))
             if preempted and any(e[0] in preempted for e in self._gathers):
                 t0 = time.perf_counter()
                 while any(e[0] in preempted for e in self._gathers):
@@ -1236,7 +1262,30 @@ class ConnectorWorker:
                 self.counters["preemption_flush_us"] += int((time.perf_counter() - t0) * 1e6)
             if self.cuda and self._gathered_ev is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._gathered_ev)
+                if self._streams:  # the loads' side stream writes freed blocks too
+                    self._streams[0].wait_event(self._gathered_ev)
                 self._gathered_ev = None
+
+    def _release(self, rids: set[str]) -> None:
+        """Requests whose blocks vLLM freed at their finish: issue their queued gathers that
+        free slabs take now, skip the rest, and forget them (no finished_sending: vLLM no
+        longer knows them). Callers hold ``_glock``."""
+        rids &= self._had_stores
+        if not rids:
+            return
+        if any(e[0] in rids for e in self._gathers):
+            self._gather(block=True)  # waits for a device slab's copy down, never for the writer
+            kept = collections.deque(e for e in self._gathers if e[0] not in rids)
+            for rid, keys, _, _ in (e for e in self._gathers if e[0] in rids):
+                self.counters["stores_skipped_blocks"] += len(keys)
+                self.counters["released_skipped_blocks"] += len(keys)
+            self._gathers = kept
+        for r in rids:
+            self._had_stores.discard(r)
+            self._finished_reqs.discard(r)
+            self._queued.pop(r, None)
+            self._gathering.pop(r, None)
+        self.counters["released_requests"] += len(rids)
 
     # -- what finished -----------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -1471,12 +1520,12 @@ class TierCacheConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, TierCacheConnectorMetadata):
-            self.worker.before_forward(kv_connector_metadata.preempted)
+            self.worker.before_forward(kv_connector_metadata.preempted, kv_connector_metadata.released)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierCacheConnectorMetadata)
-        self.worker.before_forward(meta.preempted)  # again: a release without handle_preemptions
+        self.worker.before_forward(meta.preempted, meta.released)  # again: vLLMs without handle_preemptions
         self.worker.plan_stores(meta.stores)
         self.worker.load(meta.loads)
 
