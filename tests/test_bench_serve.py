@@ -274,6 +274,13 @@ def test_stage_trace_splits_a_requests_time_into_the_engines_stages():
     assert 29 <= st["prefill_ms"] <= 300 and st["prefill_ms"] <= st["after_upload_ms"]
     assert st["steps"] == 3 and st["step_tokens"] == [0, 0, 256] and st["idle_forward_ms"] < st["prefill_ms"]
     assert abs(st["ttft_ms"] - (t1 - t0) * 1e3) < 1e-3
+    assert [e[0] for e in st["timeline"]] == ["lookup", "step", "read_submit", "read_done", "step", "forward",
+                                              "upload_submit", "upload_done", "step", "forward"]
+    assert [e[3] for e in st["timeline"] if e[0] in ("step", "read_submit")] == [0, 3, 0, 256]
+    starts = [e[1] for e in st["timeline"]]
+    assert starts == sorted(starts) and all(0 <= e[1] <= e[2] <= st["ttft_ms"] for e in st["timeline"])
+    many = breakdown([("step", 1.0 + i * 1e-3, 1.0 + i * 1e-3, {"tokens": 0}) for i in range(49)], 0.9, 1.25)
+    assert many["timeline"] is None and many["steps"] == 49  # too many events to keep
     # a recompute: no reads, no upload
     only = breakdown([("step", 1.0, 1.001, {"tokens": 8448}), ("forward", 1.002, 1.2, {})], 0.9, 1.25)
     assert only["read_ms"] is None and only["upload_ms"] is None and abs(only["prefill_ms"] - 198) < 1e-6

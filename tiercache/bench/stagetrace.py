@@ -22,6 +22,7 @@ a time, every event between a request's submission and its first token is that r
   the uploads issued behind them), summed, and ``after_load_ms``: from the last one's end to
   the first token;
 - ``steps``: scheduler steps in the interval, and ``idle_forward_ms``: the other forward passes;
+- ``timeline``: the events in order, where at most :data:`TIMELINE_EVENTS`;
 - ``store_gather_ms``: the connector's gathers of stores after forward passes (host time, summed),
   ``blocks_freed_ms``: from submission to the last step that freed an earlier request's blocks
   (their stores gathered, or, since the connector frees them at the finish, released), and
@@ -151,6 +152,10 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 3)
 
 
+#: the most events a request's ``timeline`` keeps (more: none; vLLM's fs tier polls for many steps)
+TIMELINE_EVENTS = 48
+
+
 def breakdown(events: list[tuple[str, float, float, dict]], submitted: float, first_token: float) -> dict:
     """Split ``[submitted, first_token]`` (perf_counter seconds) into the stages of the module's
     doc, from the ``events`` recorded meanwhile. Returns milliseconds (None: no such stage)."""
@@ -193,6 +198,10 @@ def breakdown(events: list[tuple[str, float, float, dict]], submitted: float, fi
         else None,
         "blocks_freed_ms": _ms(max(times("blocks_freed", 2)) - submitted) if times("blocks_freed", 2) else None,
         "store_writes": sum(1 for e in ev if e[0] == "store_write"),
+        # the events themselves, where few (a repeat from the connector: about 20): [stage,
+        # start, end (ms from submission), tokens or keys], to see where a step's time went
+        "timeline": [[e[0], _ms(e[1] - submitted), _ms(e[2] - submitted),
+                      e[3].get("tokens", e[3].get("keys"))] for e in ev] if len(ev) <= TIMELINE_EVENTS else None,
     }
 
 
