@@ -30,6 +30,7 @@ from tiercache.bench.benchvllmserve import damage_file  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.integrations.vllmconnector import (  # noqa: E402
     TierCacheConnector,
+    block_key,
     block_views,
     layout_digest,
     parse_config,
@@ -170,8 +171,9 @@ class _Engine:
             if set(want_send) <= sent and set(want_recv) <= recvd or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
-        self.sched.update_connector_output(SimpleNamespace(finished_sending=sent, finished_recving=recvd,
-                                                           invalid_block_ids=errors))
+        self.sched.update_connector_output(SimpleNamespace(
+            finished_sending=sent, finished_recving=recvd, invalid_block_ids=errors,
+            kv_connector_worker_meta=self.worker.build_connector_worker_meta()))
         return sent, recvd, errors
 
     def close(self):
@@ -489,6 +491,8 @@ def test_stores_are_skipped_not_held_when_the_writes_fall_behind(tmp_path, rng, 
     sent, _, _ = a.poll(finished={"r1"})
     assert not sent and not w._had_stores
     assert w.counters["stores_skipped_blocks"] == 5 and w.store.drain(10) and len(w.store) == 0
+    # the workers' report took the skipped blocks out of the scheduler's index: no load of absent files
+    assert a.sched.get_num_new_matched_tokens(_request("r2", hashes, 5 * BS + 1), 0) == (0, False)
     a.close()
 
 
@@ -569,7 +573,8 @@ def test_a_finished_requests_blocks_are_freed_at_once_and_never_gathered_after_t
     for t in a.caches.values():  # the blocks are reused by another request
         t[:, 7:13].zero_() if t.shape[0] == 2 else t[7:13].zero_()
     sent, _, _ = a.poll(finished={"r1"})
-    assert not sent
+    assert not sent  # and the report of the skipped four reached the scheduler's index:
+    assert a.sched.get_num_new_matched_tokens(_request("r3", hashes, 6 * BS + 1), 0) == (2 * BS, True)
     gate.set()
     a.close()
     b = _Engine(tmp_path, device=device)
@@ -580,6 +585,43 @@ def test_a_finished_requests_blocks_are_freed_at_once_and_never_gathered_after_t
     b.step(new=[(req, new_ids, 2 * BS, 4 * BS + 1)])
     assert [b.block(x) for x in new_ids[:2]] == want[:2]
     b.close()
+
+
+def test_a_store_that_fails_to_be_written_leaves_the_schedulers_index(tmp_path, rng):
+    """A block whose file write failed is reported by its worker (build_connector_worker_meta,
+    merged over ranks by union) and the scheduler stops offering it, whether the report comes
+    before or after the request's stores ended."""
+    from tiercache.integrations.vllmconnector import TierCacheWorkerMetadata
+
+    one, two = TierCacheWorkerMetadata(frozenset({b"a"})), TierCacheWorkerMetadata(frozenset({b"b"}))
+    assert one.aggregate(two).unstored == {b"a", b"b"} and one.aggregate(None).unstored == {b"a"}
+    for early in (False, True):
+        hashes = [rng.bytes(32) for _ in range(4)]
+        a = _Engine(tmp_path / str(early))
+        w = a.worker._worker
+        assert a.worker.build_connector_worker_meta() is None  # nothing to report
+        real = w._wait
+        bad = block_key(hashes[2])
+
+        def failing(jid, real=real, bad=bad, h=hashes[2]):  # the write of block 2 fails (its file is removed)
+            res = real(jid)
+            for p in (tmp_path / str(early)).glob(f"*_c_r0/*/block_x{h.hex()}_pool_*.bin"):
+                p.unlink()  # this job wrote it
+                res.failed[bad] = OSError("no space left on device")
+            return res
+
+        w._wait = failing
+        req = _request("r1", hashes, 4 * BS)
+        a.sched.update_state_after_alloc(req, _blocks([1, 2, 3, 4]), 0)
+        a.step(new=[(req, [1, 2, 3, 4], 0, 4 * BS)])
+        assert w.drain(10) and w.counters["store_failed_blocks"] == 1
+        if early:  # the report comes while the request still runs: its end must not list the block
+            a.poll()
+        assert a.sched.request_finished(req, [1, 2, 3, 4]) == (False, None)
+        a.step()
+        a.poll(finished={"r1"})
+        assert a.sched.get_num_new_matched_tokens(_request("r2", hashes, 4 * BS + 1), 0) == (2 * BS, True)
+        a.close()
 
 
 def test_block_views_split_each_layout_into_contiguous_block_pages():

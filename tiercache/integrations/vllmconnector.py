@@ -61,7 +61,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 
 from tiercache.arrays import aligned_empty
 from tiercache.errors import ConfigError
@@ -298,6 +303,21 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's report of the workers to the scheduler: the keys (16-byte block keys) whose
+    stores did not reach a file (skipped where the writes fell behind or a finished request's
+    gathers found no slab, or failed), so the scheduler's index does not offer them. Ranks'
+    reports are merged by union: a block is on disk only where every rank stored its part."""
+
+    unstored: frozenset = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, TierCacheWorkerMetadata):
+            return self
+        return TierCacheWorkerMetadata(unstored=self.unstored | other.unstored)
+
+
+@dataclass
 class _Req:
     request: Any
     block_ids: list[int] = field(default_factory=list)
@@ -337,6 +357,7 @@ class ConnectorScheduler:
         self._to_load: list[str] = []
         self._storing: set[bytes] = set()  # keys some request is storing
         self._released: list[str] = []  # finished with stores, freed at once: the next step's to tell
+        self._unstored: set[bytes] = set()  # reported not stored before their request's stores ended
         # vLLM's async scheduling schedules the next step before a step's output comes back
         depth = 2 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 1
         self.cost = LoadCost(self.block_size, settings["load_policy"], pipeline_depth=depth)
@@ -421,9 +442,7 @@ class ConnectorScheduler:
         for rid in meta.released:  # the workers issue their gathers before this step's loads
             st = self.reqs.pop(rid, None)
             if st is not None:
-                for k in st.storing:
-                    self.present[k] = None
-                self._storing.difference_update(st.storing)
+                self._stored(st)
         if meta.released:
             self._evict()
         for rid in self._to_load:
@@ -462,6 +481,7 @@ class ConnectorScheduler:
         for b in range(st.stored_upto, full):
             k = block_key(st.request.block_hashes[b])
             if k not in self.present and k not in self._storing:
+                self._unstored.discard(k)  # a report of an earlier store of it is not about this one
                 keys.append(k)
                 ids.append(st.block_ids[b])
         st.stored_upto = full
@@ -472,12 +492,15 @@ class ConnectorScheduler:
 
     def update_connector_output(self, out) -> None:
         self.cost.output()
+        wm = getattr(out, "kv_connector_worker_meta", None)
+        if isinstance(wm, TierCacheWorkerMetadata) and wm.unstored:
+            for k in wm.unstored:  # a later lookup would read a file that is not there
+                if self.present.pop(k, None) is None and k in self._storing:
+                    self._unstored.add(k)  # its request's stores have not ended: not to be listed then
         for rid in getattr(out, "finished_sending", None) or ():
             st = self.reqs.pop(rid, None)
             if st is not None:  # its blocks' bytes are in pinned staging, on their way to files
-                for k in st.storing:
-                    self.present[k] = None
-                self._storing.difference_update(st.storing)
+                self._stored(st)
                 self._evict()
         bad = set(getattr(out, "invalid_block_ids", None) or ())
         for rid in getattr(out, "finished_recving", None) or ():
@@ -488,6 +511,16 @@ class ConnectorScheduler:
                     if b in bad:  # a load that failed: its key leaves the index
                         self.present.pop(k, None)
                 st.loading, st.load_ids = [], []
+
+    def _stored(self, st: _Req) -> None:
+        """A request's stores have ended (gathered, or skipped): its keys are listed as on disk,
+        less those a worker reported not stored."""
+        for k in st.storing:
+            if k in self._unstored:
+                self._unstored.discard(k)
+            else:
+                self.present[k] = None
+        self._storing.difference_update(st.storing)
 
     def _evict(self) -> None:
         cap = self.settings["capacity_blocks"]
@@ -590,6 +623,7 @@ class ConnectorWorker:
         self._gather_stream = None
         self.gather_launcher = None
         self._writing: dict[bytes, threading.Event] = {}  # gathered, file not yet written
+        self._unstored: set[bytes] = set()  # stores skipped or failed since the last report (_lock)
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._plans: _ScatterPlans | None = None  # a load's planned scatters (scatter_tables = "load")
@@ -1024,6 +1058,7 @@ class ConnectorWorker:
             if sum(self._queued.values()) + len(t.keys) > self.max_queued:
                 # the writes fall behind: skip rather than hold the engine's blocks
                 self.counters["stores_skipped_blocks"] += len(t.keys)
+                self._not_stored(t.keys)
                 if self.counters["stores_skipped_blocks"] == len(t.keys):
                     log.warning("tiercache: vLLM connector: writes fall behind (%d blocks queued); stores are "
                                 "skipped until they catch up", sum(self._queued.values()))
@@ -1091,7 +1126,19 @@ class ConnectorWorker:
             for rid, keys, _, _ in self._gathers:
                 self._queued[rid] -= len(keys)
                 self.counters["stores_skipped_blocks"] += len(keys)
+                self._not_stored(keys)
             self._gathers.clear()
+
+    def _not_stored(self, keys) -> None:
+        """Keys whose store will not reach a file: the next :meth:`report` names them."""
+        with self._lock:
+            self._unstored.update(keys)
+
+    def report(self) -> frozenset:
+        """The keys not stored since the last call (the scheduler's index drops them)."""
+        with self._lock:
+            out, self._unstored = frozenset(self._unstored), set()
+        return out
 
     def _free_dev(self, block: bool) -> int | None:
         """The next device store slab once its last copy to the host is done: None if it is
@@ -1224,11 +1271,13 @@ class ConnectorWorker:
                     # the host hashed the data); the files are as good, the CPU's cost is not
                     self.counters["store_sums_unused_blocks"] += written
                 if res.failed:
+                    self._not_stored(res.failed)
                     self.counters["store_failed_blocks"] += len(res.failed)
                     log.warning("tiercache: vLLM connector: %d block(s) not stored: %s", len(res.failed),
                                 next(iter(res.failed.values())))
         except Exception:  # pragma: no cover - reported, never raised into vLLM
             log.exception("tiercache: vLLM connector: a store of %d block(s) failed", len(keys))
+            self._not_stored(keys)
         finally:
             with self._lock:
                 self._free_slabs.append(slab)
@@ -1279,6 +1328,7 @@ class ConnectorWorker:
             for rid, keys, _, _ in (e for e in self._gathers if e[0] in rids):
                 self.counters["stores_skipped_blocks"] += len(keys)
                 self.counters["released_skipped_blocks"] += len(keys)
+                self._not_stored(keys)
             self._gathers = kept
         for r in rids:
             self._had_stores.discard(r)
@@ -1544,6 +1594,10 @@ class TierCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()
 
+    def build_connector_worker_meta(self) -> TierCacheWorkerMetadata | None:
+        unstored = self.worker.report() if self._worker is not None else frozenset()
+        return TierCacheWorkerMetadata(unstored=unstored) if unstored else None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -1556,6 +1610,7 @@ __all__ = [
     "DEFAULTS",
     "TierCacheConnector",
     "TierCacheConnectorMetadata",
+    "TierCacheWorkerMetadata",
     "block_key",
     "block_views",
     "parse_config",
