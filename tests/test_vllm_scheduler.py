@@ -1,0 +1,113 @@
+"""The connector under vLLM's own scheduler, on the CPU (tests/vllm_engine_sim.py): vLLM's
+KV cache manager hands out the blocks, its prefix cache and its load-failure handling run,
+and every slot a request reads must hold what the model wrote for its token."""
+
+import random
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from vllm_engine_sim import BLOCK_SIZE, SimEngine  # noqa: E402
+
+from tiercache.bench.benchvllmserve import damage_file  # noqa: E402
+from tiercache.integrations.vllmconnector import block_key  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _hash_seed(monkeypatch):
+    """vLLM's block hashes agree across engines only with PYTHONHASHSEED set (docs/vllm.md)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def test_a_restarted_engine_loads_a_stored_prefix_into_the_blocks_vllm_gives(tmp_path):
+    rng = random.Random()
+    prompt = _prompt(rng, 5 * BLOCK_SIZE + 3)
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    a.add("a", prompt)
+    a.run(lambda: "a" in a.finished)
+    assert a.steps == [{"a": len(prompt)}, {"a": 1}]
+    assert a.worker._worker.drain(10)
+    a.close()
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    suffix = _prompt(rng, 4)
+    b.add("b", prompt[:5 * BLOCK_SIZE] + suffix)
+    b.run(lambda: "b" in b.first_token_step)
+    # one step loads the five blocks (no token scheduled), the next computes the suffix
+    assert b.steps == [{}, {"b": len(suffix)}]
+    assert b.check_blocks("b", 5 * BLOCK_SIZE + len(suffix)) == 84
+    b.close()
+
+
+def test_a_finished_requests_blocks_go_to_the_next_request_at_once_and_its_files_hold_its_bytes(tmp_path):
+    """Eight blocks (seven usable): a request of six blocks, then another of six. The first
+    one's blocks are freed at its finish, so the second is scheduled in the very next step,
+    while a slow writer still holds the only store slab: two of the first request's five
+    blocks were gathered, the three still queued are skipped, and the second request's
+    forward pass overwrites the blocks. A restarted engine loads exactly the two, with the
+    first request's bytes, and computes the rest."""
+    rng = random.Random()
+    first, second = _prompt(rng, 5 * BLOCK_SIZE + 3), _prompt(rng, 5 * BLOCK_SIZE + 3)
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=8, store_gathers="engine")
+    w = a.worker._worker
+    gate = threading.Event()
+    real = w.store.submit_store
+
+    def held(*args, **kwargs):  # the writer is slow: the slab stays busy
+        gate.wait(10)
+        return real(*args, **kwargs)
+
+    w.store.submit_store = held
+    with w._lock:
+        w._free_slabs = w._free_slabs[:1]
+    a.add("r1", first)
+    a.add("r2", second)
+    a.run(lambda: "r1" in a.first_token_step)
+    r1_blocks = set(a.block_ids("r1"))
+    a.run(lambda: "r2" in a.first_token_step)
+    assert len(r1_blocks & set(a.block_ids("r2"))) >= 5  # r2 runs in r1's blocks
+    assert a.steps[-2:] == [{"r1": 1}, {"r2": len(second)}]  # no step waits for r1's blocks
+    assert w.counters["released_skipped_blocks"] == 3 and w.counters["released_requests"] == 1
+    assert a.check_blocks("r2", len(second)) == len(second)  # in blocks r1 had
+    a.run(lambda: "r2" in a.finished)
+    gate.set()
+    assert w.drain(10)
+    a.close()
+    c = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    c.add("c", first[:5 * BLOCK_SIZE] + [1, 2])
+    c.run(lambda: "c" in c.first_token_step)
+    assert c.steps == [{}, {"c": 3 * BLOCK_SIZE + 2}]  # two blocks from files, the rest computed
+    assert c.check_blocks("c", 5 * BLOCK_SIZE + 2)
+    c.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_file_under_vllms_scheduler_is_recomputed_never_read(tmp_path, damage):
+    """vLLM's own load-failure handling (``kv_load_failure_policy = "recompute"``, which the
+    connector sets) recomputes from the damaged block on; every slot holds the model's bytes."""
+    rng = random.Random()
+    prompt = _prompt(rng, 6 * BLOCK_SIZE + 1)
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    a.add("a", prompt)
+    a.run(lambda: "a" in a.finished)
+    assert a.worker._worker.drain(10)
+    a.close()
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    b.add("b", prompt[:6 * BLOCK_SIZE] + [3])
+    third = block_key(b.scheduler.requests["b"].block_hashes[2]).hex()
+    (path,) = (tmp_path / "root").glob(f"*/*/block_x{third}_pool_*.bin")
+    damage_file(path, damage)
+    b.run(lambda: "b" in b.first_token_step)
+    assert b.check_blocks("b", 6 * BLOCK_SIZE + 1) == 6 * BLOCK_SIZE + 1
+    computed = sum(s.get("b", 0) for s in b.steps)
+    assert computed == 4 * BLOCK_SIZE + 1  # two blocks loaded; from the damaged third on, recomputed
+    b.close()
