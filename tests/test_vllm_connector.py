@@ -496,10 +496,10 @@ def test_stores_are_skipped_not_held_when_the_writes_fall_behind(tmp_path, rng, 
     a.close()
 
 
-def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_change(tmp_path, rng, device):
-    """vLLM frees a preempted request's blocks at once (no request_finished): its stores still
-    waiting for a store slab are gathered before the next forward pass may overwrite them, and
-    what is stored is what the blocks held."""
+def _six_blocks_behind_a_slow_writer(tmp_path, rng, device):
+    """An engine whose writer holds its only store slab (of 2 blocks) until the returned gate
+    is set, and request r1's 6 blocks (ids 7-12) computed and planned: 2 gathered, 4 waiting.
+    Returns (engine, worker, gate, hashes, request, ids, the blocks' bytes)."""
     hashes = [rng.bytes(32) for _ in range(6)]
     a = _Engine(tmp_path, device=device, piece_blocks=2)
     w = a.worker._worker
@@ -522,6 +522,14 @@ def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_chang
     while w._queued["r1"] != 4 and time.monotonic() < deadline:
         time.sleep(0.001)
     assert len(w._gathers) == 1 and w._queued["r1"] == 4  # 2 gathered, 4 waiting
+    return a, w, gate, hashes, req, ids, want
+
+
+def test_a_preempted_requests_queued_stores_are_gathered_before_its_blocks_change(tmp_path, rng, device):
+    """vLLM frees a preempted request's blocks at once (no request_finished): its stores still
+    waiting for a store slab are gathered before the next forward pass may overwrite them, and
+    what is stored is what the blocks held."""
+    a, w, gate, hashes, req, ids, want = _six_blocks_behind_a_slow_writer(tmp_path, rng, device)
     threading.Timer(0.3, gate.set).start()
     a.step(preempted={"r1"})  # the next step: r1 was preempted, its blocks are free
     assert not w._gathers and w.counters["preemption_flush_us"] > 0
@@ -543,28 +551,7 @@ def test_a_finished_requests_blocks_are_freed_at_once_and_never_gathered_after_t
     stores wait for a store slab behind a slow writer: the next step gathers what a free slab
     takes, skips the rest without waiting for the writer, and the forward pass that reuses
     the blocks comes after the gathers. Files hold the bytes the blocks held, or are absent."""
-    hashes = [rng.bytes(32) for _ in range(6)]
-    a = _Engine(tmp_path, device=device, piece_blocks=2)
-    w = a.worker._worker
-    gate = threading.Event()
-    real = w.store.submit_store
-
-    def held(*args, **kwargs):  # the writer is slow: slabs stay busy
-        gate.wait(10)
-        return real(*args, **kwargs)
-
-    w.store.submit_store = held
-    with w._lock:
-        w._free_slabs = w._free_slabs[:1]  # one slab of 2 blocks for 6 blocks
-    req = _request("r1", hashes, 6 * BS)
-    ids = [7, 8, 9, 10, 11, 12]
-    a.sched.update_state_after_alloc(req, _blocks(ids), 0)
-    a.step(new=[(req, ids, 0, 6 * BS)])
-    want = [a.block(b) for b in ids]
-    deadline = time.monotonic() + 10
-    while w._queued["r1"] != 4 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert len(w._gathers) == 1 and w._queued["r1"] == 4  # 2 gathered, 4 waiting
+    a, w, gate, hashes, req, ids, want = _six_blocks_behind_a_slow_writer(tmp_path, rng, device)
     assert a.sched.request_finished(req, ids) == (False, None)
     t0 = time.monotonic()
     meta = a.step()  # the next step, while the writer still holds the only slab
