@@ -48,7 +48,9 @@ def test_a_restarted_engine_loads_a_stored_prefix_into_the_blocks_vllm_gives(tmp
     b.close()
 
 
-def test_a_finished_requests_blocks_go_to_the_next_request_at_once_and_its_files_hold_its_bytes(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_finished_requests_blocks_go_to_the_next_request_at_once_and_its_files_hold_its_bytes(
+        tmp_path, async_scheduling):
     """Eight blocks (seven usable): a request of six blocks, then another of six. The first
     one's blocks are freed at its finish, so the second is scheduled in the very next step,
     while a slow writer still holds the only store slab: two of the first request's five
@@ -57,7 +59,8 @@ def test_a_finished_requests_blocks_go_to_the_next_request_at_once_and_its_files
     first request's bytes, and computes the rest."""
     rng = random.Random()
     first, second = _prompt(rng, 5 * BLOCK_SIZE + 3), _prompt(rng, 5 * BLOCK_SIZE + 3)
-    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=8, store_gathers="engine")
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=8, async_scheduling=async_scheduling,
+                  store_gathers="engine")
     w = a.worker._worker
     gate = threading.Event()
     real = w.store.submit_store
@@ -75,7 +78,9 @@ def test_a_finished_requests_blocks_go_to_the_next_request_at_once_and_its_files
     r1_blocks = set(a.block_ids("r1"))
     a.run(lambda: "r2" in a.first_token_step)
     assert len(r1_blocks & set(a.block_ids("r2"))) >= 5  # r2 runs in r1's blocks
-    assert a.steps[-2:] == [{"r1": 1}, {"r2": len(second)}]  # no step waits for r1's blocks
+    last = max(i for i, st in enumerate(a.steps) if "r1" in st)
+    # no step waits for r1's blocks (async scheduling schedules one step before r1's end is known)
+    assert a.steps[last + 1:] == [{}] * async_scheduling + [{"r2": len(second)}]
     assert w.counters["released_skipped_blocks"] == 3 and w.counters["released_requests"] == 1
     assert a.check_blocks("r2", len(second)) == len(second)  # in blocks r1 had
     a.run(lambda: "r2" in a.finished)
@@ -90,24 +95,43 @@ def test_a_finished_requests_blocks_go_to_the_next_request_at_once_and_its_files
     c.close()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_file_under_vllms_scheduler_is_recomputed_never_read(tmp_path, damage):
-    """vLLM's own load-failure handling (``kv_load_failure_policy = "recompute"``, which the
-    connector sets) recomputes from the damaged block on; every slot holds the model's bytes."""
+def _reference(tmp_path, prompt: list[int], max_tokens: int, async_scheduling: bool) -> list[int]:
+    """The tokens a fresh engine (nothing on disk: every token computed) gives for ``prompt``."""
+    r = SimEngine(tmp_path, tmp_path / "reference-root", num_blocks=40, async_scheduling=async_scheduling)
+    r.add("ref", prompt, max_tokens)
+    r.run(lambda: "ref" in r.finished)
+    r.close()
+    return r.emitted["ref"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("damage", [None, "flip", "truncate", "delete"])
+def test_tokens_from_files_equal_recomputes_and_a_damaged_file_is_recomputed(tmp_path, damage, async_scheduling):
+    """A prefix stored by one engine, its third block's file damaged (or not), asked again by a
+    restarted engine with a new suffix: vLLM's own load-failure handling (``kv_load_failure_policy
+    = "recompute"``, which the connector sets) recomputes from the damaged block on, every slot
+    holds the model's bytes, and the tokens equal a recompute's, with vLLM's scheduler in either
+    mode."""
     rng = random.Random()
-    prompt = _prompt(rng, 6 * BLOCK_SIZE + 1)
-    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    prompt, suffix = _prompt(rng, 6 * BLOCK_SIZE + 1), _prompt(rng, 5)
+    asked = prompt[:6 * BLOCK_SIZE] + suffix
+    want = _reference(tmp_path, asked, 4, async_scheduling)
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
     a.add("a", prompt)
     a.run(lambda: "a" in a.finished)
     assert a.worker._worker.drain(10)
     a.close()
-    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
-    b.add("b", prompt[:6 * BLOCK_SIZE] + [3])
-    third = block_key(b.scheduler.requests["b"].block_hashes[2]).hex()
-    (path,) = (tmp_path / "root").glob(f"*/*/block_x{third}_pool_*.bin")
-    damage_file(path, damage)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
+    b.add("b", asked, 4)
+    if damage is not None:
+        third = block_key(b.scheduler.requests["b"].block_hashes[2]).hex()
+        (path,) = (tmp_path / "root").glob(f"*/*/block_x{third}_pool_*.bin")
+        damage_file(path, damage)
     b.run(lambda: "b" in b.first_token_step)
-    assert b.check_blocks("b", 6 * BLOCK_SIZE + 1) == 6 * BLOCK_SIZE + 1
+    assert b.check_blocks("b", len(asked)) == len(asked)
     computed = sum(s.get("b", 0) for s in b.steps)
-    assert computed == 4 * BLOCK_SIZE + 1  # two blocks loaded; from the damaged third on, recomputed
+    # two blocks loaded and the rest computed; undamaged: six loaded (a deleted file is not listed)
+    assert computed == (len(suffix) if damage is None else 4 * BLOCK_SIZE + len(suffix))
+    b.run(lambda: "b" in b.finished)
+    assert b.emitted["b"] == want and len(want) == 4
     b.close()

@@ -10,9 +10,10 @@ and every token before it, as a KV entry is), one sampled token per request whos
 done, and the connector's output back into ``update_from_output``. So a block that vLLM hands
 a request holds the right bytes exactly when every load and store on the way was right.
 
-The engine is synchronous (``async_scheduling`` off): one step is scheduled, run and
-accounted before the next, which is what vLLM's ``EngineCore.step`` does without the batch
-queue.
+Synchronous by default (``async_scheduling`` off): one step is scheduled, run and accounted
+before the next, as vLLM's ``EngineCore.step`` does. With ``async_scheduling=True`` it is
+vLLM's ``AsyncScheduler`` in the order of ``EngineCore.step_with_batch_queue`` (a queue of two):
+step N+1 is scheduled before step N's output is accounted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -37,7 +39,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from tiercache.integrations.vllmconnector import TierCacheConnector
 
 BLOCK_SIZE, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 8
-SAMPLED = 7  # every sampled token
+VOCAB = 500
 
 
 def _model_dir(base: Path) -> Path:
@@ -66,11 +68,12 @@ class SimEngine:
     ``num_blocks`` blocks of KV cache ([2, blocks, BLOCK_SIZE, HEADS, HEAD_DIM] float16 a
     layer), on ``root``. ``extra``: more of the connector's ``kv_connector_extra_config``."""
 
-    def __init__(self, base: Path, root: Path, num_blocks: int, **extra) -> None:
+    def __init__(self, base: Path, root: Path, num_blocks: int, async_scheduling: bool = False, **extra) -> None:
         model = ModelConfig(model=str(_model_dir(base)), skip_tokenizer_init=True, dtype="float16",
                             max_model_len=4096)
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096,
-                                enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=False)
+                                enable_chunked_prefill=True, is_encoder_decoder=False,
+                                async_scheduling=async_scheduling)
         cache = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=True)
         ktc = KVTransferConfig(kv_connector="TierCacheConnector",
                                kv_connector_module_path="tiercache.integrations.vllmconnector", kv_role="kv_both",
@@ -83,7 +86,8 @@ class SimEngine:
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
         kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                             kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)])
-        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kvc, log_stats=False,
+        cls = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = cls(vllm_config=self.config, kv_cache_config=kvc, log_stats=False,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=BLOCK_SIZE)
         assert isinstance(self.scheduler.connector, TierCacheConnector)
@@ -95,11 +99,17 @@ class SimEngine:
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.steps: list[dict[str, int]] = []  # per step: tokens scheduled per request
         self.first_token_step: dict[str, int] = {}
+        self.emitted: dict[str, list[int]] = {}  # the tokens vLLM gave out, per request
+        self._history: dict[str, list[int]] = {}  # the runner's own: prompt, then what it sampled
         self.finished: set[str] = set()
+        self._queued: list = []  # (scheduler output, model runner output) not yet accounted
+        self._depth = 2 if async_scheduling else 1
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 2) -> None:
         """Submit a request of ``prompt`` token ids that samples ``max_tokens`` tokens."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self._history[rid] = list(prompt)
+        self.emitted[rid] = []
         self.scheduler.add_request(Request(rid, prompt, params, None, block_hasher=self.hasher))
 
     def block_ids(self, rid: str) -> list[int]:
@@ -128,15 +138,22 @@ class SimEngine:
         sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():  # the forward pass
             req = self.scheduler.requests[rid]
-            tokens, ids = req.all_token_ids, self.block_ids(rid)
+            ids = self.block_ids(rid)
             start = req.num_computed_tokens - n  # schedule() counted the step's tokens already
+            # a position's input token: the scheduler's where it has it, else (async scheduling:
+            # the last sampled token is still on the device) the runner's own last sample
+            tokens = list(req.all_token_ids[:start + n])
+            tokens += self._history[rid][len(tokens):start + n]
             for p in range(start, start + n):
                 b, off = ids[p // BLOCK_SIZE], p % BLOCK_SIZE
                 for i, name in enumerate(self.layers):
                     self.caches[name][:, b, off] = torch.from_numpy(slot_bytes(tokens[:p + 1], i).copy()).view(
                         torch.float16)
             done = start + n >= req.num_prompt_tokens
-            sampled[rid] = [SAMPLED] if done else []
+            sampled[rid] = [self._sample(ids, start + n)] if done else []
+            if done:
+                del self._history[rid][start + n:]
+                self._history[rid] += sampled[rid]
             if done and rid not in self.first_token_step:
                 self.first_token_step[rid] = len(self.steps)
         w.wait_for_save()
@@ -148,13 +165,30 @@ class SimEngine:
         rids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
                                 sampled_token_ids=[sampled[r] for r in rids], kv_connector_output=kvo)
-        outputs = self.scheduler.update_from_output(so, out)
-        for eco in outputs.values():
+        self.steps.append(dict(so.num_scheduled_tokens))
+        self._queued.append((so, out))
+        if len(self._queued) >= self._depth:
+            self._account()
+        return self.steps[-1]
+
+    def _sample(self, ids: list[int], upto: int) -> int:
+        """The token a model samples after positions ``[0, upto)``: a function of the KV bytes
+        it attends to (every layer's slots of those positions), so a wrong byte in any slot
+        gives another token, as a wrong KV block would."""
+        h = hashlib.blake2b(digest_size=8)
+        for name in self.layers:
+            c = self.caches[name]
+            for p in range(upto):
+                h.update(c[:, ids[p // BLOCK_SIZE], p % BLOCK_SIZE].view(torch.int16).numpy().tobytes())
+        return 1 + int.from_bytes(h.digest(), "little") % (VOCAB - 1)
+
+    def _account(self) -> None:
+        so, out = self._queued.pop(0)
+        for eco in self.scheduler.update_from_output(so, out).values():
             for o in eco.outputs:
+                self.emitted[o.request_id] += list(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
-        self.steps.append(dict(so.num_scheduled_tokens))
-        return self.steps[-1]
 
     def run(self, until, limit: int = 50) -> int:
         """Step until ``until()`` holds; returns the steps taken (AssertionError past ``limit``)."""
@@ -165,4 +199,6 @@ class SimEngine:
         raise AssertionError(f"not done after {limit} steps: {self.steps[-5:]}")
 
     def close(self) -> None:
+        while self._queued:
+            self._account()
         self.worker.shutdown()
