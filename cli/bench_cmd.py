@@ -432,6 +432,12 @@ def vllm_serve_cmd(
         typer.Option(help="Seconds each engine stays idle before each repeat round (the round before's writes "
                      "finish first).", min=0, max=600),
     ] = 0.0,
+    async_scheduling: Annotated[
+        Optional[bool],
+        typer.Option("--async-scheduling/--no-async-scheduling",
+                     help="vLLM's async scheduling in every engine (default: vLLM's, on). Off, the connector "
+                     "loads a prefix in the step that computes its suffix (load_mode 'auto')."),
+    ] = None,
     connector_set: _strings_opt(
         "--connector-set",
         "KEY=VALUE of the connector mode's kv_connector_extra_config (repeat; e.g. io_engine=threads).",
@@ -471,7 +477,8 @@ def vllm_serve_cmd(
                                   max_tokens=max_tokens, restart=restart, kill9=kill9, fio=not no_baseline, seed=seed,
                                   gpu_util=gpu_util, keep=keep, cpu_tier_prefixes=cpu_prefixes,
                                   tensor_parallel=tensor_parallel, shared_gpus=pair, connector_settings=extra,
-                                  round_gap_s=round_gap, connector_variants=variants, log=_log(output_format))
+                                  round_gap_s=round_gap, connector_variants=variants,
+                                  async_scheduling=async_scheduling, log=_log(output_format))
             reports.append(rep)
             if output_format is not OutputFormat.json:
                 typer.echo(format_serve_report(rep))

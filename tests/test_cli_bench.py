@@ -116,6 +116,10 @@ def test_vllm_serve_takes_connector_settings_and_variants(tmp_path, monkeypatch)
     assert res.exit_code == 0, res.output
     assert seen["connector_settings"] == {"io_engine": "threads"}
     assert seen["connector_variants"] == [{"piece_blocks": 64}, {"load_switch_s": 0.0002, "io_threads": 8}]
+    assert seen["async_scheduling"] is None  # vLLM's default
+    for flag, want in (("--no-async-scheduling", False), ("--async-scheduling", True)):
+        res = CliRunner().invoke(app, ["bench", "vllm-serve", "--model", "llama-3.1-8b", "--root", str(tmp_path), flag])
+        assert res.exit_code == 0 and seen["async_scheduling"] is want, res.output
     res = CliRunner().invoke(app, ["bench", "vllm-serve", "--root", str(tmp_path),
                                    "--connector-variant", "piece_blocks"])
     assert res.exit_code == 2 and "--connector-variant 'piece_blocks': give KEY=VALUE" in res.output

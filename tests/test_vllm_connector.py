@@ -59,6 +59,7 @@ def _config(root, **extra):
                                                      "piece_blocks": 2, **extra},
                           kv_load_failure_policy="fail")
     return SimpleNamespace(model_config=_Model(), cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+                           scheduler_config=SimpleNamespace(async_scheduling=True),
                            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                            kv_transfer_config=ktc)
 
@@ -647,6 +648,9 @@ def test_the_config_is_checked():
     with pytest.raises(ConfigError, match="io_mode.*'dma'"):
         parse_config({"root": "/x", "io_mode": "dma"})
     assert parse_config({"root": "/x"})["io_mode"] == "auto"
+    with pytest.raises(ConfigError, match="load_mode.*'eager'.*valid: auto, async, sync"):
+        parse_config({"root": "/x", "load_mode": "eager"})
+    assert parse_config({"root": "/x"})["load_mode"] == "auto"
     with pytest.raises(ConfigError, match="verify_on.*'gpu'.*valid: auto, host, device"):
         parse_config({"root": "/x", "verify_on": "gpu"})
     with pytest.raises(ConfigError, match="scatter_tables.*'all'.*valid: piece, load"):

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vllm_engine_sim import BLOCK_SIZE, SimEngine  # noqa: E402
 
 from tiercache.bench.benchvllmserve import damage_file  # noqa: E402
+from tiercache.errors import ConfigError  # noqa: E402
 from tiercache.integrations.vllmconnector import block_key  # noqa: E402
 
 
@@ -29,7 +30,11 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 500) for _ in range(n)]
 
 
-def test_a_restarted_engine_loads_a_stored_prefix_into_the_blocks_vllm_gives(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_restarted_engine_loads_a_stored_prefix_into_the_blocks_vllm_gives(tmp_path, async_scheduling):
+    """``load_mode = "auto"``: with vLLM scheduling synchronously the load runs in the step that
+    computes the suffix (no step of waiting); with its async scheduling the request waits in
+    WAITING_FOR_REMOTE_KVS for the load's step and the one scheduled before its report."""
     rng = random.Random()
     prompt = _prompt(rng, 5 * BLOCK_SIZE + 3)
     a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
@@ -38,12 +43,11 @@ def test_a_restarted_engine_loads_a_stored_prefix_into_the_blocks_vllm_gives(tmp
     assert a.steps == [{"a": len(prompt)}, {"a": 1}]
     assert a.worker._worker.drain(10)
     a.close()
-    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
     suffix = _prompt(rng, 4)
     b.add("b", prompt[:5 * BLOCK_SIZE] + suffix)
     b.run(lambda: "b" in b.first_token_step)
-    # one step loads the five blocks (no token scheduled), the next computes the suffix
-    assert b.steps == [{}, {"b": len(suffix)}]
+    assert b.steps[:b.first_token_step["b"] + 1] == [{}] * (2 * async_scheduling) + [{"b": len(suffix)}]
     assert b.check_blocks("b", 5 * BLOCK_SIZE + len(suffix)) == 84
     b.close()
 
@@ -80,7 +84,7 @@ def test_a_finished_requests_blocks_go_to_the_next_request_at_once_and_its_files
     assert len(r1_blocks & set(a.block_ids("r2"))) >= 5  # r2 runs in r1's blocks
     last = max(i for i, st in enumerate(a.steps) if "r1" in st)
     # no step waits for r1's blocks (async scheduling schedules one step before r1's end is known)
-    assert a.steps[last + 1:] == [{}] * async_scheduling + [{"r2": len(second)}]
+    assert a.steps[last + 1:a.first_token_step["r2"] + 1] == [{}] * async_scheduling + [{"r2": len(second)}]
     assert w.counters["released_skipped_blocks"] == 3 and w.counters["released_requests"] == 1
     assert a.check_blocks("r2", len(second)) == len(second)  # in blocks r1 had
     a.run(lambda: "r2" in a.finished)
@@ -90,7 +94,7 @@ def test_a_finished_requests_blocks_go_to_the_next_request_at_once_and_its_files
     c = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
     c.add("c", first[:5 * BLOCK_SIZE] + [1, 2])
     c.run(lambda: "c" in c.first_token_step)
-    assert c.steps == [{}, {"c": 3 * BLOCK_SIZE + 2}]  # two blocks from files, the rest computed
+    assert c.steps == [{"c": 3 * BLOCK_SIZE + 2}]  # two blocks from files (in the step), the rest computed
     assert c.check_blocks("c", 5 * BLOCK_SIZE + 2)
     c.close()
 
@@ -129,9 +133,53 @@ def test_tokens_from_files_equal_recomputes_and_a_damaged_file_is_recomputed(tmp
         damage_file(path, damage)
     b.run(lambda: "b" in b.first_token_step)
     assert b.check_blocks("b", len(asked)) == len(asked)
-    computed = sum(s.get("b", 0) for s in b.steps)
-    # two blocks loaded and the rest computed; undamaged: six loaded (a deleted file is not listed)
+    # the step that gave the first token computed the suffix (six blocks loaded), or, after the
+    # failed load, everything from the damaged third block on
+    computed = b.steps[b.first_token_step["b"]]["b"]
     assert computed == (len(suffix) if damage is None else 4 * BLOCK_SIZE + len(suffix))
     b.run(lambda: "b" in b.finished)
     assert b.emitted["b"] == want and len(want) == 4
+    b.close()
+
+
+def _stored_prefix(tmp_path, rng, async_scheduling: bool) -> tuple[list[int], list[int]]:
+    """A six-block prefix stored by one engine; returns (the prompt asked again, a recompute's tokens)."""
+    prompt = _prompt(rng, 6 * BLOCK_SIZE + 1)
+    asked = prompt[:6 * BLOCK_SIZE] + _prompt(rng, 5)
+    want = _reference(tmp_path, asked, 4, async_scheduling)
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
+    a.add("a", prompt)
+    a.run(lambda: "a" in a.finished)
+    assert a.worker._worker.drain(10)
+    a.close()
+    return asked, want
+
+
+def test_load_mode_async_waits_a_step_and_sync_is_refused_with_vllms_async_scheduling(tmp_path):
+    rng = random.Random()
+    asked, want = _stored_prefix(tmp_path, rng, False)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, load_mode="async")
+    b.add("b", asked, 4)
+    b.run(lambda: "b" in b.finished)
+    assert b.steps[:b.first_token_step["b"] + 1] == [{}, {"b": 5}] and b.emitted["b"] == want
+    b.close()
+    with pytest.raises(ConfigError, match="'load_mode' = 'sync' needs vLLM's async scheduling off"):
+        SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=True, load_mode="sync")
+
+
+def test_why_sync_loads_are_refused_with_async_scheduling_a_failed_one_gives_wrong_tokens(tmp_path):
+    """What ``load_mode`` guards against, in vLLM itself: with its async scheduling, the step
+    after a synchronous load is scheduled before the load's failure is known, from a token
+    sampled over the damaged blocks, and vLLM gives that request's tokens out. Should a vLLM
+    release fix this, this test fails, and ``sync`` may be allowed there."""
+    rng = random.Random()
+    asked, want = _stored_prefix(tmp_path, rng, True)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=True)
+    b.scheduler.connector.sched.sync_loads = True  # what the check refuses
+    b.add("b", asked, 4)
+    third = block_key(b.scheduler.requests["b"].block_hashes[2]).hex()
+    (path,) = (tmp_path / "root").glob(f"*/*/block_x{third}_pool_*.bin")
+    damage_file(path, "flip")
+    b.run(lambda: "b" in b.finished)
+    assert len(b.emitted["b"]) == 4 and b.emitted["b"] != want
     b.close()

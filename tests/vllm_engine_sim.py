@@ -154,8 +154,6 @@ class SimEngine:
             if done:
                 del self._history[rid][start + n:]
                 self._history[rid] += sampled[rid]
-            if done and rid not in self.first_token_step:
-                self.first_token_step[rid] = len(self.steps)
         w.wait_for_save()
         sending, recving = w.get_finished(so.finished_req_ids)
         kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
@@ -165,8 +163,8 @@ class SimEngine:
         rids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
                                 sampled_token_ids=[sampled[r] for r in rids], kv_connector_output=kvo)
+        self._queued.append((so, out, len(self.steps)))
         self.steps.append(dict(so.num_scheduled_tokens))
-        self._queued.append((so, out))
         if len(self._queued) >= self._depth:
             self._account()
         return self.steps[-1]
@@ -183,9 +181,11 @@ class SimEngine:
         return 1 + int.from_bytes(h.digest(), "little") % (VOCAB - 1)
 
     def _account(self) -> None:
-        so, out = self._queued.pop(0)
+        so, out, step = self._queued.pop(0)
         for eco in self.scheduler.update_from_output(so, out).values():
             for o in eco.outputs:
+                if o.new_token_ids and not self.emitted[o.request_id]:
+                    self.first_token_step[o.request_id] = step  # the step whose output vLLM gave out
                 self.emitted[o.request_id] += list(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)

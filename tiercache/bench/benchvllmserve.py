@@ -290,6 +290,8 @@ def worker_main(spec_path: str) -> int:
 
     reqs = json.loads(Path(spec["workload"]).read_text())
     kw: dict = {}
+    if spec.get("async_scheduling") is not None:
+        kw["async_scheduling"] = spec["async_scheduling"]
     if spec["kv_transfer"] is not None:
         from vllm.config import KVTransferConfig
 
@@ -632,7 +634,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     cpu_tier_prefixes: float = CPU_TIER_PREFIXES, tensor_parallel: int = 1,
                     shared_gpus: tuple[int, int] | None = None, damage: int | None = None,
                     connector_settings: dict | None = None, round_gap_s: float = 0.0,
-                    connector_variants: list[dict] | None = None, log=lambda s: None) -> dict:
+                    connector_variants: list[dict] | None = None, async_scheduling: bool | None = None,
+                    log=lambda s: None) -> dict:
     """Run the modes on ``model`` over files under ``directory`` (module docstring) and return
     the report: per mode its TTFTs, requests/s, tokens by source, token agreement and verify
     results (``cpu_tier_prefixes``: vLLM's CPU tier in prefixes' worth of KV;
@@ -643,7 +646,9 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     the bench's; ``connector_variants``: more connector modes in the same run, one per dict of
     settings over ``connector_settings`` (modes ``connector~1``, ``connector~2``, ... right after
     ``connector``, each on a root of its own; their rows give their speed over ``fs`` and over
-    ``connector``: A/B of settings on one machine in one run); ``round_gap_s``: seconds each
+    ``connector``: A/B of settings on one machine in one run); ``async_scheduling``: vLLM's
+    async scheduling on or off in every engine (None: vLLM's default, on; off, the connector's
+    ``load_mode = "auto"`` loads in the step that computes the suffix); ``round_gap_s``: seconds each
     engine stays idle before each round after the
     first, so that a round's reads do not share the storage with the writes of the round before:
     on a storage whose writes are slower than the rounds, 0 measures the repeats beside them);
@@ -708,7 +713,8 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
     common = {"max_model_len": max_model_len, "gpu_blocks": gpu_blocks, "cpu_bytes": cpu_bytes,
               "max_tokens": max_tokens, "suffix_tokens": suffix_tokens, "gpu_util": gpu_util,
               "tensor_parallel": tensor_parallel, "connector_settings": dict(connector_settings or {}),
-              "connector_variants": variants, "round_gap_s": float(round_gap_s)}
+              "connector_variants": variants, "round_gap_s": float(round_gap_s),
+              "async_scheduling": async_scheduling}
     run = _Run(work, model_dir, wl, common, log)
     every = list(range(len(reqs)))
     cold = [i for i, r in enumerate(reqs) if r["round"] == 0]
@@ -722,6 +728,7 @@ def run_serve_bench(directory: Path, model: str = "llama-3.1-8b", modes: tuple[s
                     "chunk_bytes": chunk_bytes, "gpu_kv_blocks": gpu_blocks, "cpu_tier_bytes": cpu_bytes,
                     "tensor_parallel": tensor_parallel, "shared_gpus": list(shared_gpus) if shared_gpus else None,
                     "connector_settings": dict(connector_settings or {}), "round_gap_s": float(round_gap_s),
+                    "async_scheduling": async_scheduling,
                     "connector_variants": variants, "modes": {}, "experiments": {}}
     report["vllm"] = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
     results, roots = _run_modes(run, modes, cold, repeats, every, restart, kill9, gpu_util, shared_gpus, damage, seed)

@@ -20,12 +20,14 @@ docs/vllm.md, "The direct path: design".
   them).
 - **Scheduler side.** An in-memory index of the blocks every rank's root holds (listed at
   start; then the stores gathered, less the loads that failed). A lookup counts the leading
-  blocks of a request's prompt that are there, beyond vLLM's own prefix-cache hit, and asks
-  vLLM to load them asynchronously, which the worker does within one step: the request waits
-  in ``WAITING_FOR_REMOTE_KVS`` for that step only. (A first version loaded on a thread of its
-  own; while a request waited, vLLM 0.26's engine loop ran empty steps back to back, holding
-  the GIL, and the thread starved. A synchronous load would save the step, but with vLLM 0.26's
-  async scheduling a failed one gave a wrong token: docs/vllm.md.) Each step's metadata names, per
+  blocks of a request's prompt that are there, beyond vLLM's own prefix-cache hit. The worker
+  loads them inside a step's ``start_load_kv``; with vLLM's async scheduling (its default) the
+  load is asynchronous in vLLM's terms and the request waits in ``WAITING_FOR_REMOTE_KVS`` for
+  that step and the one scheduled before its report, and where vLLM schedules synchronously it
+  is synchronous: computed in the same step (``load_mode``; synchronous loads with async
+  scheduling gave a wrong token after a failed load: docs/vllm.md). (A first version loaded on
+  a thread of its own; vLLM 0.26's engine loop ran empty steps back to back, holding the GIL,
+  and the thread starved.) Each step's metadata names, per
   request, the blocks to load (keys and GPU block ids) and the newly computed full blocks of
   its prompt to store.
 - **Worker side** (one per rank, :class:`ConnectorWorker`). A
@@ -87,8 +89,17 @@ DEFAULTS: dict[str, Any] = {
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
     "copy_streams": "compute", "load_policy": "faster", "device_staging_bytes": 512 << 20,
     "store_gathers": "thread", "io_mode": "auto", "verify_on": "auto", "load_switch_s": 0.0,
-    "scatter_tables": "piece",
+    "scatter_tables": "piece", "load_mode": "auto",
 }
+#: how a request waits for its load: ``async``, vLLM's asynchronous load (the request waits in
+#: WAITING_FOR_REMOTE_KVS until a step reports it received: one step, two with vLLM's async
+#: scheduling), or ``sync``: loaded in the step that computes its suffix, before the forward
+#: pass (no step of waiting). ``auto``: ``sync`` where vLLM schedules synchronously, else
+#: ``async``. ``sync`` with vLLM's async scheduling is refused: the step after a failed load is
+#: already scheduled from a token sampled over the damaged blocks, and vLLM hands that token
+#: out (a wrong token; measured on a GPU with vLLM 0.26 and reproduced under vLLM's own
+#: scheduler on the CPU, tests/test_vllm_scheduler.py)
+LOAD_MODES = ("auto", "async", "sync")
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
 #: its own, overlapping vLLM's work. With side streams, vLLM 0.26 on an H200 hit an illegal
@@ -148,6 +159,8 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
     if out["store_gathers"] not in STORE_GATHERS:
         raise ConfigError(f"TierCacheConnector: 'store_gathers' = {out['store_gathers']!r}; valid: "
                           f"{', '.join(STORE_GATHERS)}")
+    if out["load_mode"] not in LOAD_MODES:
+        raise ConfigError(f"TierCacheConnector: 'load_mode' = {out['load_mode']!r}; valid: {', '.join(LOAD_MODES)}")
     if out["load_policy"] not in LOAD_POLICIES:
         raise ConfigError(f"TierCacheConnector: 'load_policy' = {out['load_policy']!r}; valid: "
                           f"{', '.join(LOAD_POLICIES)}")
@@ -300,6 +313,9 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     #: requests finished since the last step whose stores vLLM did not wait for: their blocks
     #: are free too, so their gathers are issued (or, with no staging slab free, skipped) first
     released: list[str] = field(default_factory=list)
+    #: the loads are synchronous (``load_mode``): vLLM computes their requests in this step and
+    #: expects no report of them received
+    sync_loads: bool = False
 
 
 @dataclass
@@ -359,7 +375,15 @@ class ConnectorScheduler:
         self._released: list[str] = []  # finished with stores, freed at once: the next step's to tell
         self._unstored: set[bytes] = set()  # reported not stored before their request's stores ended
         # vLLM's async scheduling schedules the next step before a step's output comes back
-        depth = 2 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 1
+        async_scheduling = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+        depth = 2 if async_scheduling else 1
+        mode = settings["load_mode"]
+        if mode == "sync" and async_scheduling:
+            raise ConfigError("TierCacheConnector: 'load_mode' = 'sync' needs vLLM's async scheduling off "
+                              "(--no-async-scheduling): with it on, a load that fails has its request's next "
+                              "step scheduled from a wrong token; 'auto' or 'async' load asynchronously")
+        self.sync_loads = mode == "sync" or (mode == "auto" and not async_scheduling)
+        self._sync_loaded: list[str] = []  # loaded in the last step (sync loads): measured at its output
         self.cost = LoadCost(self.block_size, settings["load_policy"], pipeline_depth=depth)
         log.info("tiercache: vLLM connector: %d block(s) on disk under %s", len(self.present),
                  ", ".join(str(r[0]) for r in roots_by_rank))
@@ -402,11 +426,10 @@ class ConnectorScheduler:
         if st.load_ok is False:
             keys = []
         st.load = (start, keys) if keys else None
-        # an asynchronous load in vLLM's terms, done within one step: the worker reads and
-        # uploads in that step's start_load_kv and reports it received in the same step, so
-        # the request waits one step, not for a thread (a synchronous load would be one step
-        # shorter, but vLLM 0.26 with async scheduling gave a wrong token after a failed one)
-        return (len(keys) * self.block_size, True) if keys else (0, False)
+        # either way the worker reads and uploads in the step's start_load_kv: asynchronous in
+        # vLLM's terms (reported received in that step; the request waits for it), or, where
+        # vLLM schedules synchronously (load_mode), synchronous: computed in the same step
+        return (len(keys) * self.block_size, not self.sync_loads) if keys else (0, False)
 
     def _match(self, hashes, start: int, limit: int) -> list[bytes]:
         """The keys of blocks ``start..limit-1`` up to the first one not on disk."""
@@ -451,6 +474,9 @@ class ConnectorScheduler:
                 meta.loads.append(BlockTransfer(rid, st.loading, st.load_ids))
                 st.load = None
         self._to_load.clear()
+        meta.sync_loads = self.sync_loads
+        if self.sync_loads:
+            self._sync_loaded += [t.req_id for t in meta.loads]
         self.cost.step(int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
                        {t.req_id: len(t.keys) for t in meta.loads})
         for new in so.scheduled_new_reqs:
@@ -503,7 +529,8 @@ class ConnectorScheduler:
                 self._stored(st)
                 self._evict()
         bad = set(getattr(out, "invalid_block_ids", None) or ())
-        for rid in getattr(out, "finished_recving", None) or ():
+        done, self._sync_loaded = list(getattr(out, "finished_recving", None) or ()) + self._sync_loaded, []
+        for rid in done:  # async loads reported received, and sync loads of the step this output ends
             self.cost.loaded(rid)
             st = self.reqs.get(rid)
             if st is not None:
@@ -550,8 +577,9 @@ class ConnectorWorker:
     file), the :class:`~tiercache.rowstore.RowStore` of this rank's roots, and the thread that
     writes stores.
 
-    - **Loads** run on the engine's own thread, inside ``start_load_kv`` of the step after the
-      lookup, and that step's ``get_finished`` reports them received. The prefix is read in
+    - **Loads** run on the engine's own thread, inside ``start_load_kv`` of the step the
+      lookup scheduled, and (asynchronous loads) that step's ``get_finished`` reports them
+      received. The prefix is read in
       pieces of ``piece`` blocks into a ring of load slabs (the native I/O engine's threads
       read and verify; the engine thread waits with the GIL released), and each piece, once
       read, goes up in one contiguous copy into a device slab and from there into its blocks'
@@ -814,9 +842,10 @@ class ConnectorWorker:
         return self.jobs.wait(jid)
 
     # -- loads (the engine thread) -----------------------------------------------------------
-    def load(self, transfers: list[BlockTransfer]) -> None:
+    def load(self, transfers: list[BlockTransfer], report: bool = True) -> None:
         """Load every transfer's blocks, in place when this returns; :meth:`get_finished`
-        reports the requests received in the same step."""
+        reports the requests received in the same step (``report``: asynchronous loads; a
+        synchronous one's request is computed in this step, and vLLM expects no report)."""
         if not transfers:
             return
         t0 = time.perf_counter()
@@ -833,7 +862,8 @@ class ConnectorWorker:
             if check is not None:
                 failed_from = self._check_sums(t, failed_from, *check)
             self._settle_load(t, failed_from)
-        self._recving.update(t.req_id for t in transfers)
+        if report:
+            self._recving.update(t.req_id for t in transfers)
         self.counters["load_calls"] += 1
         self.counters["load_us"] += int((time.perf_counter() - t0) * 1e6)
 
@@ -1577,7 +1607,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         assert isinstance(meta, TierCacheConnectorMetadata)
         self.worker.before_forward(meta.preempted, meta.released)  # again: vLLMs without handle_preemptions
         self.worker.plan_stores(meta.stores)
-        self.worker.load(meta.loads)
+        self.worker.load(meta.loads, report=not meta.sync_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are done before vLLM schedules their requests (one step)
