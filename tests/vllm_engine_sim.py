@@ -100,6 +100,7 @@ class SimEngine:
         self.steps: list[dict[str, int]] = []  # per step: tokens scheduled per request
         self.first_token_step: dict[str, int] = {}
         self.emitted: dict[str, list[int]] = {}  # the tokens vLLM gave out, per request
+        self.preempted: list[str] = []  # requests vLLM preempted, in order
         self._history: dict[str, list[int]] = {}  # the runner's own: prompt, then what it sampled
         self.finished: set[str] = set()
         self._queued: list = []  # (scheduler output, model runner output) not yet accounted
@@ -130,6 +131,7 @@ class SimEngine:
     def step(self) -> dict[str, int]:
         """One engine step; returns the tokens it scheduled per request."""
         so = self.scheduler.schedule()
+        self.preempted += sorted(getattr(so, "preempted_req_ids", None) or ())
         meta = so.kv_connector_metadata
         w = self.worker
         w.handle_preemptions(meta)
