@@ -205,3 +205,26 @@ def test_preemption_under_vllms_scheduler_keeps_every_token_equal(tmp_path, asyn
     c.run(lambda: "c" in c.first_token_step)
     assert c.steps == [{"c": 1}] and c.check_blocks("c", 3 * BLOCK_SIZE + 1)
     c.close()
+
+
+def test_two_live_engines_on_a_shared_root_serve_each_others_prefixes(tmp_path, monkeypatch):
+    """Two engines up at once on one root (``sharing = "shared"``): what one stores, the other
+    finds at its next lookup that misses (a listing at most every ``RESCAN_S``), loads exact,
+    and answers with a recompute's tokens."""
+    from tiercache.integrations.vllmconnector import ConnectorScheduler
+
+    monkeypatch.setattr(ConnectorScheduler, "RESCAN_S", 0.0)
+    rng = random.Random()
+    prompt = _prompt(rng, 4 * BLOCK_SIZE + 2)
+    asked = prompt[:4 * BLOCK_SIZE] + [11, 12, 13]
+    want = _reference(tmp_path, asked, 3, False)
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, sharing="shared")
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, sharing="shared")
+    a.add("a", prompt)
+    a.run(lambda: "a" in a.finished)
+    assert a.worker._worker.drain(10)
+    b.add("b", asked, 3)
+    b.run(lambda: "b" in b.finished)
+    assert b.steps[0] == {"b": 3} and b.emitted["b"] == want  # four blocks from a's files
+    a.close()
+    b.close()
