@@ -108,42 +108,9 @@ def _reference(tmp_path, prompt: list[int], max_tokens: int, async_scheduling: b
     return r.emitted["ref"]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("damage", [None, "flip", "truncate", "delete"])
-def test_tokens_from_files_equal_recomputes_and_a_damaged_file_is_recomputed(tmp_path, damage, async_scheduling):
-    """A prefix stored by one engine, its third block's file damaged (or not), asked again by a
-    restarted engine with a new suffix: vLLM's own load-failure handling (``kv_load_failure_policy
-    = "recompute"``, which the connector sets) recomputes from the damaged block on, every slot
-    holds the model's bytes, and the tokens equal a recompute's, with vLLM's scheduler in either
-    mode."""
-    rng = random.Random()
-    prompt, suffix = _prompt(rng, 6 * BLOCK_SIZE + 1), _prompt(rng, 5)
-    asked = prompt[:6 * BLOCK_SIZE] + suffix
-    want = _reference(tmp_path, asked, 4, async_scheduling)
-    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
-    a.add("a", prompt)
-    a.run(lambda: "a" in a.finished)
-    assert a.worker._worker.drain(10)
-    a.close()
-    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
-    b.add("b", asked, 4)
-    if damage is not None:
-        third = block_key(b.scheduler.requests["b"].block_hashes[2]).hex()
-        (path,) = (tmp_path / "root").glob(f"*/*/block_x{third}_pool_*.bin")
-        damage_file(path, damage)
-    b.run(lambda: "b" in b.first_token_step)
-    assert b.check_blocks("b", len(asked)) == len(asked)
-    # the step that gave the first token computed the suffix (six blocks loaded), or, after the
-    # failed load, everything from the damaged third block on
-    computed = b.steps[b.first_token_step["b"]]["b"]
-    assert computed == (len(suffix) if damage is None else 4 * BLOCK_SIZE + len(suffix))
-    b.run(lambda: "b" in b.finished)
-    assert b.emitted["b"] == want and len(want) == 4
-    b.close()
-
-
 def _stored_prefix(tmp_path, rng, async_scheduling: bool) -> tuple[list[int], list[int]]:
-    """A six-block prefix stored by one engine; returns (the prompt asked again, a recompute's tokens)."""
+    """A six-block prefix stored under ``tmp_path / "root"`` by one engine; returns (that prefix
+    with a 5-token suffix, a recompute's 4 tokens for it)."""
     prompt = _prompt(rng, 6 * BLOCK_SIZE + 1)
     asked = prompt[:6 * BLOCK_SIZE] + _prompt(rng, 5)
     want = _reference(tmp_path, asked, 4, async_scheduling)
@@ -153,6 +120,37 @@ def _stored_prefix(tmp_path, rng, async_scheduling: bool) -> tuple[list[int], li
     assert a.worker._worker.drain(10)
     a.close()
     return asked, want
+
+
+def _damage_third_block(tmp_path, engine: SimEngine, rid: str, damage: str) -> None:
+    """Damage (``damage_file``) the file of request ``rid``'s third block under ``tmp_path / "root"``."""
+    third = block_key(engine.scheduler.requests[rid].block_hashes[2]).hex()
+    (path,) = (tmp_path / "root").glob(f"*/*/block_x{third}_pool_*.bin")
+    damage_file(path, damage)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("damage", [None, "flip", "truncate", "delete"])
+def test_tokens_from_files_equal_recomputes_and_a_damaged_file_is_recomputed(tmp_path, damage, async_scheduling):
+    """A prefix stored by one engine, its third block's file damaged (or not), asked again by a
+    restarted engine with a new suffix: vLLM's own load-failure handling (``kv_load_failure_policy
+    = "recompute"``, which the connector sets) recomputes from the damaged block on, every slot
+    holds the model's bytes, and the tokens equal a recompute's, with vLLM's scheduler in either
+    mode."""
+    asked, want = _stored_prefix(tmp_path, random.Random(), async_scheduling)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
+    b.add("b", asked, 4)
+    if damage is not None:
+        _damage_third_block(tmp_path, b, "b", damage)
+    b.run(lambda: "b" in b.first_token_step)
+    assert b.check_blocks("b", len(asked)) == len(asked)
+    # the step that gave the first token computed the suffix (six blocks loaded), or, after the
+    # failed load, everything from the damaged third block on
+    computed = b.steps[b.first_token_step["b"]]["b"]
+    assert computed == (5 if damage is None else 4 * BLOCK_SIZE + 5)
+    b.run(lambda: "b" in b.finished)
+    assert b.emitted["b"] == want and len(want) == 4
+    b.close()
 
 
 def test_load_mode_async_waits_a_step_and_sync_is_refused_with_vllms_async_scheduling(tmp_path):
@@ -177,9 +175,7 @@ def test_why_sync_loads_are_refused_with_async_scheduling_a_failed_one_gives_wro
     b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=True)
     b.scheduler.connector.sched.sync_loads = True  # what the check refuses
     b.add("b", asked, 4)
-    third = block_key(b.scheduler.requests["b"].block_hashes[2]).hex()
-    (path,) = (tmp_path / "root").glob(f"*/*/block_x{third}_pool_*.bin")
-    damage_file(path, "flip")
+    _damage_third_block(tmp_path, b, "b", "flip")
     b.run(lambda: "b" in b.finished)
     assert len(b.emitted["b"]) == 4 and b.emitted["b"] != want
     b.close()
