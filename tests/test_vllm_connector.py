@@ -808,3 +808,20 @@ def test_a_worker_names_the_directories_of_its_model_it_does_not_read(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="tiercache"):
         _Engine(tmp_path).close()
     assert not [r for r in caplog.records if "does not read" in r.getMessage()]
+
+
+def test_the_connectors_stats_are_deltas_summed_over_ranks():
+    from tiercache.integrations.vllmconnstats import TierCacheConnectorStats, deltas
+
+    last: dict = {}
+    assert deltas({"loaded_blocks": 5, "load_us": 2_500_000, "write_us": 7}, last) == {
+        "loaded_blocks": 5, "load_seconds": 2.5}  # write_us is not exported
+    assert deltas({"loaded_blocks": 5, "load_us": 2_500_000}, last) == {}  # nothing grew
+    assert deltas({"loaded_blocks": 8, "load_us": 2_500_000}, last) == {"loaded_blocks": 3}
+    one, two = TierCacheConnectorStats(data={"loaded_blocks": 3}), TierCacheConnectorStats(
+        data={"loaded_blocks": 4, "load_seconds": 0.25})
+    both = one.aggregate(two)
+    assert both.data == {"loaded_blocks": 7, "load_seconds": 0.25} and one.data == {"loaded_blocks": 3}
+    assert both.reduce() == {"load_seconds": 0.25, "loaded_blocks": 7} and not both.is_empty()
+    both.reset()
+    assert both.is_empty() and TierCacheConnectorStats(data={"loaded_blocks": 0}).is_empty()

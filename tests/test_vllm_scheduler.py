@@ -224,3 +224,45 @@ def test_two_live_engines_on_a_shared_root_serve_each_others_prefixes(tmp_path, 
     assert b.steps[0] == {"b": 3} and b.emitted["b"] == want  # four blocks from a's files
     a.close()
     b.close()
+
+
+def test_the_connectors_counters_reach_vllms_log_line_and_prometheus(tmp_path):
+    """A worker's counter deltas go out with each step (``get_kv_connector_stats``), vLLM's
+    scheduler passes them to its stats, and vLLM's own ``KVConnectorLogging`` and
+    ``KVConnectorProm`` turn them into its "KV Transfer metrics" line and the Prometheus
+    counters ``vllm:tiercache_connector_*_total``."""
+    import functools
+
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+
+    rng = random.Random()
+    asked, _ = _stored_prefix(tmp_path, rng, False)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    b.add("b", asked, 4)
+    b.run(lambda: "b" in b.finished)
+    assert b.connector_stats, "no stats reached vLLM's scheduler"
+    summed: dict = {}
+    for d in b.connector_stats:
+        for k, v in d.items():
+            summed[k] = summed.get(k, 0) + v
+    assert summed["loaded_blocks"] == 6 and summed["load_calls"] == 1 and summed["load_seconds"] > 0
+    assert "stored_blocks" not in summed and "load_error_blocks" not in summed  # nothing new to store
+    lines: list[str] = []
+    logging_ = KVConnectorLogging(b.config.kv_transfer_config)
+    for d in b.connector_stats:
+        logging_.observe(d)
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    assert lines and "loaded_blocks=6" in lines[0] and "load_calls=1" in lines[0]
+    registry = prometheus_client.CollectorRegistry()
+
+    class Prom(KVConnectorProm):
+        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)
+
+    prom = Prom(b.config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    for d in b.connector_stats:
+        prom.observe(d, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:tiercache_connector_loaded_blocks_total", labels) == 6
+    assert registry.get_sample_value("vllm:tiercache_connector_load_error_blocks_total", labels) == 0
+    b.close()

@@ -87,7 +87,7 @@ class SimEngine:
         kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                             kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)])
         cls = AsyncScheduler if async_scheduling else Scheduler
-        self.scheduler = cls(vllm_config=self.config, kv_cache_config=kvc, log_stats=False,
+        self.scheduler = cls(vllm_config=self.config, kv_cache_config=kvc, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=BLOCK_SIZE)
         assert isinstance(self.scheduler.connector, TierCacheConnector)
@@ -101,6 +101,7 @@ class SimEngine:
         self.first_token_step: dict[str, int] = {}
         self.emitted: dict[str, list[int]] = {}  # the tokens vLLM gave out, per request
         self.preempted: list[str] = []  # requests vLLM preempted, in order
+        self.connector_stats: list[dict] = []  # what vLLM's scheduler passed on to its stats loggers
         self._history: dict[str, list[int]] = {}  # the runner's own: prompt, then what it sampled
         self.finished: set[str] = set()
         self._queued: list = []  # (scheduler output, model runner output) not yet accounted
@@ -161,6 +162,7 @@ class SimEngine:
         kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                 invalid_block_ids=w.get_block_ids_with_load_errors())
         kvo.kv_connector_worker_meta = w.build_connector_worker_meta()
+        kvo.kv_connector_stats = w.get_kv_connector_stats()
         w.clear_connector_metadata()
         rids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
@@ -185,6 +187,9 @@ class SimEngine:
     def _account(self) -> None:
         so, out, step = self._queued.pop(0)
         for eco in self.scheduler.update_from_output(so, out).values():
+            stats = getattr(eco.scheduler_stats, "kv_connector_stats", None)
+            if stats:
+                self.connector_stats.append(stats)
             for o in eco.outputs:
                 if o.new_token_ids and not self.emitted[o.request_id]:
                     self.first_token_step[o.request_id] = step  # the step whose output vLLM gave out

@@ -73,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tiercache.arrays import aligned_empty
 from tiercache.errors import ConfigError
 from tiercache.files import SUBDIRS, IOPath, device_hash_applies, device_hasher, parse_filename, select_io_path
+from tiercache.integrations import vllmconnstats
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
 from tiercache.integrations.loadcost import POLICIES as LOAD_POLICIES
 from tiercache.integrations.loadcost import PROBE_EVERY, LoadCost
@@ -1549,6 +1550,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         self.kv_cache_config = kv_cache_config
         self._sched: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
+        self._reported: dict[str, int] = {}  # the worker's counters as get_kv_connector_stats last saw them
         if role == KVConnectorRole.SCHEDULER:
             self._sched = ConnectorScheduler(vllm_config, self.settings,
                                      [rank_roots(self.settings["root"], digest, model, r) for r in range(tp)])
@@ -1627,6 +1629,22 @@ class TierCacheConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> TierCacheWorkerMetadata | None:
         unstored = self.worker.report() if self._worker is not None else frozenset()
         return TierCacheWorkerMetadata(unstored=unstored) if unstored else None
+
+    def get_kv_connector_stats(self) -> vllmconnstats.TierCacheConnectorStats | None:
+        """This worker's counter deltas since the last call (:mod:`vllmconnstats`), or None."""
+        if self._worker is None:
+            return None
+        grown = vllmconnstats.deltas(dict(self._worker.counters), self._reported)
+        return vllmconnstats.TierCacheConnectorStats(data=grown) if grown else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> vllmconnstats.TierCacheConnectorStats:
+        return vllmconnstats.TierCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return vllmconnstats.TierCacheConnectorPromMetrics(vllm_config, metric_types, labelnames,
+                                                           per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
