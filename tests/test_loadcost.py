@@ -126,3 +126,15 @@ def test_the_first_load_measures_nothing_and_does_not_make_prefixes_recompute():
     assert all(cost.should_load(512) for _ in range(3 * PROBE_EVERY))
     _load(cost, clock, 512 * 5e-3, 512)  # a storage that became slow is still seen
     assert not cost.should_load(512)
+
+
+def test_a_workers_measure_of_a_load_counts_after_the_warm_up_and_above_the_minimum():
+    cost = LoadCost(16, "faster")
+    cost.measured(0.5, MIN_LOAD_BLOCKS - 1)  # too small to say anything
+    assert cost.warmups == 0 and cost.load_s_per_block is None
+    cost.measured(0.5, 100)  # the warm-up
+    assert cost.warmups == 1 and cost.load_s_per_block is None
+    cost.measured(0.2, 100)
+    assert cost.load_s_per_block == pytest.approx(0.002)
+    cost.measured(0.0, 100)  # no time: nothing measured
+    assert cost.load_s_per_block == pytest.approx(0.002)

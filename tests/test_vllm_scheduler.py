@@ -266,3 +266,28 @@ def test_the_connectors_counters_reach_vllms_log_line_and_prometheus(tmp_path):
     assert registry.get_sample_value("vllm:tiercache_connector_loaded_blocks_total", labels) == 6
     assert registry.get_sample_value("vllm:tiercache_connector_load_error_blocks_total", labels) == 0
     b.close()
+
+
+def test_synchronous_loads_are_timed_by_their_workers_not_by_the_step_that_computes_them(tmp_path):
+    """``load_policy = "faster"`` weighs a load against recomputing it. A synchronous load's
+    request is computed in the load's own step, so the rate comes from the workers' measure
+    of the load (its stats), not from the step's scheduling to its output."""
+    rng = random.Random()
+    prompts = [_prompt(rng, 70 * BLOCK_SIZE + 1) for _ in range(2)]
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=200)
+    for i, p in enumerate(prompts):
+        a.add(f"a{i}", p, 1)
+    a.run(lambda: {"a0", "a1"} <= a.finished)
+    assert a.worker._worker.drain(30)
+    a.close()
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=200)
+    cost = b.scheduler.connector.sched.cost
+    for i, p in enumerate(prompts):  # the first load warms up, the second measures
+        b.add(f"b{i}", p[:70 * BLOCK_SIZE] + [i + 1], 1)
+        b.run(lambda i=i: f"b{i}" in b.finished)
+    last = b.connector_stats[-1] if "loaded_blocks" in b.connector_stats[-1] else next(
+        d for d in reversed(b.connector_stats) if "loaded_blocks" in d)
+    assert last["loaded_blocks"] == 70 and cost.warmups == 1
+    assert cost.load_s_per_block == pytest.approx(last["load_seconds"] / 70)
+    assert not cost._loads  # nothing left waiting for a report that never comes
+    b.close()

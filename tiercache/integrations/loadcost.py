@@ -108,6 +108,18 @@ class LoadCost:
         else:
             self.load_s_per_block = self._avg(self.load_s_per_block, (self.clock() - t[0]) / t[1])
 
+    def measured(self, seconds: float, blocks: int) -> None:
+        """A load's own duration as its worker measured it (``seconds`` for ``blocks`` blocks,
+        both summed over ranks): the rate of a synchronous load, which costs its request no
+        step of waiting, so the time from its scheduling to its output would count the
+        request's prefill too. The same warm-up and minimum size as :meth:`loaded`."""
+        if blocks < MIN_LOAD_BLOCKS or seconds <= 0:
+            return
+        if self.warmups < WARMUP_LOADS:
+            self.warmups += 1
+        else:
+            self.load_s_per_block = self._avg(self.load_s_per_block, seconds / blocks)
+
     def forget(self, req_id: str) -> None:
         self._loads.pop(req_id, None)
 

@@ -530,9 +530,18 @@ class ConnectorScheduler:
                 self._stored(st)
                 self._evict()
         bad = set(getattr(out, "invalid_block_ids", None) or ())
+        stats = getattr(out, "kv_connector_stats", None)
+        if self._sync_loaded and isinstance(stats, vllmconnstats.TierCacheConnectorStats):
+            # a sync load costs its own duration: the workers' measure (the scheduler's would
+            # count the request's prefill in the same step)
+            d = stats.data
+            self.cost.measured(d.get("load_seconds", 0.0), d.get("loaded_blocks", 0) + d.get("load_error_blocks", 0))
         done, self._sync_loaded = list(getattr(out, "finished_recving", None) or ()) + self._sync_loaded, []
         for rid in done:  # async loads reported received, and sync loads of the step this output ends
-            self.cost.loaded(rid)
+            if self.sync_loads:
+                self.cost.forget(rid)  # measured above, by the workers
+            else:
+                self.cost.loaded(rid)
             st = self.reqs.get(rid)
             if st is not None:
                 for k, b in zip(st.loading, st.load_ids):
