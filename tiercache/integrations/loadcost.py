@@ -101,18 +101,15 @@ class LoadCost:
         """Request ``req_id``'s load was reported done: measures the storage (from the load
         after the first :data:`WARMUP_LOADS`)."""
         t = self._loads.pop(req_id, None)
-        if t is None or t[1] < MIN_LOAD_BLOCKS:
-            return
-        if self.warmups < WARMUP_LOADS:
-            self.warmups += 1
-        else:
-            self.load_s_per_block = self._avg(self.load_s_per_block, (self.clock() - t[0]) / t[1])
+        if t is not None:
+            self.measured(self.clock() - t[0], t[1])
 
     def measured(self, seconds: float, blocks: int) -> None:
         """A load's own duration as its worker measured it (``seconds`` for ``blocks`` blocks,
         both summed over ranks): the rate of a synchronous load, which costs its request no
         step of waiting, so the time from its scheduling to its output would count the
-        request's prefill too. The same warm-up and minimum size as :meth:`loaded`."""
+        request's prefill too. Loads under :data:`MIN_LOAD_BLOCKS` blocks measure nothing, and
+        the first :data:`WARMUP_LOADS` only warm up."""
         if blocks < MIN_LOAD_BLOCKS or seconds <= 0:
             return
         if self.warmups < WARMUP_LOADS:
