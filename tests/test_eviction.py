@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 from helpers import assert_bytes, put_random
 
 from tiercache import RowStore, TierCache
@@ -67,3 +68,37 @@ def test_the_row_store_drops_the_blocks_its_policy_picks(tmp_path, rng):
         assert np.array_equal(rows[5], want[0]) and np.array_equal(rows[6], want[4])
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("sharing", ["exclusive", "shared"])
+def test_discarded_blocks_leave_the_index_and_their_files_go_on_a_shared_root_too(tmp_path, rng, sharing):
+    """``RowStore.discard``: unlike an eviction (which leaves a shared root's files to the
+    sweep), a discarded block's files are deleted at once, so neither this store nor another
+    on the root serves it; the other blocks stay, byte-exact; a key not held is skipped."""
+    rows = rng.integers(0, 256, (8, 4096), dtype=np.uint8)
+    want = rows.copy()
+    keys = [os.urandom(16) for _ in range(4)]
+    kw = {"fsync": "none", "sharing": sharing}
+    store = RowStore(rows, tmp_path / "rows", capacity_blocks=8, **kw)
+    try:
+        store.submit_store(keys, [0, 1, 2, 3])
+        assert store.drain(30) and all(r.success for r in store.finished())
+        files = {f.name for f in (tmp_path / "rows").rglob("block_*.bin")}
+        assert len(files) == 4
+        assert store.discard([keys[1], keys[3], os.urandom(16)]) == [keys[1], keys[3]]
+        assert sorted(store.take_removed()) == sorted([keys[1], keys[3]])
+        left = {f.name for f in (tmp_path / "rows").rglob("block_*.bin")}
+        assert len(left) == 2 and left < files
+        assert [store.state(k) is KeyState.PRESENT for k in (keys[0], keys[2])] == [True, True]
+        assert store.state(keys[1]) is not KeyState.PRESENT
+    finally:
+        store.close()
+    other = RowStore(np.zeros((4, 4096), np.uint8), tmp_path / "rows", capacity_blocks=8, **kw)
+    try:
+        other.submit_load([keys[0], keys[1], keys[2]], [0, 1, 2])
+        assert other.drain(30)
+        (res,) = other.finished()
+        assert set(res.failed) == {keys[1]}
+        assert np.array_equal(other.rows[0], want[0]) and np.array_equal(other.rows[2], want[2])
+    finally:
+        other.close()

@@ -291,3 +291,48 @@ def test_synchronous_loads_are_timed_by_their_workers_not_by_the_step_that_compu
     assert cost.load_s_per_block == pytest.approx(last["load_seconds"] / 70)
     assert not cost._loads  # nothing left waiting for a report that never comes
     b.close()
+
+
+@pytest.mark.parametrize("rank", ["this-rank", "another-rank"])
+def test_blocks_computed_over_a_failed_synchronous_load_never_reach_a_later_request(tmp_path, monkeypatch, rank):
+    """A synchronous load fails at the third of six stored blocks, in the step whose forward
+    pass also computes three more full blocks of the prompt over the bad ones (vLLM discards
+    that output and recomputes from the third block). Those three blocks' bytes are wrong: the
+    worker whose load failed never stores them, and where another rank's load failed (with
+    tensor parallelism every rank computes over it; ``another-rank`` writes them here) the next
+    step tells every worker to delete them. The recompute stores the blocks again from the
+    third on, and a restarted engine loads all nine exact, with a recompute's tokens."""
+    from tiercache.integrations.vllmconnector import ConnectorWorker
+
+    if rank == "another-rank":  # this worker's own load did not fail: it writes what it computed
+        monkeypatch.setattr(ConnectorWorker, "_drop_failed_stores", lambda self: self._failed_sync.clear())
+    rng = random.Random()
+    prompt = _prompt(rng, 6 * BLOCK_SIZE + 1)
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    a.add("a", prompt)
+    a.run(lambda: "a" in a.finished)
+    assert a.worker._worker.drain(10)
+    a.close()
+    asked = prompt[:6 * BLOCK_SIZE] + _prompt(rng, 3 * BLOCK_SIZE + 5)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    b.add("b", asked, 2)
+    _damage_third_block(tmp_path, b, "b", "flip")
+    b.run(lambda: "b" in b.finished)
+    assert b.steps[:2] == [{"b": 3 * BLOCK_SIZE + 5}, {"b": 7 * BLOCK_SIZE + 5}]  # loaded, then recomputed
+    w = b.worker._worker
+    assert w.drain(10)
+    if rank == "this-rank":
+        assert w.counters["stores_dropped_blocks"] == 3 and not w.counters["discarded_blocks"]
+    else:
+        assert w.counters["discarded_blocks"] + w.counters["stores_dropped_blocks"] == 3
+    b.close()
+    later = asked[:9 * BLOCK_SIZE] + _prompt(rng, 3)
+    want = _reference(tmp_path, later, 3, False)
+    c = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    c.add("c", later, 3)
+    c.run(lambda: "c" in c.first_token_step)
+    assert c.steps[0] == {"c": 3}  # nine blocks from files
+    assert c.check_blocks("c", len(later))
+    c.run(lambda: "c" in c.finished)
+    assert c.emitted["c"] == want
+    c.close()

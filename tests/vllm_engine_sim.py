@@ -6,8 +6,9 @@ scheduler role loaded from ``kv_transfer_config``) and the connector's worker ro
 caches on the CPU. :meth:`SimEngine.step` is one engine step: the scheduler's output, the
 worker's hooks in the order vLLM's model runner calls them, a forward pass that writes into
 each scheduled token's slot the bytes a model would compute there (a function of the token
-and every token before it, as a KV entry is), one sampled token per request whose prompt is
-done, and the connector's output back into ``update_from_output``. So a block that vLLM hands
+and every token before it, as a KV entry is; other bytes where any slot it attends to is
+wrong, as a model's later layers compute over a bad prefix), one sampled token per request
+whose prompt is done, and the connector's output back into ``update_from_output``. So a block that vLLM hands
 a request holds the right bytes exactly when every load and store on the way was right.
 
 Synchronous by default (``async_scheduling`` off): one step is scheduled, run and accounted
@@ -147,11 +148,12 @@ class SimEngine:
             # the last sampled token is still on the device) the runner's own last sample
             tokens = list(req.all_token_ids[:start + n])
             tokens += self._history[rid][len(tokens):start + n]
+            wrong = not self._attended_ok(ids, tokens, start)
             for p in range(start, start + n):
                 b, off = ids[p // BLOCK_SIZE], p % BLOCK_SIZE
                 for i, name in enumerate(self.layers):
-                    self.caches[name][:, b, off] = torch.from_numpy(slot_bytes(tokens[:p + 1], i).copy()).view(
-                        torch.float16)
+                    v = slot_bytes(tokens[:p + 1], i) ^ np.int16(0x5A5A * wrong)
+                    self.caches[name][:, b, off] = torch.from_numpy(v.copy()).view(torch.float16)
             done = start + n >= req.num_prompt_tokens
             sampled[rid] = [self._sample(ids, start + n)] if done else []
             if done:
@@ -172,6 +174,16 @@ class SimEngine:
         if len(self._queued) >= self._depth:
             self._account()
         return self.steps[-1]
+
+    def _attended_ok(self, ids: list[int], tokens: list[int], upto: int) -> bool:
+        """Whether every slot of positions ``[0, upto)`` holds what the model wrote for it."""
+        for p in range(upto):
+            b, off = ids[p // BLOCK_SIZE], p % BLOCK_SIZE
+            for i, name in enumerate(self.layers):
+                if not np.array_equal(self.caches[name][:, b, off].view(torch.int16).numpy(),
+                                      slot_bytes(tokens[:p + 1], i)):
+                    return False
+        return True
 
     def _sample(self, ids: list[int], upto: int) -> int:
         """The token a model samples after positions ``[0, upto)``: a function of the KV bytes

@@ -803,6 +803,29 @@ class RowStore:
             out[k] = exc
         return out
 
+    def discard(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Forget ``keys`` and delete their files now, on a shared root too: blocks whose bytes
+        must never be served (a caller learned after the store that they were computed from a
+        bad input). Unlike eviction, which leaves a shared root's files to the sweep, another
+        process must not find these. Keys not held are skipped; a key whose store is still in
+        flight is left alone (wait for its job first). Returns the keys whose files were deleted.
+
+        Raises:
+            ClosedError: after :meth:`close`.
+            OSError: a file that could not be removed for another reason than being gone.
+        """
+        with self._lock:
+            self._check_open()
+            self._apply()
+            gone = [k for k in dict.fromkeys(keys)
+                    if isinstance(k, bytes) and k in self.index and k not in self._storing]
+            if gone:
+                self.index.remove(gone)
+                self._removed.extend(gone)
+                self.counters["discarded_blocks"] += len(gone)
+        self.ft.delete(list[Any](gone))
+        return gone
+
     def finished(self) -> list[RowJobResult]:
         """The jobs that finished since the last call (in the order they finished)."""
         with self._lock:

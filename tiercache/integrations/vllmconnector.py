@@ -317,6 +317,9 @@ class TierCacheConnectorMetadata(KVConnectorMetadata):
     #: the loads are synchronous (``load_mode``): vLLM computes their requests in this step and
     #: expects no report of them received
     sync_loads: bool = False
+    #: block keys stored in an earlier step over a synchronous load that failed there (vLLM
+    #: discarded that step's output and recomputes): every worker deletes their files
+    discard: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -341,6 +344,7 @@ class _Req:
     load: tuple[int, list[bytes]] | None = None
     loading: list[bytes] = field(default_factory=list)
     load_ids: list[int] = field(default_factory=list)
+    load_start: int = 0  # the first loaded block's index in the request
     stored_upto: int = 0
     storing: list[bytes] = field(default_factory=list)
     #: the load policy's answer for this request (None: not asked yet): asked once per
@@ -375,6 +379,8 @@ class ConnectorScheduler:
         self._storing: set[bytes] = set()  # keys some request is storing
         self._released: list[str] = []  # finished with stores, freed at once: the next step's to tell
         self._unstored: set[bytes] = set()  # reported not stored before their request's stores ended
+        self._step_stores: dict[str, list[bytes]] = {}  # the last step's stores, per request
+        self._discard: list[bytes] = []  # stored over a failed sync load: the next step's to delete
         # vLLM's async scheduling schedules the next step before a step's output comes back
         async_scheduling = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
         depth = 2 if async_scheduling else 1
@@ -453,7 +459,7 @@ class ConnectorScheduler:
         if len(ids) < start + len(keys):
             raise RuntimeError(f"TierCacheConnector: {len(ids)} blocks allocated for request {request.request_id}, "
                                f"{start + len(keys)} expected")
-        st.loading, st.load_ids = keys, ids[start:start + len(keys)]
+        st.loading, st.load_ids, st.load_start = keys, ids[start:start + len(keys)], start
         st.load = (start, keys)
         for k in keys:
             self.present.move_to_end(k, last=True)
@@ -476,6 +482,8 @@ class ConnectorScheduler:
                 st.load = None
         self._to_load.clear()
         meta.sync_loads = self.sync_loads
+        meta.discard, self._discard = self._discard, []
+        self._step_stores = {}
         if self.sync_loads:
             self._sync_loaded += [t.req_id for t in meta.loads]
         self.cost.step(int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
@@ -515,6 +523,7 @@ class ConnectorScheduler:
         if keys:
             st.storing.extend(keys)
             self._storing.update(keys)
+            self._step_stores[rid] = keys
             meta.stores.append(BlockTransfer(rid, keys, ids))
 
     def update_connector_output(self, out) -> None:
@@ -544,10 +553,31 @@ class ConnectorScheduler:
                 self.cost.loaded(rid)
             st = self.reqs.get(rid)
             if st is not None:
+                failed = next((j for j, b in enumerate(st.load_ids) if b in bad), None)
                 for k, b in zip(st.loading, st.load_ids):
                     if b in bad:  # a load that failed: its key leaves the index
                         self.present.pop(k, None)
+                if failed is not None and self.sync_loads:
+                    self._failed_sync_load(rid, st, st.load_start + failed)
                 st.loading, st.load_ids = [], []
+
+    def _failed_sync_load(self, rid: str, st: _Req, first_bad: int) -> None:
+        """Request ``rid``'s synchronous load failed from block ``first_bad`` on, in the step
+        whose forward pass also computed the rest of its prompt over those blocks: vLLM
+        discards that output and recomputes from ``first_bad``. The blocks stored in that step
+        hold bytes computed over the bad ones: they are forgotten here and every worker deletes
+        them (``meta.discard``; the rank whose load failed never wrote them), and the request
+        stores again from ``first_bad`` as it recomputes."""
+        keys = self._step_stores.pop(rid, [])
+        if keys:
+            gone = set(keys)
+            st.storing = [k for k in st.storing if k not in gone]
+            self._storing.difference_update(gone)
+            self._unstored.difference_update(gone)
+            for k in keys:
+                self.present.pop(k, None)
+            self._discard.extend(keys)
+        st.stored_upto = min(st.stored_upto, first_bad)
 
     def _stored(self, st: _Req) -> None:
         """A request's stores have ended (gathered, or skipped): its keys are listed as on disk,
@@ -662,6 +692,7 @@ class ConnectorWorker:
         self.gather_launcher = None
         self._writing: dict[bytes, threading.Event] = {}  # gathered, file not yet written
         self._unstored: set[bytes] = set()  # stores skipped or failed since the last report (_lock)
+        self._failed_sync: set[str] = set()  # requests whose synchronous load failed in this step
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._plans: _ScatterPlans | None = None  # a load's planned scatters (scatter_tables = "load")
@@ -872,6 +903,10 @@ class ConnectorWorker:
             if check is not None:
                 failed_from = self._check_sums(t, failed_from, *check)
             self._settle_load(t, failed_from)
+            if failed_from is not None and not report:
+                # this step's forward pass computes the request over the blocks that failed:
+                # what it stores would be wrong (after_forward drops it)
+                self._failed_sync.add(t.req_id)
         if report:
             self._recving.update(t.req_id for t in transfers)
         self.counters["load_calls"] += 1
@@ -1113,6 +1148,8 @@ class ConnectorWorker:
         that computed them is done (an event on the current stream); gather what fits."""
         t0 = time.perf_counter()
         with self._glock:
+            if self._failed_sync:
+                self._drop_failed_stores()
             if self._unstamped:
                 ev = True
                 if self.cuda:
@@ -1126,6 +1163,54 @@ class ConnectorWorker:
         if self._gatherer is not None:
             self._kick.set()
         self.counters["after_forward_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _drop_failed_stores(self) -> None:
+        """Forget the stores planned in this step for requests whose synchronous load failed
+        in it: vLLM computed them over the blocks that failed and discards that step's output
+        for them (it recomputes from the first bad block), so their bytes must not reach a
+        file. Callers hold ``_glock``; the stores are not stamped yet, so none was gathered."""
+        rids, self._failed_sync = self._failed_sync, set()
+        dropped = [e for e in self._unstamped if e[0] in rids]
+        if not dropped:
+            return
+        self._unstamped = [e for e in self._unstamped if e[0] not in rids]
+        self._gathers = collections.deque(e for e in self._gathers if not any(e is d for d in dropped))
+        for rid, keys, _, _ in dropped:
+            self._queued[rid] -= len(keys)
+            self.counters["stores_dropped_blocks"] += len(keys)
+            self._not_stored(keys)
+
+    def discard(self, keys: Iterable[bytes]) -> None:
+        """Blocks the scheduler found computed over a synchronous load that failed (on this
+        rank or another: with tensor parallelism every rank computed over it): drop their
+        stores still queued, wait for those being written, and delete their files
+        (:meth:`RowStore.discard`), so that no later lookup serves them."""
+        ks = set(keys)
+        if not ks:
+            return
+        with self._glock:
+            kept: collections.deque = collections.deque()
+            for e in self._gathers:
+                pairs = [(k, b) for k, b in zip(e[1], e[2]) if k not in ks]
+                if len(pairs) < len(e[1]):
+                    self._queued[e[0]] -= len(e[1]) - len(pairs)
+                    self.counters["stores_dropped_blocks"] += len(e[1]) - len(pairs)
+                    e[1], e[2] = [k for k, _ in pairs], [b for _, b in pairs]
+                if e[1]:
+                    kept.append(e)
+            self._gathers = kept
+            self._unstamped = [e for e in self._unstamped if e[1]]
+        deadline = time.monotonic() + self.WRITE_WAIT_S
+        for k in ks:
+            ev = self._writing.get(k)
+            if ev is not None:
+                ev.wait(max(0.0, deadline - time.monotonic()))
+        try:
+            self.counters["discarded_blocks"] += len(self.store.discard(ks))
+        except Exception:  # pragma: no cover - reported, never raised into vLLM
+            log.exception("tiercache: vLLM connector: %d block(s) computed over a failed load could not be "
+                          "deleted", len(ks))
+        self._not_stored(ks)
 
     #: seconds the gatherer waits before it looks again for a free slab
     GATHER_POLL_S = 0.001
@@ -1617,6 +1702,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierCacheConnectorMetadata)
         self.worker.before_forward(meta.preempted, meta.released)  # again: vLLMs without handle_preemptions
+        self.worker.discard(meta.discard)
         self.worker.plan_stores(meta.stores)
         self.worker.load(meta.loads, report=not meta.sync_loads)
 
