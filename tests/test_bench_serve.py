@@ -56,6 +56,11 @@ def test_orchestration_over_a_stand_in_engine(tmp_path, monkeypatch):
         if mode != "recompute":
             assert [r["same_as_recompute"] for r in m["per_request"]] == [True] * 6, mode
     assert rep["modes"]["recompute"]["repeat_connector_tokens"] == 0
+    # the bound's GPU-hit TTFT: the median of five prefix hits in recompute's process; each file
+    # mode times five of its own after its rounds
+    assert len(rep["gpu_hit_ttft_samples_s"]) == 5 and rep["gpu_hit_ttft_s"] == sorted(rep["gpu_hit_ttft_samples_s"])[2]
+    for mode in ("fs", "tiercache", "connector"):
+        assert len(rep["modes"][mode]["gpu_hit_after_ttft_samples_s"]) == 5, mode
     assert rep["modes"]["fs"]["repeat_connector_tokens"] == 3 * 512  # each repeat's prefix, once seen
     assert rep["modes"]["tiercache+restart"]["requests"] == 3
     # the shared pair's second engine finds every prefix in the first one's files: the first one
