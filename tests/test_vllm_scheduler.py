@@ -336,3 +336,34 @@ def test_blocks_computed_over_a_failed_synchronous_load_never_reach_a_later_requ
     c.run(lambda: "c" in c.finished)
     assert c.emitted["c"] == want
     c.close()
+
+
+def test_engines_whose_caches_lay_blocks_out_otherwise_never_share_a_directory(tmp_path):
+    """Two engines of one configuration (one directory digest) whose KV caches order a block's
+    bytes differently in memory (an auto-selected attention backend can): the first records its
+    layout in the directory, the second is refused at start with both layouts named, never
+    served the first one's bytes. An engine of the second layout alone stores and loads exact."""
+    from tiercache.integrations.vllmconnector import kv_layout
+
+    rng = random.Random()
+    prompt = _prompt(rng, 3 * BLOCK_SIZE + 1)
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    a.add("a", prompt)
+    a.run(lambda: "a" in a.finished)
+    assert a.worker._worker.drain(10)
+    nhd = a.worker._worker.layout
+    a.close()
+    with pytest.raises(ConfigError, match=r"another memory layout.*order \[0, 1, 2, 3, 4\].*order \[0, 1, 3, 2, 4\]"):
+        SimEngine(tmp_path, tmp_path / "root", num_blocks=40, layout="HND")
+    for name in ("hnd-a", "hnd-b"):  # the second one loads what the first stored
+        e = SimEngine(tmp_path, tmp_path / "hnd-root", num_blocks=40, layout="HND")
+        e.add(name, prompt[:3 * BLOCK_SIZE] + [5, 6])
+        e.run(lambda: name in e.first_token_step)
+        assert e.check_blocks(name, 3 * BLOCK_SIZE + 2)
+        loaded = e.steps[0] == {name: 2}
+        e.run(lambda: name in e.finished)
+        assert e.worker._worker.drain(10)
+        hnd = e.worker._worker.layout
+        e.close()
+    assert loaded and hnd["signature"] != nhd["signature"]
+    assert kv_layout(e.caches, 40) == hnd  # a function of the tensors alone

@@ -67,9 +67,11 @@ def slot_bytes(tokens: list[int], layer: int) -> np.ndarray:
 class SimEngine:
     """One vLLM engine on the CPU: vLLM's scheduler with the connector, its worker over
     ``num_blocks`` blocks of KV cache ([2, blocks, BLOCK_SIZE, HEADS, HEAD_DIM] float16 a
-    layer), on ``root``. ``extra``: more of the connector's ``kv_connector_extra_config``."""
+    layer; ``layout="HND"``: the same shape over memory ordered [2, blocks, HEADS, BLOCK_SIZE,
+    HEAD_DIM]), on ``root``. ``extra``: more of the connector's ``kv_connector_extra_config``."""
 
-    def __init__(self, base: Path, root: Path, num_blocks: int, async_scheduling: bool = False, **extra) -> None:
+    def __init__(self, base: Path, root: Path, num_blocks: int, async_scheduling: bool = False, layout: str = "NHD",
+                 **extra) -> None:
         model = ModelConfig(model=str(_model_dir(base)), skip_tokenizer_init=True, dtype="float16",
                             max_model_len=4096)
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096,
@@ -93,8 +95,12 @@ class SimEngine:
                                    block_size=BLOCK_SIZE)
         assert isinstance(self.scheduler.connector, TierCacheConnector)
         self.worker = TierCacheConnector(self.config, KVConnectorRole.WORKER, kvc)
-        self.caches = {n: torch.zeros((2, num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM), dtype=torch.float16)
-                       for n in self.layers}
+        if layout == "NHD":
+            self.caches = {n: torch.zeros((2, num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM), dtype=torch.float16)
+                           for n in self.layers}
+        else:  # the same logical shape, heads outer to tokens in memory (as an HND backend keeps it)
+            self.caches = {n: torch.zeros((2, num_blocks, HEADS, BLOCK_SIZE, HEAD_DIM), dtype=torch.float16).transpose(
+                2, 3) for n in self.layers}
         self.worker.register_kv_caches(self.caches)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)

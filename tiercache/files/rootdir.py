@@ -51,6 +51,7 @@ LOCK = ".tiercache-root.lock"
 INDEX = ".tiercache-index"  # the saved index (files/indexfile.py)
 ARRAY = ".tiercache-array"  # a root array's record (files/rootarray.py)
 ARRAY_LOCK = ".tiercache-array.lock"  # held while a root array's records are read or made
+LAYOUT = ".tiercache-layout"  # what the blocks' bytes mean, where an integration records it (claim_layout)
 QUARANTINE = "quarantine"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -406,6 +407,59 @@ def _mode_of(dir_fd: int, name: str) -> str:
         return "?"
 
 
+def claim_layout(path: os.PathLike | str, record: dict) -> bool:
+    """Record in root ``path`` what its blocks' bytes mean, or check the record there.
+
+    ``record`` (JSON-able) carries a ``"signature"`` string: an engine integration's
+    description of the memory layout its blocks hold (the vLLM connector: its KV cache
+    tensors' shapes and memory order). The first record made stays (``<root>/.tiercache-layout``,
+    made by an atomic link: of two processes making one at once, one wins and the other is
+    checked against it); a process whose signature differs is refused, so engines whose
+    blocks mean different bytes never read each other's files. Returns True where this call
+    made the record (a root of files written before records existed is adopted so).
+
+    Raises:
+        ConfigError: the root's record has another signature (both are named).
+        RootError: the record cannot be read or written.
+    """
+    from tiercache.errors import ConfigError
+
+    text = json.dumps(record, sort_keys=True).encode()
+    root = RootDir(path, check_owner=False)
+    try:
+        for _ in range(3):
+            try:
+                have = json.loads(_read_small(root.child(LAYOUT), 1 << 16))
+            except FileNotFoundError:
+                tmp = root.child(f"{TMP_OWN}{LAYOUT.lstrip('.')}-{next(_own_ids)}.{os.getpid()}.{BOOT_TAG}")
+                fd = tmp.open(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                try:
+                    os.write(fd, text)
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+                try:
+                    os.link(tmp.name, LAYOUT, src_dir_fd=root.fd, dst_dir_fd=root.fd, follow_symlinks=False)
+                    return True
+                except FileExistsError:
+                    continue  # another process made it first: checked against theirs
+                finally:
+                    tmp.unlink()
+            except (OSError, ValueError) as exc:
+                raise RootError(f"{str(root.path)!r}: unreadable layout record {LAYOUT}: {exc}") from None
+            if not isinstance(have, dict) or have.get("signature") != record.get("signature"):
+                theirs = have.get("describe", have) if isinstance(have, dict) else have
+                raise ConfigError(
+                    f"{str(root.path)!r} holds blocks of another memory layout than this process's: its record "
+                    f"{LAYOUT} says {theirs!r}, this process has {record.get('describe', record)!r}. Use another "
+                    "root, set what chose the layout (the attention backend, the KV cache layout) as the other "
+                    "process has it, or free the root (tiercache purge --root)")
+            return False
+        raise RootError(f"{str(root.path)!r}: the layout record {LAYOUT} appears and vanishes")
+    finally:
+        root.close()
+
+
 #: prefix of tiercache's own temporary files other than block files' (marker, stats)
 TMP_OWN = ".tmp.own."
 #: a counter in those names: two threads of one process may write one name at once
@@ -562,7 +616,7 @@ def classify(name: str) -> str:
     callers check that the name is a regular file."""
     if is_temporary_name(name):
         return "temporary"
-    if name in (MARKER, LOCK, STATS, QUARANTINE, INDEX, ARRAY, ARRAY_LOCK):
+    if name in (MARKER, LOCK, STATS, QUARANTINE, INDEX, ARRAY, ARRAY_LOCK, LAYOUT):
         return "own"
     return "block" if parse_filename(name) is not None else "foreign"
 

@@ -72,7 +72,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tiercache.arrays import aligned_empty
 from tiercache.errors import ConfigError
-from tiercache.files import SUBDIRS, IOPath, device_hash_applies, device_hasher, parse_filename, select_io_path
+from tiercache.files import (
+    SUBDIRS,
+    IOPath,
+    claim_layout,
+    device_hash_applies,
+    device_hasher,
+    parse_filename,
+    select_io_path,
+)
 from tiercache.integrations import vllmconnstats
 from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, with_defaults
 from tiercache.integrations.loadcost import POLICIES as LOAD_POLICIES
@@ -279,6 +287,29 @@ def block_views(t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
     es = t.element_size()
     return [torch.as_strided(raw, (num_blocks, p[0].numel() * es), (p.stride(0) * es, 1), p.storage_offset() * es)
             for p in parts]
+
+
+def kv_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> dict:
+    """What a block file's bytes mean in this engine: each KV cache tensor's dtype, logical
+    shape (the block axis as ``"blocks"``) and memory order (its axes of more than one element,
+    outermost first), as :func:`~tiercache.files.rootdir.claim_layout` records and checks it
+    per directory: ``{"signature": 16 hex digits, "describe": text}``. Two engines whose
+    auto-selected attention backends lay the cache out differently (the configuration the
+    directory's digest covers cannot tell) get different signatures."""
+    kinds: dict[str, int] = {}
+    seen = set()
+    for t in kv_caches.values():
+        ident = (t.data_ptr(), tuple(t.shape), t.stride())
+        if ident in seen:
+            continue
+        seen.add(ident)
+        blocks = max((i for i, n in enumerate(t.shape) if n == num_blocks), key=lambda i: t.stride(i), default=-1)
+        shape = ["blocks" if i == blocks else int(n) for i, n in enumerate(t.shape)]
+        order = sorted((i for i in range(t.dim()) if t.shape[i] > 1), key=lambda i: (-t.stride(i), i))
+        text = f"{str(t.dtype).removeprefix('torch.')} {shape} in memory order {order}".replace("'", "")
+        kinds[text] = kinds.get(text, 0) + 1
+    describe = "; ".join(f"{n} x {k}" for k, n in kinds.items())
+    return {"signature": hashlib.sha256(describe.encode()).hexdigest()[:16], "describe": describe}
 
 
 def _dense(part: torch.Tensor) -> bool:
@@ -782,6 +813,13 @@ class ConnectorWorker:
             **{name: s[k] for k, name in SETTING_KEYS.items() if k != "io_mode"},
             io_mode=self.load_path.name,
         )
+        try:  # engines whose blocks mean other bytes never share a directory
+            self.layout = kv_layout(kv_caches, num_blocks)
+            for r in self.roots:
+                claim_layout(r, self.layout)
+        except Exception:
+            self.store.close()
+            raise
         self.jobs.attach(self.store)
         self._writer = threading.Thread(target=self._write_loop, name="tiercache-vllm-connector-writer", daemon=True)
         self._writer.start()

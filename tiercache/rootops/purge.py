@@ -9,7 +9,8 @@ goes through the root's directory descriptors and never follows a symlink. The r
 held for the whole purge (:func:`locked_for_purge`): no cache opens the root meanwhile; a root
 that processes use in shared mode is purged only when forced (a file one of them has open
 stays readable to it; the others read as evicted). A whole-root purge removes the saved index
-before the first block goes: nothing is left for it to list.
+before the first block goes: nothing is left for it to list; and, after the blocks, the
+record of what they meant (``.tiercache-layout``): the next engine records its own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.errors import RootError
-from tiercache.files import INDEX, QUARANTINE, RootDir, RootLock, lock_holder, native_status, tmp_abandoned
+from tiercache.files import INDEX, LAYOUT, QUARANTINE, RootDir, RootLock, lock_holder, native_status, tmp_abandoned
 from tiercache.keys import Key
 from tiercache.rootops.check import DELETE, RootCheck, own_entries, quick_gil_handoff, unlink_all
 from tiercache.rootops.inventory import FileEntry, RootSurvey, entry_path, gc_paused, survey
@@ -184,6 +185,8 @@ def purge_now(rd: RootDir, sel: Selection, shared: bool, threads: int,
             on_total(chosen + len(extra))
         gone, out.skipped = check.results()
         done = unlink_all(extra, threads, on_done=on_done)
+    if drop_index:  # no block left for the layout record to describe: the next engine records its own
+        rd.child(LAYOUT).unlink()
     out.problems = list(sv.problems)
     out.found = bool(chosen or extra)
     out.deleted = len(gone) + sum(done)
