@@ -41,6 +41,12 @@
  * tc_set_hash_stream). An operation with no pieces (seg_first[i + 1] == seg_first[i]) uses
  * data[i].
  *
+ * Spans: where the batch has span_off, each read reads its header page and
+ * then data_len[i] bytes of its data from data byte span_off[i] on (one layer group of a block
+ * whose file holds every layer), on the threads backend; TC_CHECK | TC_SUMONLY checks such a
+ * read's header and the file's size (span_off[i] + data_len[i] within nbytes[i]) and gives the
+ * whole data's checksum for the caller to compare once every span of the block is in.
+ *
  * Checksums: with TC_HASH a read that got every byte stores XXH3-64 of its data in hash[i]; a
  * TC_HASHONLY batch only computes hash[i] of each operation's data (before a write batch, whose
  * headers carry it). The XXH3-64 function is the xxhash library's, given by tc_set_hash (the
@@ -164,6 +170,9 @@ typedef struct {
     const int64_t *seg_first; /* [n + 1] */
     void *const *seg_ptr;
     const int64_t *seg_len;
+    /* span reads (may be NULL: whole blocks): operation i reads its header page and then
+     * data_len[i] bytes of its data from byte span_off[i] of the data on */
+    const int64_t *span_off;
 } tc_batch;
 
 /* iovecs one vectored call of an operation passes (its header page and pieces; an operation
@@ -323,11 +332,18 @@ static void read_checks(const tc_batch *b, int i)
         int ok = usual_header(b, i, &sum);
         if (b->flags[i] & TC_SUMONLY) {
             /* the data's checksum is the caller's to compare (on the GPU, once the data is
-             * there): hash[i] is the header's, the verdict the header's and the size's */
+             * there): hash[i] is the header's, the verdict the header's and the size's (a
+             * span read: the span lies inside the data, whose checksum covers all of it) */
             if (b->hash)
                 b->hash[i] = ok ? sum : 0;
-            b->verdict[i] = ok && b->hash && b->data_len[i] == padded
+            b->verdict[i] = ok && b->hash
+                            && (b->span_off ? b->span_off[i] >= 0 && b->span_off[i] + b->data_len[i] <= n
+                                            : b->data_len[i] == padded)
                             && (b->file_len[i] == TC_HEADER_BYTES + padded || given_fd(b, i) >= 0);
+            return;
+        }
+        if (b->span_off) { /* a span's data cannot be checked against the whole data's checksum */
+            b->verdict[i] = 0;
             return;
         }
         /* the file's size: from its open (a given descriptor's file was sized when it was
@@ -717,9 +733,13 @@ static void do_read(const tc_batch *b, int i)
     }
     int e = injected(TC_READ, name);
     struct iovec v[TC_MAX_IOV];
-    int64_t want = TC_HEADER_BYTES + b->data_len[i];
+    int64_t want = TC_HEADER_BYTES + b->data_len[i], span = b->span_off ? b->span_off[i] : 0;
     while (!e && total < want) {
-        ssize_t r = preadv(fd, v, op_iov(b, i, total, v, TC_MAX_IOV), total);
+        /* a span read: the header page from byte 0, then the data from its span on */
+        int k = b->span_off && total < TC_HEADER_BYTES
+                    ? (v[0] = (struct iovec){(char *)b->head[i] + total, (size_t)(TC_HEADER_BYTES - total)}, 1)
+                    : op_iov(b, i, total, v, TC_MAX_IOV);
+        ssize_t r = preadv(fd, v, k, total < TC_HEADER_BYTES ? total : total + span);
         if (r < 0) {
             if (errno == EINTR)
                 continue;
@@ -1412,7 +1432,7 @@ int tc_run(void *pool, const tc_batch *b, int n)
             }
         }
     }
-    if (p->uring && (b->kind == TC_READ || b->kind == TC_WRITE)) {
+    if (p->uring && (b->kind == TC_READ || b->kind == TC_WRITE) && !b->span_off) { /* spans: the threads */
         unsigned char *marks = parallel_hash && b->kind == TC_READ ? calloc((size_t)n, 1) : NULL;
         tl_defer_hash = marks;
         int ran = uring_run(b, n) == 0;

@@ -265,3 +265,74 @@ def test_loads_can_leave_the_data_checksums_to_the_caller(tmp_path, rng, missing
         assert type(out[keys[good]]).__name__ == "TornReadError"
         assert keys[flip] not in st and keys[cut] not in st and keys[good] in st
         assert len(list((root / "quarantine").glob("*"))) >= 2
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["pages", "bytes"])
+@pytest.mark.parametrize("members", [1, 2])
+def test_span_loads_assemble_blocks_group_by_group_and_give_the_whole_checksum(tmp_path, rng, aligned, members,
+                                                                                row_calls):
+    """``submit_load(..., span=(start, length))``: a block read in spans (a layer group at a
+    time, as the vLLM connector's layer-wise loads read), each into its own bytes of the row,
+    assembles byte-exact; every span gives the header's checksum of the whole data, which the
+    assembled row matches; nothing outside the span is written."""
+    import xxhash
+
+    n, row = 40, 16 * 4096
+    cuts = [0, 4096, 5 * 4096, 12 * 4096, row] if aligned else [0, 1000, 4097, 33333, row]
+    rows = aligned_empty((2 * n) * row).reshape(2 * n, row)
+    rows[:n] = rng.integers(0, 256, (n, row), dtype=np.uint8)
+    keys = random_keys(rng, n, "bytes")
+    root = [tmp_path / f"d{i}" for i in range(members)] if members > 1 else tmp_path / "r"
+    with RowStore(rows, root, capacity_blocks=2 * n, fsync="none", open_files=0) as st:
+        st.submit_store(keys, list(range(n)))
+        assert st.drain(30) and all(r.success for r in st.finished())
+        rows[n:] = 0xAA
+        want = [xxhash.xxh3_64_intdigest(rows[i].tobytes()) for i in range(n)]
+        order = rng.permutation(n).tolist()  # any order of keys and rows
+        for lo, hi in zip(cuts, cuts[1:]):
+            sums = np.zeros(n, dtype=np.uint64)
+            jid = st.submit_load([keys[i] for i in order], [n + i for i in order], sums=sums, span=(lo, hi - lo))
+            assert st.drain(30)
+            (res,) = [r for r in st.finished() if r.job_id == jid]
+            assert res.success and res.sums_only and res.nbytes == n * (hi - lo)
+            assert sums.tolist() == [want[i] for i in order]
+            assert np.array_equal(rows[n:, lo:hi], rows[:n, lo:hi])
+            assert (rows[n:, hi:] == 0xAA).all()  # the spans not read yet are untouched
+        assert np.array_equal(rows[n:], rows[:n])
+    assert sum(row_calls) == (len(cuts) - 1) * n
+
+
+def test_a_bad_file_fails_its_span_load_or_its_assembled_checksum(tmp_path, rng):
+    """What a span read checks (the header, the file's size) fails there: a deleted file, a cut
+    one (whatever span is asked), a flipped header byte; a flipped data byte passes each span
+    and the assembled row's checksum differs from the header's, for the caller's check and
+    :meth:`RowStore.reject`. A span outside the row, or without sums, is refused."""
+    import xxhash
+
+    n, row = 8, 4 * 4096
+    rows = aligned_empty((2 * n) * row).reshape(2 * n, row)
+    rows[:n] = rng.integers(0, 256, (n, row), dtype=np.uint8)
+    keys = random_keys(rng, n, "bytes")
+    root = tmp_path / "r"
+    with RowStore(rows, root, capacity_blocks=2 * n, fsync="none", open_files=0) as st:
+        st.submit_store(keys, list(range(n)))
+        assert st.drain(30) and all(r.success for r in st.finished())
+        bad = dict(zip((0, 1, 2, 3), ("delete", "truncate", "header", "data")))
+        for i, how in bad.items():
+            _damage(os.fspath(st.ft.path(keys[i], POOL)), how, "")
+        with pytest.raises(ConfigError, match="span"):
+            st.submit_load(keys, list(range(n, 2 * n)), span=(0, 4096))
+        with pytest.raises(ConfigError, match="span"):
+            st.submit_load(keys, list(range(n, 2 * n)), sums=np.zeros(n, np.uint64), span=(4096, row))
+        sums = np.zeros(n, dtype=np.uint64)
+        jid = st.submit_load(keys, list(range(n, 2 * n)), sums=sums, span=(0, 4096))  # before the cut
+        assert st.drain(30)
+        (res,) = [r for r in st.finished() if r.job_id == jid]
+        assert set(res.failed) == {keys[0], keys[1], keys[2]}
+        assert isinstance(res.failed[keys[0]], FileNotFoundError)
+        assert all(isinstance(res.failed[keys[i]], CorruptBlockError) for i in (1, 2))
+        jid = st.submit_load(keys[3:], list(range(n + 3, 2 * n)), sums=sums[3:], span=(4096, row - 4096))
+        assert st.drain(30) and all(r.success for r in st.finished() if r.job_id == jid)
+        got = [xxhash.xxh3_64_intdigest(rows[n + i].tobytes()) for i in range(3, n)]
+        assert [i for i, (g, s) in zip(range(3, n), zip(got, sums[3:].tolist())) if g != s] == [3]
+        assert isinstance(st.reject([keys[3]], "assembled checksum")[keys[3]], CorruptBlockError)

@@ -164,6 +164,8 @@ class _Job:
     sums: _Sums | None = None
     #: a store whose data checksums the caller made: ``uint64`` per item, in order
     store_sums: np.ndarray | None = None
+    #: a load of a span of each block's data: (start, length) bytes
+    span: tuple[int, int] | None = None
 
 
 class RowStore:
@@ -508,7 +510,7 @@ class RowStore:
             return job_id
 
     def submit_load(self, keys, rows, job_id: Hashable = None, *, pieces: BlockPieces | None = None,
-                    device_rows=None, sums: np.ndarray | None = None) -> Hashable:
+                    device_rows=None, sums: np.ndarray | None = None, span: tuple[int, int] | None = None) -> Hashable:
         """Read the blocks of ``keys[i]`` into rows ``rows[i]``; returns ``job_id`` at once.
 
         A key that is not stored (or still being stored) fails at once
@@ -534,6 +536,14 @@ class RowStore:
         checksum with the data's (on the GPU, :mod:`tiercache.files.devicehash`) before it uses
         the row, and hands the keys that do not match to :meth:`reject`.
 
+        With ``span = (start, length)`` (bytes; with ``sums``, host rows only, the native
+        engine's row reads) only ``length`` bytes of each block's data from byte ``start`` on
+        are read, into the same bytes of the row (the rest of the row is left as it was, or
+        zeroed where the key fails): one layer group of a block whose file holds every layer
+        (:meth:`RowReads.submit <tiercache.files.rowreads.RowReads.submit>`). Each file's
+        header and size are checked and ``sums[i]`` gets the whole data's checksum: the caller
+        compares it once every span of the block is in (its own check of the assembled row).
+
         Raises:
             InvalidKeyError, SlotRangeError, ConfigError: as :meth:`submit_store`; also
                 ``rows`` is read-only, or ``device_rows`` on a store made without
@@ -553,6 +563,13 @@ class RowStore:
                 if dev is not None or pieces is not None or len(sums) != len(ks) or sums.dtype != np.uint64:
                     raise ConfigError(f"sums: give a uint64 array of {len(ks)} checksums, for host rows only")
                 sums[:] = 0  # a key that is not read has no checksum to compare
+            if span is not None:
+                start, length = span
+                reads = self.ft.row_reads
+                if sums is None or reads is None or not reads.applies(POOL, self.rows) \
+                        or not (0 <= start and 0 < length and start + length <= self.row_bytes):
+                    raise ConfigError(f"span {span}: give (start, length) within a row's {self.row_bytes} bytes, "
+                                      "with sums, on a store whose loads take the native engine's row reads")
             job_id = self._job_id(job_id)
             result = RowJobResult(job_id, "load", ks)
             self._apply()
@@ -569,7 +586,7 @@ class RowStore:
             self.index.touch(k for k, _ in go)
             pos = {k: i for i, k in enumerate(ks)}
             job = _Job(result, go, time.monotonic(), pieces=pieces, device_rows=dev,
-                       sums=None if sums is None else _ordered_sums(sums, [pos[k] for k, _ in go]))
+                       sums=None if sums is None else _ordered_sums(sums, [pos[k] for k, _ in go]), span=span)
             self._launch(job, "read", [])
             return job_id
 
@@ -619,7 +636,7 @@ class RowStore:
         src = self.rows if job.pieces is None else job.pieces
         if kind == "read":
             sums = job.sums.scratch if job.sums is not None else None
-            job.outcome = self.ft.submit_rows(keys, POOL, src, rows, deps, sums)
+            job.outcome = self.ft.submit_rows(keys, POOL, src, rows, deps, sums, job.span)
             job.result.sums_only = job.outcome is not None and sums is not None
         else:
             job.outcome = self.ft.submit_row_writes(keys, POOL, src, rows, deps, job.store_sums)
@@ -646,7 +663,7 @@ class RowStore:
         for i, (k, r) in enumerate(job.items):
             exc = errors.get(i) if errors is not None else job.futures[i].exception()
             if exc is None:
-                res.nbytes += self.row_bytes
+                res.nbytes += self.row_bytes if job.span is None else job.span[1]
                 continue
             if res.kind == "load" and isinstance(exc, CorruptBlockError) and "checksum mismatch" in str(exc) \
                     and self.ft.confirm_bad(k) is None:

@@ -601,7 +601,7 @@ class FileTier:
         return [(key, self._executor.submit(task, i, key, bufs, read=read)) for i, (key, bufs) in enumerate(items)]
 
     def submit_rows(self, keys: list[bytes], pool: str, rows, row_idx, deps: Sequence = (),
-                    sums: np.ndarray | None = None) -> Outcome | None:
+                    sums: np.ndarray | None = None, span: tuple[int, int] | None = None) -> Outcome | None:
         """Start reading the blocks of ``keys[i]`` (bytes keys) in ``pool`` into
         ``rows[row_idx[i]]`` (``rows``: 2-D host ``uint8``, one block per row, page-aligned)
         with no Python per block (:class:`~tiercache.files.rowreads.RowReads`); returns the
@@ -613,10 +613,11 @@ class FileTier:
         read in place; None where the engine cannot move blocks in pieces). The caller keeps the keys from being
         written or evicted until the outcome is settled (the row store pins them). With
         ``sums`` the data's checksums are left to the caller (:meth:`RowReads.submit
-        <tiercache.files.rowreads.RowReads.submit>`)."""
+        <tiercache.files.rowreads.RowReads.submit>`), and with ``span`` one byte range of each
+        block's data is read (ibid.)."""
         if self.row_reads is None or not self.row_reads.applies(pool, rows):
             return None
-        return self.row_reads.submit(keys, pool, rows, row_idx, deps, sums)
+        return self.row_reads.submit(keys, pool, rows, row_idx, deps, sums, span)
 
     def submit_row_writes(self, keys: Sequence[Key], pool: str, rows, row_idx, deps: Sequence = (),
                           sums: np.ndarray | None = None) -> Outcome | None:

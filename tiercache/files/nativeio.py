@@ -66,7 +66,7 @@ class _Batch(ctypes.Structure):
         ("expect", ctypes.c_void_p), ("expect_len", ctypes.c_void_p), ("nbytes", ctypes.c_void_p),
         ("verdict", ctypes.c_void_p), ("kept_ino", ctypes.c_void_p), ("kept_size", ctypes.c_void_p),
         ("kept_flags", ctypes.c_void_p), ("seg_first", ctypes.c_void_p), ("seg_ptr", ctypes.c_void_p),
-        ("seg_len", ctypes.c_void_p),
+        ("seg_len", ctypes.c_void_p), ("span_off", ctypes.c_void_p),
     ]
 
 
@@ -362,6 +362,9 @@ class Ops:
         self.seg_first: np.ndarray | None = None
         self.seg_ptr: np.ndarray | None = None
         self.seg_len: np.ndarray | None = None
+        #: span reads (``int64``; None: whole blocks): operation ``i`` reads its header page and
+        #: :attr:`data_len` ``[i]`` bytes of its data from data byte ``span_off[i]`` on
+        self.span_off: np.ndarray | None = None
 
     def set_pieces(self, addresses: np.ndarray, piece_bytes: int) -> None:
         """Operation ``i``'s data is ``addresses[i, j]`` (``[n, k]``, ``j`` in order) of
@@ -457,7 +460,8 @@ class NativeIO:
                    host_address(ops.dirs) if ops.dirs is not None else None, host_address(ops.hash),
                    *((host_address(a) if a is not None else None)
                      for a in (ops.expect, ops.expect_len, ops.nbytes, ops.verdict,
-                               ops.kept_ino, ops.kept_size, ops.kept_flags, ops.seg_first, ops.seg_ptr, ops.seg_len)))
+                               ops.kept_ino, ops.kept_size, ops.kept_flags, ops.seg_first, ops.seg_ptr, ops.seg_len,
+                               ops.span_off)))
         return self._lib.tc_run(self._pool, ctypes.byref(b), n)  # the GIL is released meanwhile
 
     def close(self) -> None:

@@ -28,8 +28,10 @@ import threading
 
 import numpy as np
 
+from tiercache.errors import CorruptBlockError
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, Outcome, before_io
-from tiercache.files.nativeio import CHECK, HASH, READ, SUMONLY
+from tiercache.files.blockfile import file_size, header_checksum
+from tiercache.files.nativeio import CHECK, DIRECT, HASH, HEADER_BYTES, NOT_REGULAR, READ, SUMONLY, error_for
 
 
 class RowReads:
@@ -52,7 +54,8 @@ class RowReads:
             return self.b.pieces_fit(pool, rows)
         return rows.flags.writeable and self.b.rows_fit(pool, rows)
 
-    def submit(self, keys: list[bytes], pool: str, rows, row_idx, deps=(), sums: np.ndarray | None = None) -> Outcome:
+    def submit(self, keys: list[bytes], pool: str, rows, row_idx, deps=(), sums: np.ndarray | None = None,
+               span: tuple[int, int] | None = None) -> Outcome:
         """Read the block of ``keys[i]`` (int or bytes keys) in ``pool`` into ``rows[row_idx[i]]``;
         returns the request's :class:`Outcome` (its errors by index into ``keys``), settled
         once every file is read and checked. ``rows`` must pass :meth:`applies` (rows, or a
@@ -67,7 +70,26 @@ class RowReads:
         but do not hash its data: ``sums[i]`` gets the data checksum its header gives, for the
         caller to compare where the data goes (on the GPU: :mod:`tiercache.files.devicehash`).
         A block Python checks (an unusual header) is verified whole on the host, as without.
+
+        With ``span = (start, length)`` (bytes; ``sums`` required, host rows only) each file's
+        header and ``length`` bytes of its data from data byte ``start`` on are read, into the
+        same bytes of the row (``rows[r, start:start + length]``; the rest of the row is left
+        as it was): one layer group of a block whose file holds every layer. The header and
+        the file's size are checked, and ``sums[i]`` gets the whole data's checksum, for the
+        caller to compare once every span of the block is in (a missing, truncated or wrong
+        file fails here as a whole read does). O_DIRECT where ``start`` and ``length`` are
+        multiples of 4 KiB.
+
+        Raises:
+            ValueError: a span outside the block, or without ``sums``, or with pieces.
         """
+        if span is not None:
+            start, length = span
+            nbytes = self.b.pools[pool].block_nbytes
+            if sums is None or not isinstance(rows, np.ndarray) or not (0 <= start and 0 < length
+                                                                         and start + length <= nbytes):
+                raise ValueError(f"span {span}: give (start, length) within the {nbytes} bytes of a block, with "
+                                 "sums, into host rows")
         idx = np.asarray(row_idx, dtype=np.int64)
         outcome = Outcome()
         n = len(keys)
@@ -84,7 +106,7 @@ class RowReads:
             errs: dict[int, BaseException] = {}
             try:
                 before_io(lo, deps, 0.0, None)
-                self._read(keys, lo, hi, pool, rows, idx, errs, sums)
+                self._read(keys, lo, hi, pool, rows, idx, errs, sums, span)
             except BaseException as exc:
                 for i in range(lo, hi):
                     errs.setdefault(i, exc)
@@ -100,15 +122,28 @@ class RowReads:
         return outcome
 
     def _read(self, keys: list[bytes], lo: int, hi: int, pool: str, rows, idx: np.ndarray,
-              errors: dict, sums: np.ndarray | None = None) -> None:
+              errors: dict, sums: np.ndarray | None = None, span: tuple[int, int] | None = None) -> None:
         b = self.b
         spec = b.pools[pool]
         ops = b.row_ops(keys[lo:hi], pool, rows, idx[lo:hi], CHECK | (HASH if sums is None else SUMONLY))
+        if span is not None:
+            start, length = span
+            ops.data += np.uint64(start)
+            ops.data_len[:] = length
+            ops.span_off = np.full(hi - lo, start, np.int64)
+            if start % 4096 or length % 4096:  # O_DIRECT reads whole pages
+                ops.flags &= np.int32(~DIRECT)
         b.native.run(READ, b.dir.fd, ops)
         if sums is not None:
             sums[lo:hi] = ops.hash
         for j in np.flatnonzero((ops.err != 0) | (ops.verdict == 0)).tolist():
             key = keys[lo + j]
+            if span is not None:
+                try:  # the header and the size only: the data's checksum is the caller's to compare
+                    sums[lo + j] = self._check_span(ops, j, key, spec, b.dir.block_path(key, pool))  # type: ignore[index]
+                except BaseException as exc:
+                    errors[lo + j] = exc
+                continue
             try:  # what the C threads did not vouch for: a header with extra fields, an error
                 r = int(idx[lo + j])
                 host = rows[r] if isinstance(rows, np.ndarray) else rows.gather(r)
@@ -117,3 +152,18 @@ class RowReads:
                     sums[lo + j] = want  # verified on the host whole: the data's checksum is the header's
             except BaseException as exc:
                 errors[lo + j] = exc
+
+    @staticmethod
+    def _check_span(ops, j: int, key: bytes, spec, path) -> int:
+        """Python's judgment of a span read the C threads did not vouch for: its error, or its
+        header (one with extra fields is parsed here) and the file's size; returns the whole
+        data's checksum the header gives."""
+        where = str(path)
+        code = int(ops.err[j])
+        if code:
+            exc = error_for(code, where)
+            raise (CorruptBlockError(str(exc)) if code == NOT_REGULAR else exc)
+        if ops.got[j] < HEADER_BYTES + ops.data_len[j] or ops.file_len[j] != file_size(spec.block_nbytes):
+            raise CorruptBlockError(f"{where}: truncated ({int(ops.file_len[j])} bytes, expected "
+                                    f"{file_size(spec.block_nbytes)})")
+        return header_checksum(ops.heads[j], key, spec, where)
