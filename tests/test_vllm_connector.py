@@ -54,12 +54,12 @@ class _Model:
         return HD
 
 
-def _config(root, **extra):
+def _config(root, async_scheduling=True, **extra):
     ktc = SimpleNamespace(kv_connector_extra_config={"root": str(root), "fsync": "none", "staging_bytes": 1 << 20,
                                                      "piece_blocks": 2, **extra},
                           kv_load_failure_policy="fail")
     return SimpleNamespace(model_config=_Model(), cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
-                           scheduler_config=SimpleNamespace(async_scheduling=True),
+                           scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
                            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                            kv_transfer_config=ktc)
 
@@ -825,3 +825,62 @@ def test_the_connectors_stats_are_deltas_summed_over_ranks():
     assert both.reduce() == {"load_seconds": 0.25, "loaded_blocks": 7} and not both.is_empty()
     both.reset()
     assert both.is_empty() and TierCacheConnectorStats(data={"loaded_blocks": 0}).is_empty()
+
+
+@pytest.mark.parametrize("damage", [None, "flip"])
+@pytest.mark.parametrize("layout", ["flash", "packed"])
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_layer_wise_load_lands_each_group_when_its_first_layer_waits(tmp_path, rng, where, layout, damage):
+    """``layer_groups = 2`` (synchronous loads): ``start_load_kv`` only starts the reads; each
+    ``wait_for_layer_load`` lands its group's span of every block (the later group's layers
+    still hold the engine's own bytes), and the step's end checks every block whole (on the
+    GPU there): all exact, or, a data byte flipped in the third block's file, a load error from
+    that block on and the file quarantined."""
+    hashes = [rng.bytes(32) for _ in range(6)]
+    a = _Engine(tmp_path, layout, where)
+    want = _store(a, "r1", hashes, 5 * BS + 3, list(range(10, 16)))
+    a.close()
+    b = _Engine(tmp_path, layout, where, async_scheduling=False, layer_groups=2)
+    w = b.worker._worker
+    assert w.layer_groups is not None and [len(r) for r in w.layer_groups.regions] == [
+        (2 if layout == "flash" else 1) * LAYERS // 2] * 2
+    if damage:
+        (path,) = tmp_path.glob(f"*/*/block_x{block_key(hashes[2]).hex()}_pool_*.bin")
+        damage_file(path, damage)
+    req = _request("r2", hashes[:5] + [rng.bytes(32)], 6 * BS + 1)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)  # synchronous: loaded in the step
+    ids = [40, 7, 33, 2, 61, 5, 6]
+    b.sched.update_state_after_alloc(req, _blocks(ids), 5 * BS)
+    before = [b.block(x) for x in ids[:5]]
+    new = [SimpleNamespace(req_id="r2", block_ids=(ids,), num_computed_tokens=5 * BS)]
+    so = SimpleNamespace(scheduled_new_reqs=new,
+                         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                               resumed_req_ids=set()),
+                         num_scheduled_tokens={"r2": BS + 1}, preempted_req_ids=set())
+    meta = b.sched.build_connector_meta(so)
+    assert meta.sync_loads and [t.block_ids for t in meta.loads] == [ids[:5]]
+    b.worker.bind_connector_metadata(meta)
+    b.worker.start_load_kv(None)
+    parts = len(want[0]) // LAYERS  # a block's parts per layer (K and V, or one)
+    names = list(b.caches)
+    for layer, name in enumerate(names):
+        b.worker.wait_for_layer_load(name)
+        landed = 2 if layer >= LAYERS // 2 else 1  # groups in place
+        for x, old, new in zip(ids[:5], before, want):
+            got = b.block(x)
+            cut = parts * LAYERS * landed // 2
+            if x != ids[2] or not damage:
+                assert got[:cut] == new[:cut] and got[cut:] == old[cut:], (layer, x)
+    b.worker.wait_for_save()
+    errors = b.worker.get_block_ids_with_load_errors()
+    b.worker.clear_connector_metadata()
+    if damage:
+        assert errors == set(ids[2:5]) and w.counters["loaded_blocks"] == 2
+        assert [b.block(x) for x in ids[:2]] == want[:2]
+        assert list(tmp_path.glob("*/quarantine/block_*"))
+    else:
+        assert not errors and [b.block(x) for x in ids[:5]] == want and w.counters["loaded_blocks"] == 5
+    assert w.counters["layerwise_loads"] == 1
+    if where == "cuda":
+        assert w.counters["gpu_checked_blocks"] == 5 and w.counters["gpu_checksum_mismatches"] == (1 if damage else 0)
+    b.close()

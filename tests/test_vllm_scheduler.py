@@ -367,3 +367,58 @@ def test_engines_whose_caches_lay_blocks_out_otherwise_never_share_a_directory(t
         e.close()
     assert loaded and hnd["signature"] != nhd["signature"]
     assert kv_layout(e.caches, 40) == hnd  # a function of the tensors alone
+
+
+@pytest.mark.parametrize("damage", [None, "flip", "truncate", "delete"])
+def test_layer_wise_loads_land_each_group_before_its_layers_and_a_damaged_file_is_recomputed(tmp_path, damage):
+    """``layer_groups = 2``: a stored prefix loaded by a restarted engine one layer group at a
+    time (each group's span of every file read, sent up in ``wait_for_layer_load`` before its
+    first layer computes), in the very step that computes the suffix; every slot exact and the
+    tokens a recompute's. A damaged file is found by its span reads or by the whole block's
+    checksum at the step's end: vLLM drops that step's output and recomputes from there."""
+    asked, want = _stored_prefix(tmp_path, random.Random(), False)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, layer_groups=2)
+    w = b.worker._worker
+    assert w.layer_groups is not None and len(w.layer_groups) == 2
+    b.add("b", asked, 4)
+    if damage is not None:
+        _damage_third_block(tmp_path, b, "b", damage)
+    b.run(lambda: "b" in b.first_token_step)
+    assert b.check_blocks("b", len(asked)) == len(asked)
+    computed = b.steps[b.first_token_step["b"]]["b"]
+    assert computed == (5 if damage is None else 4 * BLOCK_SIZE + 5)
+    assert b.first_token_step["b"] == (0 if damage is None else 1)  # no step of waiting
+    b.run(lambda: "b" in b.finished)
+    assert b.emitted["b"] == want
+    assert w.counters["layerwise_loads"] == 1 and w.counters["loaded_blocks"] == (6 if damage is None else 2)
+    b.close()
+
+
+def test_a_layer_wise_load_whose_layers_vllm_never_waits_for_is_recomputed_and_loads_turn_whole(tmp_path,
+                                                                                                  monkeypatch):
+    """A model whose attention layers vLLM does not wrap never calls ``wait_for_layer_load``:
+    the groups then land after the forward pass read the blocks, so the connector reports the
+    whole load failed (vLLM recomputes it: the tokens stay a recompute's) and loads whole
+    blocks from then on."""
+    from tiercache.integrations.vllmconnector import TierCacheConnector
+
+    rng = random.Random()
+    asked, want = _stored_prefix(tmp_path, rng, False)
+    monkeypatch.setattr(TierCacheConnector, "wait_for_layer_load", lambda self, name: None)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, layer_groups=2)
+    w = b.worker._worker
+    b.add("b", asked, 4)
+    b.run(lambda: "b" in b.finished)
+    assert b.emitted["b"] == want and b.steps[:2] == [{"b": 5}, {"b": 6 * BLOCK_SIZE + 5}]
+    assert w.counters["layerwise_unwaited_loads"] == 1 and w.layer_groups is None
+    b.add("c", asked[:6 * BLOCK_SIZE] + [3, 4], 2)  # a whole-block load now
+    b.run(lambda: "c" in b.first_token_step)
+    assert b.steps[-1] == {"c": 2} and b.check_blocks("c", 6 * BLOCK_SIZE + 2)
+    b.close()
+
+
+def test_layer_groups_need_synchronous_loads(tmp_path):
+    with pytest.raises(ConfigError, match="'layer_groups' needs synchronous loads"):
+        SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=True, layer_groups=2)
+    with pytest.raises(ConfigError, match="'layer_groups' = 1"):
+        SimEngine(tmp_path, tmp_path / "root", num_blocks=40, layer_groups=1)

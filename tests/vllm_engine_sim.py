@@ -39,7 +39,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from tiercache.integrations.vllmconnector import TierCacheConnector
 
-BLOCK_SIZE, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 8
+BLOCK_SIZE, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 16  # a block's row: 4 KiB, what the row reads take
 VOCAB = 500
 
 
@@ -146,20 +146,28 @@ class SimEngine:
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
         sampled: dict[str, list[int]] = {}
-        for rid, n in so.num_scheduled_tokens.items():  # the forward pass
+        batch = []
+        for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
-            ids = self.block_ids(rid)
             start = req.num_computed_tokens - n  # schedule() counted the step's tokens already
             # a position's input token: the scheduler's where it has it, else (async scheduling:
             # the last sampled token is still on the device) the runner's own last sample
             tokens = list(req.all_token_ids[:start + n])
             tokens += self._history[rid][len(tokens):start + n]
-            wrong = not self._attended_ok(ids, tokens, start)
-            for p in range(start, start + n):
-                b, off = ids[p // BLOCK_SIZE], p % BLOCK_SIZE
-                for i, name in enumerate(self.layers):
+            batch.append([rid, n, start, tokens, self.block_ids(rid), False])
+        for i, name in enumerate(self.layers):  # the forward pass, layer by layer, as vLLM's attention calls
+            if batch:
+                w.wait_for_layer_load(name)
+            for entry in batch:
+                rid, n, start, tokens, ids, wrong = entry
+                # a layer computes over what it attends to, and over the layers before it
+                entry[5] = wrong = wrong or not self._attended_ok(ids, tokens, start, [i])
+                for p in range(start, start + n):
+                    b, off = ids[p // BLOCK_SIZE], p % BLOCK_SIZE
                     v = slot_bytes(tokens[:p + 1], i) ^ np.int16(0x5A5A * wrong)
                     self.caches[name][:, b, off] = torch.from_numpy(v.copy()).view(torch.float16)
+        for rid, n, start, tokens, ids, _ in batch:
+            req = self.scheduler.requests[rid]
             done = start + n >= req.num_prompt_tokens
             sampled[rid] = [self._sample(ids, start + n)] if done else []
             if done:
@@ -181,11 +189,13 @@ class SimEngine:
             self._account()
         return self.steps[-1]
 
-    def _attended_ok(self, ids: list[int], tokens: list[int], upto: int) -> bool:
-        """Whether every slot of positions ``[0, upto)`` holds what the model wrote for it."""
+    def _attended_ok(self, ids: list[int], tokens: list[int], upto: int, layers: list[int]) -> bool:
+        """Whether every slot of positions ``[0, upto)`` in ``layers`` holds what the model
+        wrote for it."""
         for p in range(upto):
             b, off = ids[p // BLOCK_SIZE], p % BLOCK_SIZE
-            for i, name in enumerate(self.layers):
+            for i in layers:
+                name = self.layers[i]
                 if not np.array_equal(self.caches[name][:, b, off].view(torch.int16).numpy(),
                                       slot_bytes(tokens[:p + 1], i)):
                     return False

@@ -86,7 +86,8 @@ from tiercache.integrations.engineconfig import ROWSTORE_KEYS, check_positive, w
 from tiercache.integrations.loadcost import POLICIES as LOAD_POLICIES
 from tiercache.integrations.loadcost import PROBE_EVERY, LoadCost
 from tiercache.integrations.rowjobs import RowJobs
-from tiercache.rowstore import RowStore
+from tiercache.integrations.vllmlayers import LayerGroups, LayerwiseLoad
+from tiercache.rowstore import POOL, RowStore
 from tiercache.settings import sections
 
 log = logging.getLogger("tiercache")
@@ -98,7 +99,7 @@ DEFAULTS: dict[str, Any] = {
     "check_root_owner": True, "staging_bytes": 2 << 30, "piece_blocks": 32, "copy_kernel": "auto",
     "copy_streams": "compute", "load_policy": "faster", "device_staging_bytes": 512 << 20,
     "store_gathers": "thread", "io_mode": "auto", "verify_on": "auto", "load_switch_s": 0.0,
-    "scatter_tables": "piece", "load_mode": "auto",
+    "scatter_tables": "piece", "load_mode": "auto", "layer_groups": 0,
 }
 #: how a request waits for its load: ``async``, vLLM's asynchronous load (the request waits in
 #: WAITING_FOR_REMOTE_KVS until a step reports it received: one step, two with vLLM's async
@@ -144,6 +145,10 @@ VERIFY_ON = ("auto", "host", "device")
 #: Python and one GIL release fewer per piece on the engine's thread (docs/performance/vllm.md,
 #: "A load inside the engine against the worker alone")
 SCATTER_TABLES = ("piece", "load")
+#: ``layer_groups``: 0, a load is whole before the forward pass; N >= 2, layer-wise loads: the
+#: layers in N groups, each group read and sent up before the first layer that needs it while
+#: the layers before it compute (:mod:`tiercache.integrations.vllmlayers`; synchronous loads
+#: only: vLLM's async scheduling off)
 
 
 def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +185,10 @@ def parse_config(extra: dict[str, Any]) -> dict[str, Any]:
     if out["scatter_tables"] not in SCATTER_TABLES:
         raise ConfigError(f"TierCacheConnector: 'scatter_tables' = {out['scatter_tables']!r}; valid: "
                           f"{', '.join(SCATTER_TABLES)}")
+    lg = out["layer_groups"]
+    if isinstance(lg, bool) or not isinstance(lg, int) or lg < 0 or lg == 1:
+        raise ConfigError(f"TierCacheConnector: 'layer_groups' = {lg!r}; valid: 0 (whole blocks before the forward "
+                          "pass) or an integer of at least 2 (layer-wise loads in that many groups of layers)")
     if out["verify_on"] not in VERIFY_ON:
         raise ConfigError(f"TierCacheConnector: 'verify_on' = {out['verify_on']!r}; valid: {', '.join(VERIFY_ON)}")
     check_positive("TierCacheConnector", out, "capacity_blocks", optional=True)
@@ -421,6 +430,10 @@ class ConnectorScheduler:
                               "(--no-async-scheduling): with it on, a load that fails has its request's next "
                               "step scheduled from a wrong token; 'auto' or 'async' load asynchronously")
         self.sync_loads = mode == "sync" or (mode == "auto" and not async_scheduling)
+        if settings["layer_groups"] and not self.sync_loads:
+            raise ConfigError("TierCacheConnector: 'layer_groups' needs synchronous loads ('load_mode' 'auto' or "
+                              "'sync', with vLLM's async scheduling off: --no-async-scheduling): a layer-wise load "
+                              "is verified after the forward pass, and only then may vLLM drop that step's output")
         self._sync_loaded: list[str] = []  # loaded in the last step (sync loads): measured at its output
         self.cost = LoadCost(self.block_size, settings["load_policy"], pipeline_depth=depth)
         log.info("tiercache: vLLM connector: %d block(s) on disk under %s", len(self.present),
@@ -724,19 +737,26 @@ class ConnectorWorker:
         self._writing: dict[bytes, threading.Event] = {}  # gathered, file not yet written
         self._unstored: set[bytes] = set()  # stores skipped or failed since the last report (_lock)
         self._failed_sync: set[str] = set()  # requests whose synchronous load failed in this step
+        self._layerwise: LayerwiseLoad | None = None  # this step's layer-wise load (layer_groups)
+        self.layer_groups: LayerGroups | None = None
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._plans: _ScatterPlans | None = None  # a load's planned scatters (scatter_tables = "load")
 
     # -- setup -------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        seen, views = set(), []
-        for t in kv_caches.values():
+        seen: dict[tuple, int] = {}
+        views: list[torch.Tensor] = []
+        layer_regions: list[tuple[str, list[int]]] = []
+        for name, t in kv_caches.items():
+            mine = []
             for v in block_views(t, num_blocks):
                 ident = (v.data_ptr(), v.stride(0), v.shape[1])
                 if ident not in seen:
-                    seen.add(ident)
+                    seen[ident] = len(views)
                     views.append(v)
+                mine.append(seen[ident])
+            layer_regions.append((name, mine))
         self.views = views
         self.offsets = np.cumsum([0] + [v.shape[1] for v in views]).tolist()
         self.row_bytes = int(self.offsets[-1])
@@ -772,6 +792,21 @@ class ConnectorWorker:
         self.view_sizes = np.array([v.shape[1] for v in views], dtype=np.int64)
         self.row_offsets = np.array(self.offsets[:-1], dtype=np.int64)
         self.size_groups = [(int(s), np.flatnonzero(self.view_sizes == s)) for s in np.unique(self.view_sizes)]
+        self.layer_groups = None
+        if self.settings["layer_groups"]:
+            why = None
+            if self.device_reads:
+                why = f"loads go by {self.load_path.name} into device slabs, not through pinned staging"
+            elif self.cuda and self.settings["copy_kernel"] == "torch":
+                why = "they need the project's copy kernels (copy_kernel = torch)"
+            try:
+                groups = LayerGroups(layer_regions, self.row_offsets, self.view_sizes, self.settings["layer_groups"])
+            except ValueError as exc:
+                why = str(exc)
+            if why:
+                log.warning("tiercache: vLLM connector: layer-wise loads are off (%s): loads are whole", why)
+            else:
+                self.layer_groups = groups
         if self.cuda:
             if self.settings["copy_streams"] == "side":
                 self._streams = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
@@ -813,6 +848,11 @@ class ConnectorWorker:
             **{name: s[k] for k, name in SETTING_KEYS.items() if k != "io_mode"},
             io_mode=self.load_path.name,
         )
+        reads = self.store.ft.row_reads
+        if self.layer_groups is not None and (reads is None or not reads.applies(POOL, self.store.rows)):
+            log.warning("tiercache: vLLM connector: layer-wise loads are off (the native engine's row reads do not "
+                        "apply to %d-byte rows here): loads are whole", self.row_bytes)
+            self.layer_groups = None
         try:  # engines whose blocks mean other bytes never share a directory
             self.layout = kv_layout(kv_caches, num_blocks)
             for r in self.roots:
@@ -927,6 +967,13 @@ class ConnectorWorker:
         synchronous one's request is computed in this step, and vLLM expects no report)."""
         if not transfers:
             return
+        if self.layer_groups is not None and not report and (not self.cuda or self.launcher is not None):
+            for t in transfers:
+                self._await_writes(t.keys)
+                if self.store.shared:
+                    self._discover(t.keys)
+            self._layerwise = LayerwiseLoad(self, transfers)  # lands in wait_for_layer_load, ends in finish_layers
+            return
         t0 = time.perf_counter()
         was = sys.getswitchinterval()
         if self.settings["load_switch_s"]:  # the engine's thread gets the GIL back sooner after each release
@@ -949,6 +996,35 @@ class ConnectorWorker:
             self._recving.update(t.req_id for t in transfers)
         self.counters["load_calls"] += 1
         self.counters["load_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: a layer-wise load's groups up to this layer's are in its
+        blocks (their copies enqueued on the engine's stream before this layer's kernels)."""
+        lw = self._layerwise
+        if lw is not None:
+            assert self.layer_groups is not None
+            lw.land(self.layer_groups.group_of.get(layer_name, len(self.layer_groups) - 1))
+
+    def finish_layers(self) -> None:
+        """At the step's end (``wait_for_save``): a layer-wise load's last groups, its checksums
+        compared, its blocks settled (load errors from the first bad block of each request)."""
+        lw, self._layerwise = self._layerwise, None
+        if lw is None:
+            return
+        late = not lw.waited
+        firsts = lw.finish()
+        for t, first in zip(lw.transfers, firsts):
+            self._settle_load(t, first)
+            if first is not None:
+                self._failed_sync.add(t.req_id)
+        if late:
+            self.counters["layerwise_unwaited_loads"] += 1
+            self.layer_groups = None
+            log.warning("tiercache: vLLM connector: vLLM did not call wait_for_layer_load during a layer-wise load "
+                        "(its blocks are recomputed); loads are whole from now on")
+        self.counters["layerwise_loads"] += 1
+        self.counters["load_calls"] += 1
+        self.counters["load_us"] += int(lw.exposed * 1e6)
 
     def _await_writes(self, keys: list[bytes]) -> None:
         """A block stored moments ago may still be on its way to its file: wait for it."""
@@ -1094,14 +1170,19 @@ class ConnectorWorker:
             cs = self._cupy_streams[stream.cuda_stream] = _cupy_stream(stream, self.device)
         return cs
 
-    def _segments(self, base: int, ids: list[int]):
+    def _segments(self, base: int, ids: list[int], regions: np.ndarray | None = None, stride: int | None = None,
+                  origin: int = 0):
         """Per region size: (device page addresses, staging addresses from ``base``) of every
-        block ``ids[i]`` (row ``i``) and region of that size, row-major."""
+        block ``ids[i]`` (row ``i``) and region of that size, row-major. ``regions``: only these
+        (default: all), staged in rows of ``stride`` bytes (default: a block's) that start at
+        byte ``origin`` of a block's row (a layer group's span)."""
         blocks = np.asarray(ids, dtype=np.int64)
-        rows = base + np.arange(len(ids), dtype=np.int64) * self.row_bytes
-        for size, regions in self.size_groups:
-            pages = (self.view_ptrs[regions][None, :] + blocks[:, None] * self.view_strides[regions][None, :]).ravel()
-            staged = (rows[:, None] + self.row_offsets[regions][None, :]).ravel()
+        rows = base + np.arange(len(ids), dtype=np.int64) * (self.row_bytes if stride is None else stride)
+        groups = self.size_groups if regions is None else [
+            (int(sz), regions[self.view_sizes[regions] == sz]) for sz in np.unique(self.view_sizes[regions])]
+        for size, rs in groups:
+            pages = (self.view_ptrs[rs][None, :] + blocks[:, None] * self.view_strides[rs][None, :]).ravel()
+            staged = (rows[:, None] + (self.row_offsets[rs] - origin)[None, :]).ravel()
             yield size, pages, staged
 
     def _upload(self, slab: int, ids: list[int], piece: int | None = None) -> None:
@@ -1745,13 +1826,21 @@ class TierCacheConnector(KVConnectorBase_V1):
         self.worker.load(meta.loads, report=not meta.sync_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are done before vLLM schedules their requests (one step)
+        if self._worker is not None:  # layer-wise loads land here; whole ones are in already
+            self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # stores gather whole blocks after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
+        self.worker.finish_layers()  # before after_forward: it drops the stores of a load that failed
         self.worker.after_forward()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads (``layer_groups``) run in ``wait_for_layer_load``, which a captured
+        CUDA graph would skip."""
+        return bool((extra_config or {}).get("layer_groups"))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
