@@ -827,21 +827,25 @@ def test_the_connectors_stats_are_deltas_summed_over_ranks():
     assert both.is_empty() and TierCacheConnectorStats(data={"loaded_blocks": 0}).is_empty()
 
 
+@pytest.mark.parametrize("slabs", [8, 2], ids=["slabs-enough", "slabs-cycle"])
 @pytest.mark.parametrize("damage", [None, "flip"])
 @pytest.mark.parametrize("layout", ["flash", "packed"])
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_layer_wise_load_lands_each_group_when_its_first_layer_waits(tmp_path, rng, where, layout, damage):
+def test_a_layer_wise_load_lands_each_group_when_its_first_layer_waits(tmp_path, rng, where, layout, damage, slabs):
     """``layer_groups = 2`` (synchronous loads): ``start_load_kv`` only starts the reads; each
     ``wait_for_layer_load`` lands its group's span of every block (the later group's layers
     still hold the engine's own bytes), and the step's end checks every block whole (on the
     GPU there): all exact, or, a data byte flipped in the third block's file, a load error from
-    that block on and the file quarantined."""
+    that block on and the file quarantined. ``slabs-cycle``: two load slabs for three pieces of
+    blocks, so a group's third piece is read into the columns of its first only once that one
+    is up (a read before it gave every block of a 512-block load wrong bytes on an H200)."""
     hashes = [rng.bytes(32) for _ in range(6)]
     a = _Engine(tmp_path, layout, where)
     want = _store(a, "r1", hashes, 5 * BS + 3, list(range(10, 16)))
     a.close()
     b = _Engine(tmp_path, layout, where, async_scheduling=False, layer_groups=2)
     w = b.worker._worker
+    w.load_slabs = slabs
     assert w.layer_groups is not None and [len(r) for r in w.layer_groups.regions] == [
         (2 if layout == "flash" else 1) * LAYERS // 2] * 2
     if damage:

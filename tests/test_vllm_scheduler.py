@@ -22,8 +22,11 @@ from tiercache.integrations.vllmconnector import block_key  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _hash_seed(monkeypatch):
-    """vLLM's block hashes agree across engines only with PYTHONHASHSEED set (docs/vllm.md)."""
+    """vLLM's block hashes agree across engines only with PYTHONHASHSEED set (docs/vllm.md).
+    The simulated runner keeps its own bookkeeping, as vLLM's V1 model runner does (what
+    synchronous loads need: the V2 runner test below)."""
     monkeypatch.setenv("PYTHONHASHSEED", "0")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -422,3 +425,26 @@ def test_layer_groups_need_synchronous_loads(tmp_path):
         SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=True, layer_groups=2)
     with pytest.raises(ConfigError, match="'layer_groups' = 1"):
         SimEngine(tmp_path, tmp_path / "root", num_blocks=40, layer_groups=1)
+
+
+def test_on_vllms_v2_model_runner_loads_are_asynchronous_and_sync_is_refused(tmp_path, monkeypatch):
+    """vLLM's V2 model runner recomputes a failed synchronous load from the wrong offset
+    (vllm-project/vllm#49250: wrong tokens, seen with this connector on an H200): there
+    ``auto`` loads asynchronously even with vLLM scheduling synchronously, and ``sync`` and
+    ``layer_groups`` are refused, naming the issue."""
+    from vllm.config import VllmConfig
+
+    rng = random.Random()
+    asked, want = _stored_prefix(tmp_path, rng, False)
+    # what the connector reads of the runner (vLLM's own check of a V2 runner wants Triton and a GPU)
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    monkeypatch.setattr(VllmConfig, "_validate_v2_model_runner", lambda self: None, raising=False)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    assert b.config.use_v2_model_runner and not b.scheduler.connector.sched.sync_loads
+    b.add("b", asked, 4)
+    b.run(lambda: "b" in b.finished)
+    assert b.steps[:b.first_token_step["b"] + 1] == [{}, {"b": 5}] and b.emitted["b"] == want
+    b.close()
+    for extra in ({"load_mode": "sync"}, {"layer_groups": 2}):
+        with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0.*49250"):
+            SimEngine(tmp_path, tmp_path / "root", num_blocks=40, **extra)

@@ -104,11 +104,13 @@ DEFAULTS: dict[str, Any] = {
 #: how a request waits for its load: ``async``, vLLM's asynchronous load (the request waits in
 #: WAITING_FOR_REMOTE_KVS until a step reports it received: one step, two with vLLM's async
 #: scheduling), or ``sync``: loaded in the step that computes its suffix, before the forward
-#: pass (no step of waiting). ``auto``: ``sync`` where vLLM schedules synchronously, else
-#: ``async``. ``sync`` with vLLM's async scheduling is refused: the step after a failed load is
-#: already scheduled from a token sampled over the damaged blocks, and vLLM hands that token
-#: out (a wrong token; measured on a GPU with vLLM 0.26 and reproduced under vLLM's own
-#: scheduler on the CPU, tests/test_vllm_scheduler.py)
+#: pass (no step of waiting). ``auto``: ``sync`` where vLLM schedules synchronously on its V1
+#: model runner, else ``async``. ``sync`` is refused with vLLM's async scheduling (the step
+#: after a failed load is already scheduled from a token sampled over the damaged blocks, and
+#: vLLM hands that token out: measured on a GPU with vLLM 0.26 and reproduced under vLLM's own
+#: scheduler on the CPU, tests/test_vllm_scheduler.py) and on its V2 model runner (a failed
+#: synchronous load is recomputed from the wrong offset: vllm-project/vllm#49250; two wrong
+#: answers in two failed loads on an H200 with vLLM 0.26, 2026-12-07)
 LOAD_MODES = ("auto", "async", "sync")
 #: where the connector's GPU work runs: ``compute``, the engine's own stream (the device
 #: slabs' copies and kernels ordered with vLLM's kernels; the default), or ``side``: streams of
@@ -425,15 +427,26 @@ class ConnectorScheduler:
         async_scheduling = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
         depth = 2 if async_scheduling else 1
         mode = settings["load_mode"]
-        if mode == "sync" and async_scheduling:
-            raise ConfigError("TierCacheConnector: 'load_mode' = 'sync' needs vLLM's async scheduling off "
-                              "(--no-async-scheduling): with it on, a load that fails has its request's next "
-                              "step scheduled from a wrong token; 'auto' or 'async' load asynchronously")
-        self.sync_loads = mode == "sync" or (mode == "auto" and not async_scheduling)
+        try:
+            v2_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
+        except Exception:  # noqa: BLE001 - a config this vLLM cannot decide on: assume the riskier runner
+            v2_runner = True
+        why_not_sync = None
+        if async_scheduling:
+            why_not_sync = ("needs vLLM's async scheduling off (--no-async-scheduling): with it on, a load that "
+                            "fails has its request's next step scheduled from a wrong token")
+        elif v2_runner:
+            why_not_sync = ("needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): on the V2 runner a "
+                            "synchronous load that fails is recomputed from the wrong offset and gives wrong tokens "
+                            "(vllm-project/vllm#49250; measured with this connector on an H200, vLLM 0.26.0)")
+        if mode == "sync" and why_not_sync:
+            raise ConfigError(f"TierCacheConnector: 'load_mode' = 'sync' {why_not_sync}; 'auto' or 'async' load "
+                              "asynchronously")
+        self.sync_loads = mode == "sync" or (mode == "auto" and why_not_sync is None)
         if settings["layer_groups"] and not self.sync_loads:
             raise ConfigError("TierCacheConnector: 'layer_groups' needs synchronous loads ('load_mode' 'auto' or "
-                              "'sync', with vLLM's async scheduling off: --no-async-scheduling): a layer-wise load "
-                              "is verified after the forward pass, and only then may vLLM drop that step's output")
+                              f"'sync'), which {why_not_sync or 'load_mode async turns off'}: a layer-wise load is "
+                              "verified after the forward pass, and only then may vLLM drop that step's output")
         self._sync_loaded: list[str] = []  # loaded in the last step (sync loads): measured at its output
         self.cost = LoadCost(self.block_size, settings["load_policy"], pipeline_depth=depth)
         log.info("tiercache: vLLM connector: %d block(s) on disk under %s", len(self.present),

@@ -102,6 +102,7 @@ class LayerwiseLoad:
         self.landed_group = -1
         self.inflight: collections.deque = collections.deque()  # (tile, job id)
         self.col_events: dict[tuple[int, int], Any] = {}  # (slab, group) -> its last upload
+        self.col_last: dict[tuple[int, int], int] = {}  # (slab, group) -> the last tile read into them
         self.waited = False
         self.dev_sums = torch.zeros(n, dtype=torch.int64, device=worker.device) if worker.hasher is not None else None
         self.hashed_ev: Any = None
@@ -120,11 +121,15 @@ class LayerwiseLoad:
             t = self.submitted
             g, lo = self.tiles[t]
             slab = self._slab(t)
+            last = self.col_last.get((slab, g))
+            if last is not None and last >= self.landed:
+                return  # the tile read into these columns before is not even sent up yet
             ev = self.col_events.get((slab, g))
             if ev is not None and not ev.query():
                 if not (block and not self.inflight):
                     return
                 ev.synchronize()  # that tile's upload (on the engine's stream) is done
+            self.col_last[(slab, g)] = t
             keys = self.keys[lo:lo + w.piece]
             a, b = self.groups.spans[g]
             sums = self.sums[lo:lo + len(keys)] if g == 0 else np.zeros(len(keys), dtype=np.uint64)
