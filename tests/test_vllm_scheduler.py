@@ -111,17 +111,25 @@ def _reference(tmp_path, prompt: list[int], max_tokens: int, async_scheduling: b
     return r.emitted["ref"]
 
 
+def _store_prompt(tmp_path, prompt: list[int]) -> dict:
+    """One engine on ``tmp_path / "root"`` computes ``prompt`` and stores its full blocks;
+    returns its worker's layout record."""
+    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
+    a.add("a", prompt)
+    a.run(lambda: "a" in a.finished)
+    assert a.worker._worker.drain(10)
+    layout = a.worker._worker.layout
+    a.close()
+    return layout
+
+
 def _stored_prefix(tmp_path, rng, async_scheduling: bool) -> tuple[list[int], list[int]]:
     """A six-block prefix stored under ``tmp_path / "root"`` by one engine; returns (that prefix
     with a 5-token suffix, a recompute's 4 tokens for it)."""
     prompt = _prompt(rng, 6 * BLOCK_SIZE + 1)
     asked = prompt[:6 * BLOCK_SIZE] + _prompt(rng, 5)
     want = _reference(tmp_path, asked, 4, async_scheduling)
-    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
-    a.add("a", prompt)
-    a.run(lambda: "a" in a.finished)
-    assert a.worker._worker.drain(10)
-    a.close()
+    _store_prompt(tmp_path, prompt)
     return asked, want
 
 
@@ -132,16 +140,23 @@ def _damage_third_block(tmp_path, engine: SimEngine, rid: str, damage: str) -> N
     damage_file(path, damage)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("loads", ["sync", "async", "layer-wise"])
 @pytest.mark.parametrize("damage", [None, "flip", "truncate", "delete"])
-def test_tokens_from_files_equal_recomputes_and_a_damaged_file_is_recomputed(tmp_path, damage, async_scheduling):
+def test_tokens_from_files_equal_recomputes_and_a_damaged_file_is_recomputed(tmp_path, damage, loads):
     """A prefix stored by one engine, its third block's file damaged (or not), asked again by a
     restarted engine with a new suffix: vLLM's own load-failure handling (``kv_load_failure_policy
     = "recompute"``, which the connector sets) recomputes from the damaged block on, every slot
     holds the model's bytes, and the tokens equal a recompute's, with vLLM's scheduler in either
-    mode."""
+    mode. ``layer-wise`` (``layer_groups = 2``): each group's span of every file is read and sent
+    up in ``wait_for_layer_load`` before its first layer computes, in the step that computes the
+    suffix; a damaged file is found by its span reads or by the whole block's checksum at the
+    step's end, and vLLM drops that step's output."""
+    async_scheduling = loads == "async"
     asked, want = _stored_prefix(tmp_path, random.Random(), async_scheduling)
-    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling)
+    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, async_scheduling=async_scheduling,
+                  **({"layer_groups": 2} if loads == "layer-wise" else {}))
+    w = b.worker._worker
+    assert (w.layer_groups is not None and len(w.layer_groups) == 2) is (loads == "layer-wise")
     b.add("b", asked, 4)
     if damage is not None:
         _damage_third_block(tmp_path, b, "b", damage)
@@ -151,8 +166,12 @@ def test_tokens_from_files_equal_recomputes_and_a_damaged_file_is_recomputed(tmp
     # failed load, everything from the damaged third block on
     computed = b.steps[b.first_token_step["b"]]["b"]
     assert computed == (5 if damage is None else 4 * BLOCK_SIZE + 5)
+    if not async_scheduling:  # loaded in the step that computes the suffix: no step of waiting
+        assert b.first_token_step["b"] == (0 if damage is None else 1)
     b.run(lambda: "b" in b.finished)
     assert b.emitted["b"] == want and len(want) == 4
+    assert w.counters["layerwise_loads"] == (loads == "layer-wise")
+    assert w.counters["loaded_blocks"] == (6 if damage is None else 2)
     b.close()
 
 
@@ -311,11 +330,7 @@ def test_blocks_computed_over_a_failed_synchronous_load_never_reach_a_later_requ
         monkeypatch.setattr(ConnectorWorker, "_drop_failed_stores", lambda self: self._failed_sync.clear())
     rng = random.Random()
     prompt = _prompt(rng, 6 * BLOCK_SIZE + 1)
-    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
-    a.add("a", prompt)
-    a.run(lambda: "a" in a.finished)
-    assert a.worker._worker.drain(10)
-    a.close()
+    _store_prompt(tmp_path, prompt)
     asked = prompt[:6 * BLOCK_SIZE] + _prompt(rng, 3 * BLOCK_SIZE + 5)
     b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
     b.add("b", asked, 2)
@@ -350,12 +365,7 @@ def test_engines_whose_caches_lay_blocks_out_otherwise_never_share_a_directory(t
 
     rng = random.Random()
     prompt = _prompt(rng, 3 * BLOCK_SIZE + 1)
-    a = SimEngine(tmp_path, tmp_path / "root", num_blocks=40)
-    a.add("a", prompt)
-    a.run(lambda: "a" in a.finished)
-    assert a.worker._worker.drain(10)
-    nhd = a.worker._worker.layout
-    a.close()
+    nhd = _store_prompt(tmp_path, prompt)
     with pytest.raises(ConfigError, match=r"another memory layout.*order \[0, 1, 2, 3, 4\].*order \[0, 1, 3, 2, 4\]"):
         SimEngine(tmp_path, tmp_path / "root", num_blocks=40, layout="HND")
     for name in ("hnd-a", "hnd-b"):  # the second one loads what the first stored
@@ -370,31 +380,6 @@ def test_engines_whose_caches_lay_blocks_out_otherwise_never_share_a_directory(t
         e.close()
     assert loaded and hnd["signature"] != nhd["signature"]
     assert kv_layout(e.caches, 40) == hnd  # a function of the tensors alone
-
-
-@pytest.mark.parametrize("damage", [None, "flip", "truncate", "delete"])
-def test_layer_wise_loads_land_each_group_before_its_layers_and_a_damaged_file_is_recomputed(tmp_path, damage):
-    """``layer_groups = 2``: a stored prefix loaded by a restarted engine one layer group at a
-    time (each group's span of every file read, sent up in ``wait_for_layer_load`` before its
-    first layer computes), in the very step that computes the suffix; every slot exact and the
-    tokens a recompute's. A damaged file is found by its span reads or by the whole block's
-    checksum at the step's end: vLLM drops that step's output and recomputes from there."""
-    asked, want = _stored_prefix(tmp_path, random.Random(), False)
-    b = SimEngine(tmp_path, tmp_path / "root", num_blocks=40, layer_groups=2)
-    w = b.worker._worker
-    assert w.layer_groups is not None and len(w.layer_groups) == 2
-    b.add("b", asked, 4)
-    if damage is not None:
-        _damage_third_block(tmp_path, b, "b", damage)
-    b.run(lambda: "b" in b.first_token_step)
-    assert b.check_blocks("b", len(asked)) == len(asked)
-    computed = b.steps[b.first_token_step["b"]]["b"]
-    assert computed == (5 if damage is None else 4 * BLOCK_SIZE + 5)
-    assert b.first_token_step["b"] == (0 if damage is None else 1)  # no step of waiting
-    b.run(lambda: "b" in b.finished)
-    assert b.emitted["b"] == want
-    assert w.counters["layerwise_loads"] == 1 and w.counters["loaded_blocks"] == (6 if damage is None else 2)
-    b.close()
 
 
 def test_a_layer_wise_load_whose_layers_vllm_never_waits_for_is_recomputed_and_loads_turn_whole(tmp_path,
