@@ -256,6 +256,6 @@ class LayerwiseLoad:
         import xxhash
 
         w = self.w
-        idx = torch.tensor([self.ids[i]], dtype=torch.long)
-        row = np.concatenate([v.index_select(0, idx).numpy().reshape(-1) for v in w.views])
+        idx = torch.tensor([self.ids[i]], dtype=torch.long, device=w.device)
+        row = np.concatenate([v.index_select(0, idx).cpu().numpy().reshape(-1) for v in w.views])
         return xxhash.xxh3_64_intdigest(row.tobytes())
