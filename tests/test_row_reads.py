@@ -325,10 +325,13 @@ def test_a_bad_file_fails_its_span_load_or_its_assembled_checksum(tmp_path, rng)
         with pytest.raises(ConfigError, match="span"):
             st.submit_load(keys, list(range(n, 2 * n)), sums=np.zeros(n, np.uint64), span=(4096, row))
         sums = np.zeros(n, dtype=np.uint64)
+        rows[n:] = 0xAA
         jid = st.submit_load(keys, list(range(n, 2 * n)), sums=sums, span=(0, 4096))  # before the cut
         assert st.drain(30)
         (res,) = [r for r in st.finished() if r.job_id == jid]
         assert set(res.failed) == {keys[0], keys[1], keys[2]}
+        # a failed key's span is zeroed, and nothing else of its row (other spans are other blocks')
+        assert not rows[n:n + 3, :4096].any() and (rows[n:n + 3, 4096:] == 0xAA).all()
         assert isinstance(res.failed[keys[0]], FileNotFoundError)
         assert all(isinstance(res.failed[keys[i]], CorruptBlockError) for i in (1, 2))
         jid = st.submit_load(keys[3:], list(range(n + 3, 2 * n)), sums=sums[3:], span=(4096, row - 4096))

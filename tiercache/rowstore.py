@@ -538,8 +538,8 @@ class RowStore:
 
         With ``span = (start, length)`` (bytes; with ``sums``, host rows only, the native
         engine's row reads) only ``length`` bytes of each block's data from byte ``start`` on
-        are read, into the same bytes of the row (the rest of the row is left as it was, or
-        zeroed where the key fails): one layer group of a block whose file holds every layer
+        are read, into the same bytes of the row (the rest of the row is left as it was; where
+        the key fails, the span's bytes are zeroed): one layer group of a block whose file holds every layer
         (:meth:`RowReads.submit <tiercache.files.rowreads.RowReads.submit>`). Each file's
         header and size are checked and ``sums[i]`` gets the whole data's checksum: the caller
         compares it once every span of the block is in (its own check of the assembled row).
@@ -673,7 +673,10 @@ class RowStore:
                                     "and is kept: do not write into the rows of a load in flight", [k])
             res.failed[k] = exc
             if res.kind == "load":
-                self._zero(job.pieces, r, job.device_rows)  # no unverified byte stays in the row
+                if job.span is not None:  # only the span's bytes were read into: the rest of the row is another's
+                    self.rows[r, job.span[0]:job.span[0] + job.span[1]].fill(0)
+                else:
+                    self._zero(job.pieces, r, job.device_rows)  # no unverified byte stays in the row
                 if isinstance(exc, CorruptBlockError):
                     self.ft.quarantine_block(k, str(exc))
         res.seconds = time.monotonic() - job.start
