@@ -324,6 +324,8 @@ def test_a_bad_file_fails_its_span_load_or_its_assembled_checksum(tmp_path, rng)
             st.submit_load(keys, list(range(n, 2 * n)), span=(0, 4096))
         with pytest.raises(ConfigError, match="span"):
             st.submit_load(keys, list(range(n, 2 * n)), sums=np.zeros(n, np.uint64), span=(4096, row))
+        with pytest.raises(ConfigError, match="span"):  # the file tier's own row reads refuse it too
+            st.ft.submit_rows(keys, POOL, rows, list(range(n, 2 * n)), sums=np.zeros(n, np.uint64), span=(0, row + 1))
         sums = np.zeros(n, dtype=np.uint64)
         rows[n:] = 0xAA
         jid = st.submit_load(keys, list(range(n, 2 * n)), sums=sums, span=(0, 4096))  # before the cut

@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from tiercache.errors import CorruptBlockError
+from tiercache.errors import ConfigError, CorruptBlockError
 from tiercache.files.blockbatch import MAX_CHUNK_FILES, BlockBatches, Outcome, before_io
 from tiercache.files.blockfile import file_size, header_checksum
 from tiercache.files.nativeio import CHECK, DIRECT, HASH, HEADER_BYTES, NOT_REGULAR, READ, SUMONLY, error_for
@@ -81,14 +81,14 @@ class RowReads:
         multiples of 4 KiB.
 
         Raises:
-            ValueError: a span outside the block, or without ``sums``, or with pieces.
+            ConfigError: a span outside the block, or without ``sums``, or not into host rows.
         """
         if span is not None:
             start, length = span
             nbytes = self.b.pools[pool].block_nbytes
             if sums is None or not isinstance(rows, np.ndarray) or not (0 <= start and 0 < length
                                                                          and start + length <= nbytes):
-                raise ValueError(f"span {span}: give (start, length) within the {nbytes} bytes of a block, with "
+                raise ConfigError(f"span {span}: give (start, length) within the {nbytes} bytes of a block, with "
                                  "sums, into host rows")
         idx = np.asarray(row_idx, dtype=np.int64)
         outcome = Outcome()

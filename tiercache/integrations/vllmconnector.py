@@ -982,9 +982,7 @@ class ConnectorWorker:
             return
         if self.layer_groups is not None and not report and (not self.cuda or self.launcher is not None):
             for t in transfers:
-                self._await_writes(t.keys)
-                if self.store.shared:
-                    self._discover(t.keys)
+                self._ready(t.keys)
             self._layerwise = LayerwiseLoad(self, transfers)  # lands in wait_for_layer_load, ends in finish_layers
             return
         t0 = time.perf_counter()
@@ -1039,6 +1037,13 @@ class ConnectorWorker:
         self.counters["load_calls"] += 1
         self.counters["load_us"] += int(lw.exposed * 1e6)
 
+    def _ready(self, keys: list[bytes]) -> None:
+        """Before a load reads ``keys``: their writes from this process finished, and on a shared
+        root the blocks other engines stored found."""
+        self._await_writes(keys)
+        if self.store.shared:
+            self._discover(keys)
+
     def _await_writes(self, keys: list[bytes]) -> None:
         """A block stored moments ago may still be on its way to its file: wait for it."""
         deadline = time.monotonic() + self.WRITE_WAIT_S
@@ -1066,9 +1071,7 @@ class ConnectorWorker:
         """Read and send up ``t``'s blocks (the GPU's work enqueued on :attr:`stream`); returns
         (the first block that failed on the host, or None; what :meth:`_check_sums` compares
         once the stream is done, or None where the host checked every block)."""
-        self._await_writes(t.keys)
-        if self.store.shared:
-            self._discover(t.keys)
+        self._ready(t.keys)
         inflight: collections.deque = collections.deque()
         failed_from = None
         check = None
