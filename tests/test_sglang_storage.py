@@ -316,6 +316,26 @@ def test_the_config_is_checked():
     assert s["root"] == ["/a", "/b"] and s["capacity_bytes"] == 1 << 30 and s["io_threads"] == 16
 
 
+def test_extra_host_pools_fail_the_attach_by_name(tmp_path, rng):
+    """Interface v2's extra host pools (hybrid models): the KV pool under its own name is taken,
+    any other pool is refused at registration, naming it, and the KV pages still move."""
+    from sglang.srt.mem_cache import hicache_storage
+
+    # releases before interface v2 have no pool names (nor call this): their strings
+    kv, mamba = (hicache_storage.PoolName.KV, hicache_storage.PoolName.MAMBA) if hasattr(
+        hicache_storage, "PoolName") else ("kv", "mamba")
+    pool = host_pool("mha", "page_first", int(rng.integers(1 << 30)))
+    be = backend(tmp_path, pool, "mha", "page_first")
+    be.register_mem_host_pool_v2(pool, kv)
+    other = host_pool("mha", "page_first", 5)
+    with pytest.raises(ConfigError, match="extra host pool 'mamba'"):
+        be.register_mem_host_pool_v2(other, mamba)
+    keys = hexkeys(rng, 3)
+    assert put(be, keys, [0, 1, 2]) and get(be, keys, [40, 41, 42]) == 3
+    assert [page_bytes(pool, p * PS) for p in (40, 41, 42)] == [page_bytes(pool, p * PS) for p in (0, 1, 2)]
+    be.close()
+
+
 def test_page_keys():
     h = "ab" * 32
     assert page_key(h) == bytes.fromhex(h)

@@ -290,6 +290,26 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
                  self.layout.piece_bytes, slabs, self.slab_rows, roots[0], len(self.store), self.store.ft.engine,
                  "pages moved in place" if self.zero_copy else "pages through the staging rows")
 
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang's extra host pools (interface v2, SGLang 0.5.2x and later: hybrid models' Mamba
+        and sliding-window states, DeepSeek's indexer pools, draft KV). This backend stores the KV
+        pool only: the KV pool under its own name is accepted (it is the one registered by
+        :meth:`register_mem_pool_host`); any other pool fails the attach here, with its name,
+        rather than the first prefetch of a served request.
+
+        Raises:
+            ConfigError: ``host_pool_name`` is not the KV pool's.
+        """
+        if str(getattr(host_pool_name, "value", host_pool_name)) == compat.KV_POOL_NAME:
+            if self.store is None:
+                self.register_mem_pool_host(host_pool)
+            return
+        raise ConfigError(
+            f"tiercache's HiCache backend stores the KV pool only; SGLang registered the extra host pool "
+            f"{str(getattr(host_pool_name, 'value', host_pool_name))!r} (a hybrid model's states, an indexer or "
+            "a draft pool: interface v2), which it cannot store. Serve this model without a storage backend "
+            "or with one of SGLang's backends that implement interface v2")
+
     def _register_metrics(self, sub: str) -> None:
         """tiercache's Prometheus series of the store (``prometheus_client``'s default registry,
         which SGLang's ``/metrics`` serves), where prometheus-client is installed."""

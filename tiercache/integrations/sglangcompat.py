@@ -10,6 +10,9 @@ from sglang.srt.mem_cache import hicache_storage as _hs
 HiCacheStorage = _hs.HiCacheStorage
 #: pages per batched storage call in SGLang's cache controller (128 where it does not say)
 STORAGE_BATCH_SIZE = int(getattr(_hs, "STORAGE_BATCH_SIZE", 128))
+#: the KV pool's name in interface v2's pool registrations (``PoolName.KV``; "kv" where the
+#: release has no such name)
+KV_POOL_NAME = str(_hs.PoolName.KV.value) if hasattr(_hs, "PoolName") else "kv"
 
 
 def is_storage_writer(cfg) -> bool:
