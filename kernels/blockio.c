@@ -64,14 +64,19 @@
  * verdict covers the header and the size, and the caller compares the checksum itself (the
  * vLLM connector, on the GPU once the data is there: tiercache/files/devicehash.py).
  *
- * Two backends run reads and writes (renames always run on the threads):
+ * Two backends run the batches:
  *
  *   io_uring  the calling thread drives a ring of its own (created on first use, closed when
  *             the thread exits): every file's open, vectored read or write and flush are
  *             queued as io_uring requests, up to TC_RING_DEPTH files at once, so the files of
- *             a batch are in flight together without a thread switch per file; the fstat,
- *             ftruncate, close and rename between them are direct syscalls. Raw io_uring
- *             system calls (<linux/io_uring.h>), no liburing.
+ *             a batch are in flight together without a thread switch per file; so are a
+ *             write's publication (IORING_OP_RENAMEAT) and the operations of rename and unlink
+ *             batches (IORING_OP_UNLINKAT), where the kernel has them (5.11+, probed per ring;
+ *             tc_set_uring_meta(0) turns them off), which the kernel runs in parallel on its
+ *             io-wq workers. An exchange (TC_EXCHANGE) or a recycle (TC_RECYCLE) looks at the
+ *             file first: its write publishes by direct syscalls, its batch runs on the
+ *             threads. The fstat, ftruncate and close between them are direct syscalls. Raw
+ *             io_uring system calls (<linux/io_uring.h>), no liburing.
  *   threads   the pool's threads each run whole files with blocking syscalls (where io_uring
  *             is missing, refused by a seccomp filter, or not asked for).
  *
@@ -626,6 +631,11 @@ static int publish(const tc_batch *b, int i)
 {
     const char *tmp = b->names + b->name_off[i], *final = b->names + b->final_off[i];
     b->got[i] = 0;
+    if (b->kind == TC_WRITE) { /* a test's fault in a write's own publication */
+        int e = injected(TC_RENAME, final);
+        if (e)
+            return e;
+    }
 #ifdef SYS_renameat2
     struct stat st;
     /* only a regular file is swapped out (a directory or symlink under the name is left to
@@ -914,6 +924,9 @@ static void *worker(void *arg)
 #include <sys/syscall.h>
 #define TC_HAVE_URING 1
 #define TC_RING_DEPTH 128
+#ifdef IORING_FEAT_NATIVE_WORKERS /* headers of 5.12 and later: IORING_OP_RENAMEAT, _UNLINKAT */
+#define TC_URING_META 1
+#endif
 
 typedef struct {
     int fd;
@@ -924,7 +937,23 @@ typedef struct {
     void *sq_map, *cq_map;
     size_t sq_len, cq_len, sqes_len;
     unsigned queued; /* SQEs filled since the last io_uring_enter */
+    int meta;        /* the kernel has IORING_OP_RENAMEAT and IORING_OP_UNLINKAT (5.11+) */
 } tc_ring;
+
+/* whether rings publish (rename) and unlink on io_uring where the kernel can (tc_set_uring_meta;
+ * 0: those are direct system calls, as before 5.11) */
+static int uring_meta_on = 1;
+
+void tc_set_uring_meta(int on)
+{
+    __atomic_store_n(&uring_meta_on, on, __ATOMIC_RELAXED);
+}
+
+/* 1 where this ring queues renames and unlinks */
+static int ring_meta(const tc_ring *r)
+{
+    return r->meta && __atomic_load_n(&uring_meta_on, __ATOMIC_RELAXED);
+}
 
 static pthread_key_t ring_key;
 static pthread_once_t ring_once = PTHREAD_ONCE_INIT;
@@ -995,6 +1024,15 @@ static tc_ring *ring_new(void)
     r->cq_tail = (unsigned *)(cq + p.cq_off.tail);
     r->cq_mask = (unsigned *)(cq + p.cq_off.ring_mask);
     r->cqes = (struct io_uring_cqe *)(cq + p.cq_off.cqes);
+#ifdef TC_URING_META
+    size_t plen = sizeof(struct io_uring_probe) + 256 * sizeof(struct io_uring_probe_op);
+    struct io_uring_probe *probe = calloc(1, plen);
+    if (probe && syscall(__NR_io_uring_register, fd, IORING_REGISTER_PROBE, probe, 256) == 0)
+        r->meta = probe->last_op >= IORING_OP_UNLINKAT &&
+                  (probe->ops[IORING_OP_RENAMEAT].flags & IO_URING_OP_SUPPORTED) &&
+                  (probe->ops[IORING_OP_UNLINKAT].flags & IO_URING_OP_SUPPORTED);
+    free(probe);
+#endif
     return r;
 fail_cq:
     if (r->cq_map != r->sq_map)
@@ -1055,7 +1093,7 @@ static int ring_enter(tc_ring *r, unsigned wait)
     }
 }
 
-enum { ST_OPEN = 0, ST_IO = 1, ST_SYNC = 2 };
+enum { ST_OPEN = 0, ST_IO = 1, ST_SYNC = 2, ST_META = 3 }; /* ST_META: a rename or an unlink */
 
 typedef struct {
     int fd;
@@ -1102,22 +1140,100 @@ static void prep_sync(tc_ring *r, tc_file *f, int i)
     sqe->user_data = ((uint64_t)i << 2) | ST_SYNC;
 }
 
-/* a write's end: close (or keep), publish or remove the temporary file; returns the error */
-static int finish_write(const tc_batch *b, tc_file *f, int i, int e)
+/* a write's descriptor after its transfer: closed, or kept (or given back to O_DIRECT); returns
+ * the error */
+static int close_write(const tc_batch *b, tc_file *f, int i, int e)
 {
-    const char *tmp = b->names + b->name_off[i];
     if (!f->given)
         e = settle_fd(b, i, f->fd, e);
     else
         given_direct(b, i, f->fd, 0);
     f->fd = -1;
+    return e;
+}
+
+/* a write whose descriptor is settled: published by a direct rename, or (error e, or a failed
+ * rename) its temporary file removed; returns the error */
+static int end_write(const tc_batch *b, tc_file *f, int i, int e)
+{
     if (!e && (b->flags[i] & TC_PUBLISH))
         e = publish(b, i);
     if (e) {
-        unlinkat(opdir(b, i), tmp, 0);
+        unlinkat(opdir(b, i), b->names + b->name_off[i], 0);
         drop_kept(b, i, f->given);
     }
     return e;
+}
+
+/* a write's end: close (or keep), publish or remove the temporary file; returns the error */
+static int finish_write(const tc_batch *b, tc_file *f, int i, int e)
+{
+    return end_write(b, f, i, close_write(b, f, i, e));
+}
+
+/* queue operation i's rename (temporary over final name) or unlink on the ring */
+static void prep_meta(tc_ring *r, const tc_batch *b, int i)
+{
+#ifdef TC_URING_META
+    struct io_uring_sqe *sqe = ring_sqe(r);
+    int dir = opdir(b, i);
+    sqe->fd = dir;
+    sqe->addr = (uint64_t)(uintptr_t)(b->names + b->name_off[i]);
+    if (b->kind == TC_UNLINK) {
+        sqe->opcode = IORING_OP_UNLINKAT;
+    } else {
+        sqe->opcode = IORING_OP_RENAMEAT;
+        sqe->len = (uint32_t)dir;
+        sqe->addr2 = (uint64_t)(uintptr_t)(b->names + b->final_off[i]);
+    }
+    sqe->user_data = ((uint64_t)i << 2) | ST_META;
+#else
+    (void)r;
+    (void)b;
+    (void)i;
+#endif
+}
+
+/* a rename's or unlink's completion (res: 0 or -errno) for operation i: a failed publication
+ * removes the temporary file (and a write's kept descriptor), an unlink with TC_DROP_FD closes
+ * the deleted file's descriptor; as do_rename, do_unlink and end_write. Returns 1 (done). */
+static int meta_done(const tc_batch *b, tc_file *f, int i, int res)
+{
+    int e = res < 0 ? -res : 0;
+    if (b->kind == TC_UNLINK) {
+        b->err[i] = e;
+        if ((b->flags[i] & TC_DROP_FD) && b->fd && b->fd[i] >= 0) {
+            close(b->fd[i]);
+            b->fd[i] = -1;
+        }
+        return 1;
+    }
+    if (e) {
+        e = not_regular(e) || e == ENOTEMPTY ? TC_NOTREG : e;
+        unlinkat(opdir(b, i), b->names + b->name_off[i], 0);
+        if (b->kind == TC_WRITE)
+            drop_kept(b, i, f->given);
+    }
+    b->err[i] = e;
+    return 1;
+}
+
+/* a write's transfer (and flush) ended with error e: its descriptor settled, then published
+ * on the ring where the ring can rename (returns 0: the rename is queued), else here (returns
+ * 1, err[i] set). An exchange (TC_EXCHANGE) looks at the replaced file first: a direct call. */
+static int write_done(tc_ring *r, const tc_batch *b, tc_file *f, int i, int e)
+{
+    e = close_write(b, f, i, e);
+    if (!e && (b->flags[i] & TC_PUBLISH) && !(b->flags[i] & TC_EXCHANGE) && ring_meta(r)) {
+        b->got[i] = 0;
+        e = injected(TC_RENAME, b->names + b->final_off[i]); /* a test's fault in the publication */
+        if (!e) {
+            prep_meta(r, b, i);
+            return 0;
+        }
+    }
+    b->err[i] = end_write(b, f, i, e);
+    return 1;
 }
 
 /* a read's end: close (or keep) a descriptor it opened; returns the error */
@@ -1132,6 +1248,8 @@ static int finish_read(const tc_batch *b, tc_file *f, int i, int e)
 /* One completion of file i; returns 1 when the file is done (b->err[i] set). */
 static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, int res)
 {
+    if (stage == ST_META)
+        return meta_done(b, f, i, res);
     int write = b->kind == TC_WRITE;
     int64_t want = TC_HEADER_BYTES + b->data_len[i];
     if (stage == ST_OPEN) {
@@ -1202,17 +1320,17 @@ static int on_cqe(tc_ring *r, const tc_batch *b, tc_file *f, int i, int stage, i
             prep_sync(r, f, i);
             return 0;
         }
-        b->err[i] = finish_write(b, f, i, e);
-        return 1;
+        return write_done(r, b, f, i, e);
     }
-    b->err[i] = finish_write(b, f, i, res < 0 ? -res : 0); /* ST_SYNC */
-    return 1;
+    return write_done(r, b, f, i, res < 0 ? -res : 0); /* ST_SYNC */
 }
 
 /* Run a read or write batch on this thread's ring; returns -1 where there is no ring. */
 /* a file in flight when the ring failed: close it (a write's temporary file is removed) */
 static int on_abort(const tc_batch *b, tc_file *f, int i, int stage, int res, int err)
 {
+    if (stage == ST_META) /* it ran: its own outcome */
+        return meta_done(b, f, i, res);
     if (stage == ST_OPEN && res >= 0)
         f->fd = res;
     if (f->fd >= 0) {
@@ -1238,8 +1356,8 @@ static int reap(tc_ring *r, const tc_batch *b, tc_file *files, int err)
     for (; head != tail; head++) {
         struct io_uring_cqe *cqe = &r->cqes[head & *r->cq_mask];
         int i = (int)(cqe->user_data >> 2), stage = (int)(cqe->user_data & 3);
-        finished += err ? on_abort(b, &files[i], i, stage, cqe->res, err)
-                        : on_cqe(r, b, &files[i], i, stage, cqe->res);
+        tc_file *f = files ? &files[i] : NULL; /* a rename or unlink batch has no files */
+        finished += err ? on_abort(b, f, i, stage, cqe->res, err) : on_cqe(r, b, f, i, stage, cqe->res);
     }
     __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
     return finished;
@@ -1306,12 +1424,111 @@ static int uring_run(const tc_batch *b, int n)
     return 0;
 }
 
+static void do_rename(const tc_batch *b, int i);
+static void do_unlink(const tc_batch *b, int i);
+
+/* Run a rename or unlink batch on this thread's ring (every operation a plain one: see
+ * meta_plain); returns -1 where the ring cannot, else 0. Where the ring fails midway, what it
+ * had not taken runs here by direct system calls, and an operation it took whose completion
+ * never came fails with the ring's error (its outcome unknown to the caller, as any failed
+ * rename or unlink: the caller removes such blocks). */
+static int uring_meta_run(const tc_batch *b, int n)
+{
+    tc_ring *r = thread_ring();
+    if (!r || !ring_meta(r))
+        return -1;
+    int next = 0, active = 0, err = 0;
+    while (next < n || active > 0) {
+        while (active < TC_RING_DEPTH && next < n) {
+            int i = next++;
+            b->got[i] = 0;
+            int e = b->kind == TC_RENAME ? op_injected(b, i) : 0;
+            if (e) {
+                meta_done(b, NULL, i, -e);
+                continue;
+            }
+            b->err[i] = EINPROGRESS; /* until its completion */
+            prep_meta(r, b, i);
+            active++;
+        }
+        if (active == 0)
+            break;
+        int got = reap(r, b, NULL, 0);
+        if (got < 0) {
+            err = -got;
+            break;
+        }
+        active -= got;
+    }
+    if (err) {
+        while (active > 0) { /* what the ring took: its completions, where they still come */
+            int got = reap(r, b, NULL, err);
+            if (got <= 0)
+                break;
+            active -= got;
+        }
+        for (int i = 0; i < next; i++)
+            if (b->err[i] == EINPROGRESS)
+                b->err[i] = err;
+        for (int i = next; i < n; i++) {
+            if (b->kind == TC_RENAME)
+                do_rename(b, i);
+            else
+                do_unlink(b, i);
+        }
+    }
+    return 0;
+}
+
+/* 1 where every operation of a rename or unlink batch is one the ring does alone: a plain
+ * rename (no exchange, which looks at the replaced file first) or a plain unlink (no recycle,
+ * which compares the file's inode first) */
+static int meta_plain(const tc_batch *b, int n)
+{
+    int32_t not_plain = b->kind == TC_RENAME ? TC_EXCHANGE : TC_RECYCLE;
+    for (int i = 0; i < n; i++)
+        if (b->flags[i] & not_plain)
+            return 0;
+    return 1;
+}
+
 /* 1 where this thread can set up an io_uring ring that opens files */
 static int uring_usable(void)
 {
     return thread_ring() != NULL;
 }
+
+/* 1 where this thread's ring renames and unlinks (the kernel has the operations) */
+int tc_uring_meta(void)
+{
+    tc_ring *r = thread_ring();
+    return r != NULL && r->meta;
+}
 #else
+int tc_uring_meta(void)
+{
+    return 0;
+}
+
+void tc_set_uring_meta(int on)
+{
+    (void)on;
+}
+
+static int uring_meta_run(const tc_batch *b, int n)
+{
+    (void)b;
+    (void)n;
+    return -1;
+}
+
+static int meta_plain(const tc_batch *b, int n)
+{
+    (void)b;
+    (void)n;
+    return 0;
+}
+
 static int uring_run(const tc_batch *b, int n)
 {
     (void)b;
@@ -1444,6 +1661,11 @@ int tc_run(void *pool, const tc_batch *b, int n)
             return count_failed(b, n);
         }
         free(marks);
+    }
+    if (p->uring && (b->kind == TC_RENAME || b->kind == TC_UNLINK) && n > 1 && meta_plain(b, n)) {
+        int ran = uring_meta_run(b, n);
+        if (ran == 0)
+            return count_failed(b, n);
     }
     return pool_run(p, b, n, 0, NULL);
 }

@@ -188,22 +188,132 @@ def test_write_fault_leaves_nothing_of_the_block(tmp_path, rng, engine, fsync):
     assert not [p for p in names(root) if p.startswith(".tmp.")]  # free files go with the tier
 
 
+@pytest.fixture(params=[True, False], ids=["ring-renames", "syscall-renames"])
+def uring_meta(request):
+    """Renames and unlinks on io_uring (where the kernel has them) or as system calls; the
+    io_uring engine takes either path, the other engines ignore the setting."""
+    if NATIVE:
+        nativeio.set_uring_meta(request.param)
+    yield request.param
+    if NATIVE:
+        nativeio.set_uring_meta(True)
+
+
 @needs_native
 @pytest.mark.parametrize("engine", NATIVE)
-def test_rename_fault_unpublishes_the_block(tmp_path, rng, engine):
+@pytest.mark.parametrize("fsync", ["none", "data"])  # the write's own publication, the group commit's
+def test_rename_fault_unpublishes_the_block(tmp_path, rng, engine, fsync, uring_meta):
     pools = _pools(rng)
-    keys = random_keys(rng, 6)
-    data = _data(rng, pools, 6)
+    n = int(rng.integers(6, 40))
+    keys = random_keys(rng, n)
+    data = _data(rng, pools, n)
     root = tmp_path / "root"
-    ft = _tier(root, pools, engine, fsync="data")
-    nativeio.set_fault(nativeio.RENAME, block_filename(keys[3], "act"), errno.EIO)
+    ft = _tier(root, pools, engine, fsync=fsync)
+    doomed, blocked = (keys[int(i)] for i in rng.choice(n, 2, replace=False))
+    # the kernel's own refusal: a non-empty directory under a final name cannot be replaced
+    (bpath(root, blocked, "kv") / "x").mkdir(parents=True)
+    nativeio.set_fault(nativeio.RENAME, block_filename(doomed, "act"), errno.EIO)
     try:
         errs = ft.write(_items(keys, data))
     finally:
         nativeio.clear_faults()
-    assert {k for k, e in errs.items() if e} == {keys[3]}
-    assert not [p for p in names(root) if p.startswith(".tmp.") or p.startswith(block_filename(keys[3], "")[:-4])]
+    assert {k for k, e in errs.items() if e} == {doomed, blocked}
+    assert errs[doomed].errno == errno.EIO
+    assert bpath(root, blocked, "kv").is_dir()
+    assert not [p for p in names(root) if p.startswith(".tmp.") or p.startswith(block_filename(doomed, "")[:-4])
+                or p == block_filename(blocked, "act")]
+    ok = [i for i, k in enumerate(keys) if k not in (doomed, blocked)]
+    out = {p.name: np.zeros((len(ok), p.block_nbytes), np.uint8) for p in pools}
+    assert not any(ft.read(_items([keys[i] for i in ok], out)).values())
+    for name in data:
+        assert np.array_equal(out[name], data[name][ok])
     ft.close()
+
+
+@needs_native
+@pytest.mark.parametrize("engine", NATIVE)
+def test_deletes_and_evictions_remove_exactly_their_files(tmp_path, rng, engine, uring_meta, caplog):
+    """A batch of unlinks (deletes; evictions that recycle files as free ones): every named file
+    goes, a missing one is no error, a directory under a block's name stays (a warning), and the
+    blocks not named keep their bytes."""
+    pools, keys, data, ft, root = _written(tmp_path, rng, engine, 48, fsync="none")
+    gone, evicted, kept = keys[:16], keys[16:32], keys[32:]
+    ghost = random_keys(rng, 1)[0]  # never written
+    dir_key = random_keys(rng, 1)[0]
+    bpath(root, dir_key, "kv").mkdir(parents=True)
+    ft.delete(gone + [ghost, dir_key])
+    assert "a directory, not a block file" in caplog.text
+    assert bpath(root, dir_key, "kv").is_dir()
+    assert ft.evict(evicted) == evicted
+    left = {n for n in names(root) if not n.startswith(".tmp.")}
+    for k in gone + evicted:
+        assert not {block_filename(k, p.name) for p in pools} & left
+    assert {block_filename(k, p.name) for k in kept for p in pools} <= left
+    out = {p.name: np.zeros((len(kept), p.block_nbytes), np.uint8) for p in pools}
+    assert not any(ft.read(_items(kept, out)).values())
+    for name in data:
+        assert np.array_equal(out[name], data[name][32:])
+    # the evicted blocks' files may live on as free files: a new write reuses them, exact bytes
+    new = _data(rng, pools, 16)
+    fresh = random_keys(rng, 16)
+    assert not any(ft.write(_items(fresh, new)).values())
+    out = {p.name: np.zeros((16, p.block_nbytes), np.uint8) for p in pools}
+    assert not any(ft.read(_items(fresh, out)).values())
+    for name in new:
+        assert np.array_equal(out[name], new[name])
+    ft.close()
+
+
+RING_CHILD = r"""
+import sys, numpy as np
+sys.path.insert(0, sys.argv[3])
+import test_native_io as t
+from conftest import random_keys
+from tiercache.files import nativeio
+nativeio.set_uring_meta(sys.argv[2] == "on")
+rng = np.random.default_rng(int(sys.argv[4]))
+pools = t._pools(rng)
+keys = random_keys(rng, 40)
+data = t._data(rng, pools, 40)
+ft = t._tier(sys.argv[1], pools, "io_uring", fsync="none", open_files=0)
+assert not any(ft.write(t._items(keys, data)).values())
+out = {p.name: np.zeros((40, p.block_nbytes), np.uint8) for p in pools}
+assert not any(ft.read(t._items(keys, out)).values())
+assert all(np.array_equal(out[n], data[n]) for n in data)
+ft.delete(keys)
+assert not t.names(sys.argv[1], "block_")
+ft.close()
+print("ok")
+"""
+
+
+@pytest.mark.skipif("io_uring" not in NATIVE or not nativeio.uring_meta(),
+                    reason="io_uring here cannot rename and unlink (a kernel before 5.11, or no io_uring)")
+@pytest.mark.parametrize("meta", ["on", "off"])
+def test_the_ring_publishes_and_unlinks_without_system_calls(tmp_path, rng, meta):
+    """Under strace: with renames on the ring, publishing 40 blocks of two pools and deleting
+    them makes no rename or unlink system call on a block's file (they are io_uring requests);
+    with them off, every one is a system call. The bytes are checked in the child."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed (.ci/run installs it)")
+    log = tmp_path / "strace.txt"
+    cmd = ["strace", "-f", "-qq", "-o", str(log), "-e", "trace=rename,renameat,renameat2,unlink,unlinkat",
+           sys.executable, "-c", RING_CHILD, str(tmp_path / "root"), meta, str(Path(__file__).parent),
+           str(int(rng.integers(1 << 30)))]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    calls = [line for line in log.read_text().splitlines() if "block_" in line]
+    renames = [c for c in calls if "rename" in c]
+    unlinks = [c for c in calls if "unlink" in c]
+    if meta == "on":
+        assert not renames and not unlinks, calls[:5]
+    else:
+        assert len(renames) == 80 and len(unlinks) == 80, (len(renames), len(unlinks))
 
 
 def test_concurrent_requests(tmp_path, rng, io_engine):

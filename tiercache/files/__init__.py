@@ -68,6 +68,8 @@ from .nativeio import (
     native_hash,
     native_pieces,
     native_status,
+    set_uring_meta,
+    uring_meta,
     uring_status,
 )
 from .openfiles import FREE_FILES
@@ -180,6 +182,8 @@ __all__ = [
     "tmp_abandoned",
     "tmp_name",
     "tmp_owner",
+    "set_uring_meta",
+    "uring_meta",
     "uring_status",
     "usual_header_tail",
     "Outcome",

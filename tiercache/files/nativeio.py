@@ -146,6 +146,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.tc_pool_threads.argtypes = [ctypes.c_void_p]
     lib.tc_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Batch), ctypes.c_int]
     lib.tc_set_fault.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    lib.tc_set_uring_meta.argtypes = [ctypes.c_int]
     lib.tc_set_hash.argtypes = [ctypes.c_void_p]
     lib.tc_block_names.restype = ctypes.c_int64
     lib.tc_block_names.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
@@ -294,11 +295,31 @@ def block_names(keys: list, pool: str, fanout: int) -> tuple[ctypes.Array, np.nd
     return blob, offs, subs
 
 
+def uring_meta() -> bool:
+    """Whether io_uring rings here publish (rename) and unlink files themselves
+    (``IORING_OP_RENAMEAT`` / ``IORING_OP_UNLINKAT``, Linux 5.11+): then the ``io_uring``
+    engine's writes publish on the ring, and its rename and unlink batches (group commits,
+    evictions, purges) run there, in parallel in the kernel, rather than as system calls."""
+    lib, _ = _library()
+    return bool(lib is not None and lib.tc_uring_meta())
+
+
+def set_uring_meta(on: bool) -> None:
+    """Turn renames and unlinks on io_uring (:func:`uring_meta`) on or off for the process (on by
+    default; off: direct system calls, as on kernels before 5.11). For A/B measurements and
+    tests of both paths."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(why)
+    lib.tc_set_uring_meta(int(on))
+
+
 def set_fault(kind: int, match: str, err: int, times: int = -1) -> None:
     """Test hook (fault injection in ``kernels/blockio.c``): operations of ``kind``
     (:data:`READ`, :data:`WRITE` or :data:`RENAME`) on a file whose name contains ``match``
     fail with errno ``err`` after the file is opened, ``times`` times (-1: until
-    :func:`clear_faults`). Up to 16 rules."""
+    :func:`clear_faults`); a :data:`RENAME` rule also fails a write's own publication of a
+    file whose final name contains ``match``. Up to 16 rules."""
     lib, why = _library()
     if lib is None:
         raise RuntimeError(why)
