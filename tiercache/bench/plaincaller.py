@@ -132,13 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-ring-meta", action="store_true",
-                   help="publish and unlink by system calls, not on io_uring (nativeio.set_uring_meta)")
     a = p.parse_args(argv)
-    if a.no_ring_meta:
-        from tiercache.files import set_uring_meta
-
-        set_uring_meta(False)
     print(json.dumps(_phase(a.op, a.root, a.bs, a.size, a.batch, a.seed)))
 
 
