@@ -4,8 +4,8 @@ in one run: :class:`~tiercache.TierCache` over a root or a root array, ``put`` +
 ``--batch`` blocks at a time (``fsync = none``: each write publishes itself), every variant on
 a fresh root, the variants alternated ``--reps`` times.
 
-Prints one JSON line per block size: per variant the GB/s of each repetition (block bytes over
-the time inside the calls) and the process's CPU per block (user + system, microseconds).
+Prints one JSON document: per block size and variant the GB/s of each repetition (block bytes
+over the time inside the calls) and the process's CPU per block (user + system, microseconds).
 
     python3 benchmarks/ring_publish.py /mnt/tcarray/d0,/mnt/tcarray/d1 --bs 16k --bs 256k
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import time
@@ -80,6 +81,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     a = p.parse_args()
     roots = [r + "/ringpub" for r in a.roots.split(",")]
+    sizes = []
     for bs in [parse_size(b) for b in (a.bs or ["16k", "64k", "256k", "2m"])]:
         res: dict = {v: {"gbps": [], "cpu_us_per_block": []} for v in VARIANTS}
         for rep in range(a.reps):
@@ -87,7 +89,9 @@ def main() -> None:
                 r = write_once(roots, bs, parse_size(a.size), a.batch, engine, ring, seed=rep)
                 for k in r:
                     res[v][k].append(round(r[k], 3))
-        print(json.dumps({"bs": bs, "batch": a.batch, "ring_can_rename": uring_meta(), "variants": res}))
+        sizes.append({"bs": bs, "batch": a.batch, "ring_can_rename": uring_meta(), "variants": res})
+    print(json.dumps({"job": "ring_publish", "roots": a.roots.split(","), "cores": os.cpu_count(),
+                      "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "sizes": sizes}, indent=1))
 
 
 if __name__ == "__main__":
