@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -90,6 +91,7 @@ def main() -> None:
                 for k in r:
                     res[v][k].append(round(r[k], 3))
         sizes.append({"bs": bs, "batch": a.batch, "ring_can_rename": uring_meta(), "variants": res})
+        print(json.dumps(sizes[-1]), file=sys.stderr, flush=True)  # each size as it ends
     print(json.dumps({"job": "ring_publish", "roots": a.roots.split(","), "cores": os.cpu_count(),
                       "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "sizes": sizes}, indent=1))
 
