@@ -300,13 +300,12 @@ class TierCacheHiCacheStorage(compat.HiCacheStorage):
         Raises:
             ConfigError: ``host_pool_name`` is not the KV pool's.
         """
-        if str(getattr(host_pool_name, "value", host_pool_name)) == compat.KV_POOL_NAME:
-            if self.store is None:
-                self.register_mem_pool_host(host_pool)
-            return
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name == compat.KV_POOL_NAME:
+            return  # SGLang registered it with register_mem_pool_host before
         raise ConfigError(
             f"tiercache's HiCache backend stores the KV pool only; SGLang registered the extra host pool "
-            f"{str(getattr(host_pool_name, 'value', host_pool_name))!r} (a hybrid model's states, an indexer or "
+            f"{name!r} (a hybrid model's states, an indexer or "
             "a draft pool: interface v2), which it cannot store. Serve this model without a storage backend "
             "or with one of SGLang's backends that implement interface v2")
 
